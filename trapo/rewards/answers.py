@@ -13,7 +13,10 @@ from fractions import Fraction
 MAX_ANSWER_CHARS = 2000  # a boxed answer longer than this is not an answer (scores 0)
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_SPACING = re.compile(r"\\[,;:! ]|\\quad|\\qquad|\\displaystyle|\\left|\\right|\s+|\$")
+_SPACING = re.compile(r"\\[,;:! ]|\\quad|\\qquad|\\displaystyle|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\$")
+# Whitespace is dropped except between two alphanumerics: `1 5` is 1*5 to
+# Math-Verify, and `\pi r` must not become `\pir`.
+_LOOSE_SPACE = re.compile(r"(?<![A-Za-z0-9])\s+|\s+(?![A-Za-z0-9])")
 _WRAPPER = re.compile(r"^\\(?:text|textbf|mathrm|mathbf|textrm)\{(.*)\}$", re.S)
 _LETTER = re.compile(r"^\(?([A-Ja-j])\)?[.:]?$")
 _INT = re.compile(r"^[+-]?\d+$")
@@ -57,9 +60,10 @@ def extract_boxed(text: str) -> str | None:
 
 
 def normalize(answer: str) -> str:
-    """Strip what never changes an answer's meaning: spacing, \\left/\\right, $,
+    """Strip what never changes an answer's meaning: spacing (see _LOOSE_SPACE), \\left/\\right, $,
     \\dfrac/\\tfrac spellings, a trailing period, one \\text{} wrapper."""
-    s = _SPACING.sub("", answer)
+    s = _LOOSE_SPACE.sub("", _SPACING.sub(" ", answer).strip())
+    s = re.sub(r"\s+", " ", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.rstrip(".")
     wrapped = _WRAPPER.match(s)

@@ -85,6 +85,12 @@ def _serve() -> None:
                 return False
         return bool(verify(parse_cached(gold), parse_cached(pred), timeout_seconds=internal_timeout))
 
+    # Math-Verify's first parse of each kind of answer pays one-off set-up
+    # (regexes, the LaTeX grammar): pay it here, before saying ready.
+    for warm in ("1", "\\frac{1}{2}", "x^2+1", "(1,2)", "[1,2)", "\\{1,2\\}", "1+2i", "x=1", "\\text{A}"):
+        equal(warm, warm)
+    parsed.clear()
+    values.clear()
     stdin = sys.stdin.buffer
     stdout.write("ready\n")
     stdout.flush()
