@@ -100,12 +100,20 @@ def main() -> None:
     naive_rewards, _ = naive(responses, golds)
     naive_s = time.perf_counter() - t0
     agree = sum(a == b for a, b in zip(rewards, naive_rewards))
-    print(f"  ours  : {ours_s:6.3f} s  ({verifier.num_workers} workers; their start-up, excluded: {startup:.2f} s)"
-          f"  target {TARGET_S:.1f} s  ratio {ours_s / TARGET_S:.2f} of target")
-    print(f"  ours, next epoch (same questions, warm parse caches): {ours2_s:6.3f} s  ratio {ours2_s / TARGET_S:.2f} of target")
+    labels = sum(v[0] is not None for v in votes)
+    print(
+        f"  ours  : {ours_s:6.3f} s  ({verifier.num_workers} workers; their start-up, excluded: {startup:.2f} s)"
+        f"  target {TARGET_S:.1f} s  ratio {ours_s / TARGET_S:.2f} of target"
+    )
+    print(
+        f"  ours, next epoch (same questions, warm parse caches): {ours2_s:6.3f} s  "
+        f"ratio {ours2_s / TARGET_S:.2f} of target"
+    )
     print(f"  naive : {naive_s:6.3f} s  (pairwise Math-Verify vote)")
-    print(f"  speed-up {naive_s / ours_s:.1f}x; rewards agree on {agree}/{len(rewards)}; "
-          f"mean reward {sum(rewards) / len(rewards):.3f}; labels found {sum(v[0] is not None for v in votes)}/{QUESTIONS}")
+    print(
+        f"  speed-up {naive_s / ours_s:.1f}x; rewards agree on {agree}/{len(rewards)}; "
+        f"mean reward {sum(rewards) / len(rewards):.3f}; labels found {labels}/{QUESTIONS}"
+    )
     sys.exit(0 if agree == len(rewards) else 1)
 
 

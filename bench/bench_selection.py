@@ -27,7 +27,9 @@ def make_tracker(**cfg) -> PassRateTracker:
     tr = PassRateTracker(labeled, SelectionConfig(warmup_epochs=EPOCHS + 1, **cfg))
     # Rising pass rates with noise, clipped to [0, 1], for EPOCHS - 1 epochs.
     for t in range(EPOCHS - 1):
-        tr.record(torch.arange(labeled.numel()), (torch.rand(labeled.numel(), generator=g) * 0.5 + t / EPOCHS).clamp(0, 1))
+        tr.record(
+            torch.arange(labeled.numel()), (torch.rand(labeled.numel(), generator=g) * 0.5 + t / EPOCHS).clamp(0, 1)
+        )
         tr.end_epoch()
     tr.config.warmup_epochs = EPOCHS
     tr.record(torch.arange(labeled.numel()), torch.rand(labeled.numel(), generator=g))
@@ -65,9 +67,14 @@ def main() -> None:
     tr = make_tracker()
     ours = time_end_epoch(tr)
     loop = python_loop_ms(make_tracker())
-    print(f"  end_epoch (paper: TCS to mean, top-p 0.1 | Gamma 0.4): {ours:7.2f} ms   target {TARGET_MS:.0f} ms   "
-          f"ratio {ours / TARGET_MS:.3f} of target")
-    print(f"  per-question Python loop, same cosine:               {loop:7.2f} ms   vectorised is {loop / ours:.0f}x faster")
+    print(
+        f"  end_epoch (paper: TCS to mean, top-p 0.1 | Gamma 0.4): {ours:7.2f} ms   target {TARGET_MS:.0f} ms   "
+        f"ratio {ours / TARGET_MS:.3f} of target"
+    )
+    print(
+        f"  per-question Python loop, same cosine:               {loop:7.2f} ms   "
+        f"vectorised is {loop / ours:.0f}x faster"
+    )
     for cfg in ({"reference": "mean_cosine", "standardize": True}, {"reference": "max_cosine"}):
         ms = time_end_epoch(make_tracker(**cfg), repeats=2)
         print(f"  end_epoch {cfg}: {ms:8.2f} ms")

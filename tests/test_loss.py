@@ -134,6 +134,10 @@ def test_empty_batch_and_shape_errors():
 
 def test_logit_statistics_hand_values():
     logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])  # p = [.5,.5], [.75,.25]
-    assert torch.allclose(token_entropy(logits), torch.tensor([[math.log(2), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]]))
+    assert torch.allclose(
+        token_entropy(logits), torch.tensor([[math.log(2), -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]])
+    )
     assert torch.allclose(kl_uniform_to_policy(logits), torch.tensor([[0.0, 0.5 * math.log(4 / 3)]]), atol=1e-6)
-    assert torch.allclose(token_logprobs(logits, torch.tensor([[1, 0]])), torch.tensor([[math.log(0.5), math.log(0.75)]]))
+    assert torch.allclose(
+        token_logprobs(logits, torch.tensor([[1, 0]])), torch.tensor([[math.log(0.5), math.log(0.75)]])
+    )

@@ -196,7 +196,9 @@ class PassRateTracker:
         indices = indices.long().cpu()
         rates = rates.float().cpu()
         if indices.shape != rates.shape or indices.dim() != 1:
-            raise ValueError(f"record: indices and rates must both be [B], got {tuple(indices.shape)}, {tuple(rates.shape)}")
+            raise ValueError(
+                f"record: indices and rates must both be [B], got {tuple(indices.shape)}, {tuple(rates.shape)}"
+            )
         if indices.numel() and (indices.min() < 0 or indices.max() >= self.num_questions):
             raise IndexError(f"record: question index out of range [0, {self.num_questions})")
         if rates.numel() and not bool(((rates >= 0) & (rates <= 1)).all()):

@@ -59,7 +59,10 @@ def decide_pairs(
 
 
 def math_rewards(
-    responses: Sequence[str], golds: Sequence[str], timeout: float = DEFAULT_TIMEOUT, verifier: MathVerifier | None = None
+    responses: Sequence[str],
+    golds: Sequence[str],
+    timeout: float = DEFAULT_TIMEOUT,
+    verifier: MathVerifier | None = None,
 ) -> list[float]:
     """Batch form of `math_reward`: one Math-Verify round trip for the whole batch."""
     if len(responses) != len(golds):
@@ -97,9 +100,7 @@ def majority_votes(
     """
     states = []
     for answers in groups:
-        keys = [
-            normalize(a) if a is not None and a.strip() and len(a) <= MAX_ANSWER_CHARS else None for a in answers
-        ]
+        keys = [normalize(a) if a is not None and a.strip() and len(a) <= MAX_ANSWER_CHARS else None for a in answers]
         counts = Counter(k for k in keys if k is not None)
         first: dict[str, int] = {}
         for i, k in enumerate(keys):

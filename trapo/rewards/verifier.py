@@ -205,7 +205,9 @@ class MathVerifier:
                     gold, pred = pairs[w.pending[0]]
                     log.warning(
                         "Math-Verify comparison exceeded %.1f s; scored as not equal (gold %.60r, pred %.60r)",
-                        timeout, gold, pred,
+                        timeout,
+                        gold,
+                        pred,
                     )
                     replace(slot)
         return [bool(r) for r in results]
