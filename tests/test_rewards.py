@@ -96,10 +96,25 @@ def test_fast_paths_agree_with_plain_math_verify(benchmarks_dir):
     pairs = [(rng.choice(golds), rng.choice(golds)) for _ in range(120)]
     pairs += [(g, g.replace("\\frac", "\\dfrac")) for g in rng.sample(golds, 30)]
     pairs += [(g, g + ".0") for g in golds if g.isdigit()][:20]
+    # Symbolic answers: equal and unequal polynomials, variables, text, constants.
+    pairs += [
+        ("x^2+2x+1", "(x+1)^2"),
+        ("x^2+2x+1", "(x-1)^2"),
+        ("-13x+3", "350"),
+        ("2k+2", "2(k+1)"),
+        ("\\sin^2 x + \\cos^2 x", "1"),
+        ("x^2", "y^2"),
+        ("\\frac{x}{3}", "0.333333x"),
+        ("\\text{Evelyn}", "\\text{evelyn}"),
+        ("\\frac{1}{x}", "x^{-1}"),
+        ("\\infty", "10^{10}"),
+        ("\\pi r^2", "r^2\\pi"),
+    ]
     ours = decide_pairs(pairs)
     reference = [verify(parse(f"\\boxed{{{g}}}"), parse(f"\\boxed{{{p}}}")) for g, p in pairs]
     mismatches = [(p, o, r) for p, o, r in zip(pairs, ours, reference) if o != r]
     assert not mismatches
+    assert sum(reference) >= 20 and len(reference) - sum(reference) >= 100  # both verdicts well represented
 
 
 ADVERSARIAL = [
