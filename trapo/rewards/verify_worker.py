@@ -79,10 +79,11 @@ def _serve() -> None:
             else:
                 items = parse_cached(answer)
                 expr = items[0] if items else None
-                symbols = expr.free_symbols if isinstance(expr, sympy.Expr) else {None}
-                if all(isinstance(x, sympy.Symbol) and len(x.name) == 1 for x in symbols):
+                if isinstance(expr, sympy.Expr) and all(
+                    isinstance(x, sympy.Symbol) and len(x.name) == 1 for x in expr.free_symbols
+                ):
                     try:
-                        out = complex(expr.evalf(15, subs={x: _probe(x.name) for x in symbols}))
+                        out = complex(expr.evalf(15, subs={x: _probe(x.name) for x in expr.free_symbols}))
                     except (TypeError, ValueError, OverflowError, ZeroDivisionError):
                         out = None
                     if out is not None and not cmath.isfinite(out):
