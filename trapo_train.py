@@ -1,30 +1,53 @@
 """TraPO training entry point.
 
-    deepspeed trapo_train.py --config configs/<exp>.yaml [key=value ...]
-    python trapo_train.py                      # the embedded CPU default
+    deepspeed trapo_train.py --config configs/<exp>.yaml [dotted.key=value ...]
+    python trapo_train.py                      # the embedded CPU default (configs/toy.yaml)
 
-The training loop (DeepSpeed ZeRO-3 policy, colocated vLLM rollouts, pass-rate
-gating) is not in this repository yet: the core library it is built on
-(`trapo.loss`, `trapo.passrate`, `trapo.rewards`) is. Until the trainer lands
-this entry point says so and exits with status 2 rather than pretend to train.
+Without --config the embedded toy task runs: a tiny Qwen2 and synthetic
+arithmetic built by the project, trained with the real stack (DeepSpeed
+ZeRO-3, colocated vLLM, Math-Verify). Configuration errors exit with status 2
+and a message naming the key, before anything is loaded.
 """
 
 import argparse
+import os
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_CONFIG = ROOT / "configs" / "toy.yaml"
+
+# Settings the CPU stack needs before vLLM / torch are imported (see README, "Platform").
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML experiment config under configs/")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML experiment config (default: the toy task)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    parser.parse_args(argv)
-    print(
-        "trapo_train: the training loop is not implemented yet; the core library is "
-        "(trapo.loss, trapo.passrate, trapo.rewards). See README.md, 'Status'.",
-        file=sys.stderr,
-    )
-    return 2
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.clip_eps=0.28")
+    args = parser.parse_args(argv)
+
+    from trapo.config import ConfigError, load_config
+    from trapo.data import DataError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"trapo_train: {err}", file=sys.stderr)
+        return 2
+    from trapo.trainer import TrainingError, run
+
+    try:
+        run(cfg)
+    except (DataError, ConfigError) as err:
+        print(f"trapo_train: input error: {err}", file=sys.stderr)
+        return 2
+    except TrainingError as err:
+        print(f"trapo_train: {err}", file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Turning graded rollouts into training tensors: sequences, token-budget micro-batches, collation.
+
+Pure functions (no model, no distributed calls); the trainer owns the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TrainSequence:
+    ids: list[int]  # prompt + response tokens
+    prompt_len: int
+    advantage: float
+    weight: float  # the gate M (1 for labeled questions)
+    labeled: bool
+    old_logprobs: list[float] | None = None  # per response token; only when several updates share a rollout batch
+
+
+def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most `budget` padded tokens.
+
+    Longest first, so that sequences of similar length share a micro-batch
+    and little padding is computed; a sequence longer than the budget gets a
+    micro-batch of its own. Returns index lists covering every sequence once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order:
+        w = max(width, lengths[i])
+        if current and (len(current) + 1) * w > budget:
+            batches.append(current)
+            current, w = [], lengths[i]
+        current.append(i)
+        width = w
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(seqs: list[TrainSequence], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded tensors for one micro-batch of b sequences, T = longest.
+
+    input_ids, attention_mask: [b, T]; response_mask: [b, T-1], true where
+    position t predicts a response token (t + 1 >= prompt_len);
+    advantages, weights: [b]; old_logprobs: [b, T-1] when every sequence has them.
+    """
+    b, length = len(seqs), max(len(s.ids) for s in seqs)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)  # [b, T]
+    attention = torch.zeros(b, length, dtype=torch.long)  # [b, T]
+    response = torch.zeros(b, length - 1, dtype=torch.bool)  # [b, T-1]
+    for row, s in enumerate(seqs):
+        input_ids[row, : len(s.ids)] = torch.tensor(s.ids)
+        attention[row, : len(s.ids)] = 1
+        response[row, s.prompt_len - 1 : len(s.ids) - 1] = True
+    out = {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "response_mask": response,
+        "advantages": torch.tensor([s.advantage for s in seqs], dtype=torch.float32),  # [b]
+        "weights": torch.tensor([s.weight for s in seqs], dtype=torch.float32),  # [b]
+    }
+    if all(s.old_logprobs is not None for s in seqs):
+        old = torch.zeros(b, length - 1)  # [b, T-1]
+        for row, s in enumerate(seqs):
+            old[row, s.prompt_len - 1 : len(s.ids) - 1] = torch.tensor(s.old_logprobs)
+        out["old_logprobs"] = old
+    return out
+
+
+def loss_denominator(agg: str, num_sequences: int, num_tokens: int, max_tokens: int) -> float:
+    """The full update batch's denominator for `policy_loss(..., denom=)`.
+
+    dr_grpo: N * max_tokens (Dr.GRPO's constant generation budget, so a
+    token's weight does not depend on how long the other responses are);
+    token_mean: the number of response tokens; seq_mean: N. Counted over
+    every sequence of the update batch on all ranks, gated ones included.
+    """
+    if agg == "dr_grpo":
+        return float(max(num_sequences * max_tokens, 1))
+    if agg == "token_mean":
+        return float(max(num_tokens, 1))
+    return float(max(num_sequences, 1))

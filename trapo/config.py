@@ -1,0 +1,300 @@
+"""Experiment configuration: plain dataclasses, loaded from YAML, checked at start-up.
+
+    cfg = load_config("configs/trapo_1k_3k.yaml", ["loss.clip_eps=0.28", "max_steps=10"])
+
+Every key has a type and a default here; a YAML file or a dotted override
+that names an unknown key, or gives a value of the wrong type or outside the
+allowed choices, raises `ConfigError` naming the file, the key, the value and
+what was expected, before anything expensive starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+MODES = ("supervised", "unsupervised", "naive_semi", "trapo")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local Hugging Face directory (weights + tokenizer); empty with toy.enabled
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    rope_theta: float | None = None  # override, e.g. 40000 for Qwen2.5-Math (paper appendix)
+    max_position_embeddings: int | None = None  # override, e.g. 16384 for Qwen2.5-Math
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet (verl layout) or JSONL
+    labeled_ratio: float | None = None  # None: use each row's `labeled` flag; else split by ratio with `seed`
+    prompt_template: Literal["think", "cot", "chat", "dataset", "plain"] = "think"
+    max_prompt_tokens: int = 1024  # longer prompts are an input error, reported before training
+    test_files: list[str] = field(default_factory=list)  # held-out accuracy before / after training
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8  # G, rollouts per question
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 3000  # response budget; also the Dr.GRPO loss denominator's length
+    gpu_memory_utilization: float = 0.4
+    cpu_kv_cache_gb: float = 0.25  # CPU only: vLLM needs an explicit KV-cache size there
+    enable_sleep_mode: bool = True  # GPU only: free vLLM's memory while the policy trains
+    enable_prefix_caching: bool = True
+    eval_temperature: float = 0.0  # held-out check in the trainer (greedy by default)
+
+
+@dataclass
+class TrainConfig:
+    rollout_batch_size: int = 64  # questions per step, across all ranks (paper: 64)
+    update_batch_size: int = 64  # questions per optimizer update (paper: 64 -> one update per step)
+    lr: float = 1e-6  # constant (paper appendix)
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    micro_batch_tokens: int = 16384  # padded tokens per forward/backward on one rank
+    deepspeed_config: str = "configs/deepspeed_zero3.json"
+    max_bad_steps: int = 3  # consecutive non-finite losses before the run stops
+
+
+@dataclass
+class LossConfig:
+    agg: Literal["dr_grpo", "token_mean", "seq_mean"] = "dr_grpo"
+    advantage_scale: Literal["none", "std"] = "none"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    beta: float = 0.0  # KL to the initial policy; the paper uses 0 (no reference model is loaded then)
+    entropy_coef: float = 0.01
+
+
+@dataclass
+class RewardConfig:
+    unlabeled: Literal["majority", "self_certainty", "token_entropy", "sentence_entropy"] = "majority"
+    timeout: float = 5.0  # seconds per Math-Verify comparison
+    workers: int = 2  # Math-Verify worker processes per rank
+
+
+@dataclass
+class SelectionYaml:
+    warmup_epochs: int = 8
+    top_p: float = 0.1
+    threshold: float = 0.4  # Gamma
+    reference: Literal["mean_trajectory", "mean_cosine", "max_cosine"] = "mean_trajectory"
+    standardize: bool = False
+
+
+@dataclass
+class ToyConfig:
+    enabled: bool = False  # build the embedded toy model and data (see trapo/toy.py)
+    dir: str = "outputs/toy-assets"
+    seed: int = 0
+    labeled: int = 64
+    unlabeled: int = 192
+    test: int = 128
+    sft_steps: int = 150
+
+
+@dataclass
+class Config:
+    run_name: str = "run"
+    output_dir: str = "outputs"
+    mode: Literal["supervised", "unsupervised", "naive_semi", "trapo"] = "trapo"
+    seed: int = 0
+    epochs: int = 1
+    max_steps: int | None = None  # None: epochs * steps per epoch
+    save_steps: int = 0  # 0: only at the end
+    keep_checkpoints: int | None = None  # None keeps all
+    resume_from: str | None = None  # "latest" or a checkpoint directory
+    progress_bar: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    selection: SelectionYaml = field(default_factory=SelectionYaml)
+    toy: ToyConfig = field(default_factory=ToyConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{where}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {where}")
+
+
+def _apply(obj: Any, values: dict, source: str, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {values!r}")
+    for key, value in values.items():
+        where = f"{source}: key '{prefix}{key}'"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            raise ConfigError(f"{where} is not a known setting{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _apply(getattr(obj, key), value, source, f"{prefix}{key}.")
+        else:
+            setattr(obj, key, _coerce(tp, value, where))
+
+
+def parse_override(text: str) -> dict:
+    """'loss.clip_eps=0.28' -> {'loss': {'clip_eps': 0.28}} (the value is read as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
+    out: dict = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def validate(cfg: Config, source: str = "config") -> None:
+    """Cross-key checks that a type alone cannot express."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{source}: key '{key}': {msg}")
+
+    need(bool(cfg.run_name) and "/" not in cfg.run_name, "run_name", "must be a non-empty name without '/'")
+    need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
+    need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", f"must be >= 1 or null, got {cfg.max_steps}")
+    need(cfg.save_steps >= 0, "save_steps", f"must be >= 0, got {cfg.save_steps}")
+    need(cfg.keep_checkpoints is None or cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 or null")
+    r, t, s = cfg.rollout, cfg.train, cfg.selection
+    need(r.n >= 2, "rollout.n", f"GRPO needs at least 2 rollouts per question, got {r.n}")
+    need(r.temperature > 0, "rollout.temperature", f"must be > 0 for sampling, got {r.temperature}")
+    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    need(r.max_tokens >= 1, "rollout.max_tokens", f"must be >= 1, got {r.max_tokens}")
+    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
+    need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
+    need(
+        t.update_batch_size >= 1 and t.rollout_batch_size % t.update_batch_size == 0,
+        "train.update_batch_size",
+        f"must divide train.rollout_batch_size ({t.rollout_batch_size}), got {t.update_batch_size}",
+    )
+    need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    need(len(t.adam_betas) == 2, "train.adam_betas", f"must be [beta1, beta2], got {t.adam_betas}")
+    need(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+    need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+    need(cfg.loss.clip_eps > 0, "loss.clip_eps", "must be > 0")
+    need(cfg.loss.beta == 0.0, "loss.beta", "a reference-model KL is not supported by the trainer; the paper uses 0")
+    need(s.warmup_epochs >= 0, "selection.warmup_epochs", "must be >= 0")
+    need(0 <= s.top_p <= 1, "selection.top_p", f"must be in [0, 1], got {s.top_p}")
+    need(
+        cfg.data.labeled_ratio is None or 0 <= cfg.data.labeled_ratio <= 1,
+        "data.labeled_ratio",
+        "must be in [0, 1] or null",
+    )
+    need(cfg.reward.timeout > 0, "reward.timeout", "must be > 0")
+    need(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
+    if cfg.toy.enabled:
+        need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
+        need(not cfg.data.train_files, "data.train_files", "must be empty when toy.enabled")
+    else:
+        need(bool(cfg.model.path), "model.path", "a Hugging Face model directory is required")
+        need(bool(cfg.data.train_files), "data.train_files", "at least one parquet or JSONL file is required")
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- overrides, then type and cross-key checks."""
+    cfg = Config()
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
+        _apply(cfg, data, f"config file {path}")
+    for text in overrides:
+        _apply(cfg, parse_override(text), f"override {text!r}")
+    validate(cfg, f"config file {path}" if path else "config")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

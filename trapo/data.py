@@ -1,0 +1,246 @@
+"""Training questions: reading, validation, labeled/unlabeled split, prompts, batch order.
+
+Two input layouts:
+- parquet in the verl layout (the paper's public code, `../shared/data/benchmarks/`):
+  `prompt` (list of chat messages; the last user turn is the question),
+  `reward_model.ground_truth`, optional `extra_info.labeled` and `extra_info.index`;
+- JSONL with `question`, `answer`, optional `labeled` and `id`.
+
+Everything is checked before any model loads; an error names the file, the
+row and the field. An unlabeled question may keep its gold answer: the
+trainer uses it for diagnostics only (pseudo-label precision), never for reward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+# The paper's system prompt for Qwen-family models (appendix "System Prompt").
+THINK_SYSTEM = (
+    "Your task is to follow a systematic, thorough reasoning process before providing the final solution. "
+    "This involves analyzing, summarizing, exploring, reassessing, and refining your thought process through "
+    "multiple iterations. Structure your response into two sections: Thought and Solution. In the Thought "
+    'section, present your reasoning using the format: "<think>\\n {thoughts} </think>\\n". Each thought should '
+    "include detailed analysis, brainstorming, verification, and refinement of ideas. After \"</think>\\n,\" in "
+    "the Solution section, provide the final, logical, and accurate answer, clearly derived from the exploration "
+    "in the Thought section. If applicable, include the answer in \\boxed{} for closed-form results like "
+    "multiple choices or mathematical solutions."
+)
+# The simplified chain-of-thought prompt the paper uses for Llama-3.1-8B (after Simple-RL-Zoo).
+COT_SUFFIX = "\nLet's think step by step and output the final answer within \\boxed{}."
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Question:
+    uid: str  # unique across all training files
+    question: str
+    answer: str | None  # gold; for an unlabeled question: diagnostics only
+    labeled: bool
+    messages: tuple[tuple[str, str], ...] | None  # (role, content) as stored in a parquet `prompt`
+    where: str  # "file row N", for error messages
+
+
+def _text(value, where: str, field: str, required: bool) -> str | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        if required:
+            raise DataError(f"{where}: field '{field}' is missing")
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise DataError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
+    text = str(value)
+    if required and not text.strip():
+        raise DataError(f"{where}: field '{field}' is empty")
+    return text
+
+
+def _flag(value, where: str, field: str) -> bool | None:
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise DataError(f"{where}: field '{field}' must be true or false, got {value!r}")
+    return value
+
+
+def _parquet_rows(path: Path) -> list[Question]:
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as err:  # noqa: BLE001 - pyarrow raises many types; all mean "not a readable parquet"
+        raise DataError(f"{path}: cannot read as parquet ({err})") from None
+    out = []
+    for i, row in enumerate(rows):
+        where = f"{path} row {i}"
+        prompt = row.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages")
+        messages = []
+        for j, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: field 'prompt[{j}]' must have string 'role' and 'content'")
+            messages.append((m["role"], m["content"]))
+        users = [c for r, c in messages if r == "user"]
+        if not users:
+            raise DataError(f"{where}: field 'prompt' has no user message (the question)")
+        question = _text(users[-1], where, "prompt[user].content", required=True)
+        reward = row.get("reward_model") or {}
+        if not isinstance(reward, dict):
+            raise DataError(f"{where}: field 'reward_model' must be a struct with 'ground_truth'")
+        answer = _text(reward.get("ground_truth"), where, "reward_model.ground_truth", required=False)
+        extra = row.get("extra_info") or {}
+        if not isinstance(extra, dict):
+            raise DataError(f"{where}: field 'extra_info' must be a struct")
+        labeled = _flag(extra.get("labeled"), where, "extra_info.labeled")
+        index = extra.get("index", i)
+        uid = f"{path.name}:{_text(index, where, 'extra_info.index', required=True)}"
+        labeled = answer is not None if labeled is None else labeled
+        out.append(Question(uid, question, answer, labeled, tuple(messages), where))
+    return out
+
+
+def _jsonl_rows(path: Path) -> list[Question]:
+    out = []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read as UTF-8 text ({err})") from None
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{path} line {i + 1}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{where}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object with 'question' and 'answer'")
+        question = _text(row.get("question"), where, "question", required=True)
+        answer = _text(row.get("answer"), where, "answer", required=False)
+        labeled = _flag(row.get("labeled"), where, "labeled")
+        uid = f"{path.name}:{_text(row.get('id', i + 1), where, 'id', required=True)}"
+        out.append(Question(uid, question, answer, answer is not None if labeled is None else labeled, None, where))
+    return out
+
+
+def load_questions(files: list[str], labeled_ratio: float | None = None, seed: int = 0) -> list[Question]:
+    """Read and check every training file; split labeled/unlabeled.
+
+    With `labeled_ratio` None each row's flag decides (a row without one is
+    labeled when it has an answer); otherwise round(ratio * rows) rows that
+    have an answer are drawn as labeled with `seed`, the rest are unlabeled.
+    """
+    questions: list[Question] = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"{path}: training file not found")
+        if path.suffix == ".parquet":
+            questions += _parquet_rows(path)
+        elif path.suffix in (".jsonl", ".json"):
+            questions += _jsonl_rows(path)
+        else:
+            raise DataError(f"{path}: unknown format (expected .parquet or .jsonl)")
+    if not questions:
+        raise DataError(f"{', '.join(files)}: no questions")
+    seen: dict[str, str] = {}
+    for q in questions:
+        if q.uid in seen:
+            raise DataError(f"{q.where}: duplicate id '{q.uid.split(':', 1)[1]}' (first at {seen[q.uid]})")
+        seen[q.uid] = q.where
+    if labeled_ratio is not None:
+        with_gold = [i for i, q in enumerate(questions) if q.answer is not None]
+        k = round(labeled_ratio * len(questions))
+        if k > len(with_gold):
+            raise DataError(f"labeled_ratio {labeled_ratio}: needs {k} rows with an answer, found {len(with_gold)}")
+        chosen = set(random.Random(seed).sample(with_gold, k))
+        questions = [
+            Question(q.uid, q.question, q.answer, i in chosen, q.messages, q.where) for i, q in enumerate(questions)
+        ]
+    for q in questions:
+        if q.labeled and q.answer is None:
+            raise DataError(f"{q.where}: a labeled row needs an answer (field 'answer' / 'reward_model.ground_truth')")
+    return questions
+
+
+def select_for_mode(questions: list[Question], mode: str) -> list[Question]:
+    """supervised: labeled only; unsupervised: every question, labels hidden; else as is."""
+    if mode == "supervised":
+        out = [q for q in questions if q.labeled]
+        if not out:
+            raise DataError("mode 'supervised' needs labeled questions; the training files have none")
+        return out
+    if mode == "unsupervised":
+        return [Question(q.uid, q.question, q.answer, False, q.messages, q.where) for q in questions]
+    if mode == "trapo" and not any(q.labeled for q in questions):
+        raise DataError("mode 'trapo' needs some labeled questions (they form the reliable database)")
+    return questions
+
+
+def render_prompt(q: Question, template: str, tokenizer) -> str:
+    """The prompt text for one question.
+
+    think: the paper's system prompt, "This is the problem: {q}", and the
+    assistant turn opened with "<think>"; cot: the question plus the simple
+    chain-of-thought instruction; chat: the question as the only user turn;
+    dataset: the parquet's stored messages; plain: the question text as is.
+    Chat templates come from the tokenizer; without one, a plain
+    "System:/User:/Assistant:" layout is used.
+    """
+    if template == "plain":
+        return q.question
+    if template == "think":
+        messages = [("system", THINK_SYSTEM), ("user", f"This is the problem: {q.question}")]
+    elif template == "cot":
+        messages = [("user", q.question + COT_SUFFIX)]
+    elif template == "dataset" and q.messages is not None:
+        messages = list(q.messages)
+    else:  # chat, or dataset for a JSONL row
+        messages = [("user", q.question)]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = "".join(f"{r.capitalize()}: {c}\n" for r, c in messages) + "Assistant:"
+    return text + ("<think>\n" if template == "think" else "")
+
+
+def tokenize_prompts(questions: list[Question], template: str, tokenizer, max_tokens: int) -> list[list[int]]:
+    """Token ids per question; a prompt over `max_tokens` is an input error (named), not a silent cut."""
+    out = []
+    for q in questions:
+        text = render_prompt(q, template, tokenizer)
+        ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+        if len(ids) > max_tokens:
+            raise DataError(f"{q.where}: prompt has {len(ids)} tokens, over data.max_prompt_tokens={max_tokens}")
+        if not ids:
+            raise DataError(f"{q.where}: prompt tokenizes to nothing")
+        out.append(ids)
+    return out
+
+
+def epoch_batches(num_questions: int, batch_size: int, world_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The question indices of each step of one epoch.
+
+    A fixed permutation per (seed, epoch), cut into batches of `batch_size`;
+    the last batch keeps what is left rounded down to a multiple of
+    `world_size` (each rank needs the same number of questions). Questions
+    left out of an epoch keep their previous pass rate (see PassRateTracker).
+    """
+    order = list(range(num_questions))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    batches = []
+    for start in range(0, num_questions, batch_size):
+        chunk = order[start : start + batch_size]
+        chunk = chunk[: len(chunk) - len(chunk) % world_size]
+        if chunk:
+            batches.append(chunk)
+    return batches

@@ -1,0 +1,153 @@
+"""The embedded default task: a tiny Qwen2 and synthetic arithmetic, built here, no hub.
+
+`build_assets(cfg)` writes, once per configuration, under `cfg.dir`:
+- `model/`: a tiny Qwen2 (hidden 128, 4 query heads of size 32 (the smallest
+  head size vLLM's CPU attention takes), 2 KV heads, 2 layers) with a byte-level
+  BPE tokenizer trained on the task's text, warm-started by a short supervised
+  fit so that its sampled pass rate on the training questions is neither 0 nor 1;
+- `train.jsonl`: `labeled` questions with answers, then `unlabeled` ones whose
+  answers are kept as hidden golds (diagnostics only);
+- `test.jsonl`: held-out questions.
+
+Questions are two-digit additions "a+b=" and answers are `\\boxed{a+b}`; the
+warm start sees a disjoint pool of questions, so the RL phase has to generalise
+carry handling rather than recall pairs. Deterministic given `cfg.seed`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from trapo.config import ToyConfig
+
+EOS = "<|endoftext|>"
+FORMAT_VERSION = 1
+
+
+def _problems(seed: int) -> list[tuple[str, str]]:
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(pairs)
+    return [(f"{a}+{b}=", str(a + b)) for a, b in pairs]
+
+
+def response_text(answer: str) -> str:
+    return f"\\boxed{{{answer}}}"
+
+
+def _tokenizer(corpus: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits stay single tokens (as in Qwen2's tokenizer), so numbers are spelled digit by digit.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+
+
+def _model(tokenizer, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=(len(tokenizer) + 63) // 64 * 64,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _warm_start(model, tokenizer, problems: list[tuple[str, str]], steps: int, seed: int) -> None:
+    """Supervised fit on (prompt, response) pairs; loss on response tokens only."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    encoded = []
+    for q, a in problems:
+        p = tokenizer(q)["input_ids"]
+        r = tokenizer(response_text(a))["input_ids"] + [tokenizer.eos_token_id]
+        encoded.append((p, r))
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(len(encoded), (64,), generator=gen).tolist()
+        seqs = [encoded[i][0] + encoded[i][1] for i in idx]
+        length = max(map(len, seqs))
+        ids = torch.full((len(seqs), length), tokenizer.eos_token_id)  # [b, T]
+        labels = torch.full((len(seqs), length), -100)  # [b, T]
+        attn = torch.zeros(len(seqs), length, dtype=torch.long)  # [b, T]
+        for row, i in enumerate(idx):
+            p, r = encoded[i]
+            ids[row, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[row, len(p) : len(p) + len(r)] = torch.tensor(r)
+            attn[row, : len(p) + len(r)] = 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def build_assets(cfg: ToyConfig, log=print) -> Path:
+    """Build (or reuse) the toy model and data; returns the asset directory."""
+    root = Path(cfg.dir) / f"seed-{cfg.seed}"
+    manifest = {"format": FORMAT_VERSION, **asdict(cfg)}
+    manifest.pop("dir")
+    done = root / "manifest.json"
+    if done.is_file() and json.loads(done.read_text()) == manifest:
+        return root
+    started = time.perf_counter()
+    problems = _problems(cfg.seed)
+    n_task = cfg.labeled + cfg.unlabeled + cfg.test
+    if n_task + 1000 > len(problems):
+        raise ValueError(f"toy: {n_task} questions requested; at most {len(problems) - 1000} available")
+    task, warm = problems[:n_task], problems[n_task:]
+    tokenizer = _tokenizer([q + response_text(a) for q, a in problems])
+    model = _model(tokenizer, cfg.seed)
+    with torch.random.fork_rng():
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed)
+
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "model").mkdir(parents=True)
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    tokenizer.save_pretrained(tmp / "model")
+    train_rows = [
+        {"id": f"q{i}", "question": q, "answer": a, "labeled": i < cfg.labeled}
+        for i, (q, a) in enumerate(task[: cfg.labeled + cfg.unlabeled])
+    ]
+    _write_jsonl(tmp / "train.jsonl", train_rows)
+    _write_jsonl(
+        tmp / "test.jsonl", [{"id": f"t{i}", "question": q, "answer": a} for i, (q, a) in enumerate(task[-cfg.test :])]
+    )
+    (tmp / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    log(f"toy: built model and data in {root} ({time.perf_counter() - started:.1f} s)")
+    return root
