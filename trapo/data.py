@@ -27,7 +27,7 @@ THINK_SYSTEM = (
     "This involves analyzing, summarizing, exploring, reassessing, and refining your thought process through "
     "multiple iterations. Structure your response into two sections: Thought and Solution. In the Thought "
     'section, present your reasoning using the format: "<think>\\n {thoughts} </think>\\n". Each thought should '
-    "include detailed analysis, brainstorming, verification, and refinement of ideas. After \"</think>\\n,\" in "
+    'include detailed analysis, brainstorming, verification, and refinement of ideas. After "</think>\\n," in '
     "the Solution section, provide the final, logical, and accurate answer, clearly derived from the exploration "
     "in the Thought section. If applicable, include the answer in \\boxed{} for closed-form results like "
     "multiple choices or mathematical solutions."
@@ -100,7 +100,9 @@ def _parquet_rows(path: Path) -> list[Question]:
             raise DataError(f"{where}: field 'extra_info' must be a struct")
         labeled = _flag(extra.get("labeled"), where, "extra_info.labeled")
         index = extra.get("index", i)
-        uid = f"{path.name}:{_text(index, where, 'extra_info.index', required=True)}"
+        source = row.get("data_source")
+        uid = f"{path.name}:{source + '/' if isinstance(source, str) else ''}"
+        uid += _text(index, where, "extra_info.index", required=True)
         labeled = answer is not None if labeled is None else labeled
         out.append(Question(uid, question, answer, labeled, tuple(messages), where))
     return out

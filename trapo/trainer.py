@@ -168,21 +168,23 @@ class Trainer:
                 f"train.rollout_batch_size ({cfg.train.rollout_batch_size}) and train.update_batch_size "
                 f"({cfg.train.update_batch_size}) must be multiples of the world size ({self.world})"
             )
+        self.questions: list[Question] = select_for_mode(
+            load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode
+        )
+        self.test_questions = load_questions(test_files, None, cfg.seed) if test_files else []
+        if any(q.answer is None for q in self.test_questions):
+            bad = next(q for q in self.test_questions if q.answer is None)
+            raise DataError(f"{bad.where}: a test question needs an answer")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.questions: list[Question] = select_for_mode(
-            load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode
-        )
         t = cfg.data
         self.prompts = tokenize_prompts(self.questions, t.prompt_template, self.tokenizer, t.max_prompt_tokens)
-        self.test_questions = load_questions(test_files, None, cfg.seed) if test_files else []
-        self.test_prompts = tokenize_prompts(self.test_questions, t.prompt_template, self.tokenizer, t.max_prompt_tokens)
-        if any(q.answer is None for q in self.test_questions):
-            bad = next(q for q in self.test_questions if q.answer is None)
-            raise DataError(f"{bad.where}: a test question needs an answer")
+        self.test_prompts = tokenize_prompts(
+            self.test_questions, t.prompt_template, self.tokenizer, t.max_prompt_tokens
+        )
         self.steps_per_epoch = len(epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, 0, 0))
         if self.steps_per_epoch == 0:
             raise DataError(f"{len(self.questions)} training questions: too few for one batch on {self.world} ranks")
@@ -383,7 +385,9 @@ class Trainer:
             elif kind == "token_entropy":
                 values = token_entropy_reward(logits, mask)
             else:
-                values = sentence_likelihood_reward(token_logprobs(logits, batch["input_ids"][:, 1:].to(logits.device)), mask)
+                values = sentence_likelihood_reward(
+                    token_logprobs(logits, batch["input_ids"][:, 1:].to(logits.device)), mask
+                )
             for i, v in zip(group, values.tolist()):
                 scores[i] = v
         return scores
@@ -491,7 +495,9 @@ class Trainer:
 
         # 2. grading
         with log.time("grading"):
-            grades = grade(questions, [[r.text for r in group] for group in rollouts], cfg.reward.timeout, self.verifier)
+            grades = grade(
+                questions, [[r.text for r in group] for group in rollouts], cfg.reward.timeout, self.verifier
+            )
 
         # 3. pass rates from every rank; the gate for this epoch was fixed at the last epoch end
         records = all_gather((local, grades.pass_rates, grades.pseudo_correct))
@@ -509,7 +515,11 @@ class Trainer:
         for qi, (i, group) in enumerate(zip(local, rollouts)):
             rewards = grades.rewards[qi]
             for r, reward in zip(group, rewards):
-                seqs.append(TrainSequence(self.prompts[i] + r.token_ids, len(self.prompts[i]), reward, gate[qi], questions[qi].labeled))
+                seqs.append(
+                    TrainSequence(
+                        self.prompts[i] + r.token_ids, len(self.prompts[i]), reward, gate[qi], questions[qi].labeled
+                    )
+                )
         if cfg.reward.unlabeled != "majority":
             unl = [j for j, s in enumerate(seqs) if not s.labeled]
             with log.time("grading"):
@@ -537,14 +547,24 @@ class Trainer:
 
         # statistics over all ranks
         lab = [(p, sum(r)) for q, p, r in zip(questions, grades.pass_rates, grades.rewards) if q.labeled]
-        unl = [(p, c, w) for q, p, c, w in zip(questions, grades.pass_rates, grades.pseudo_correct, gate) if not q.labeled]
+        unl = [
+            (p, c, w) for q, p, c, w in zip(questions, grades.pass_rates, grades.pseudo_correct, gate) if not q.labeled
+        ]
         tokens = sum(len(r.token_ids) for group in rollouts for r in group)
         truncated = sum(r.truncated for group in rollouts for r in group)
         known = [c for _, c, _ in unl if not math.isnan(c)]
         sums = all_sum(
             [
-                len(lab), sum(p for p, _ in lab), len(unl), sum(p for p, _, _ in unl), sum(w for *_, w in unl),
-                len(known), sum(known), tokens, truncated, g * len(local),
+                len(lab),
+                sum(p for p, _ in lab),
+                len(unl),
+                sum(p for p, _, _ in unl),
+                sum(w for *_, w in unl),
+                len(known),
+                sum(known),
+                tokens,
+                truncated,
+                g * len(local),
             ]
         )
         n_lab, lab_pass, n_unl, unl_pass, n_gated_in, n_known, n_right, tok, trunc, n_resp = sums
@@ -591,7 +611,10 @@ class Trainer:
             seeds=[rollout_seed(self.cfg.seed, -1, i) for i in local] if temp > 0 else None,
         )
         rewards = math_rewards(
-            [o[0].text for o in outs], [self.test_questions[i].answer for i in local], self.cfg.reward.timeout, self.verifier
+            [o[0].text for o in outs],
+            [self.test_questions[i].answer for i in local],
+            self.cfg.reward.timeout,
+            self.verifier,
         )
         right, n = all_sum([sum(rewards), len(rewards)])
         return right / n
@@ -613,11 +636,16 @@ class Trainer:
         before = self.heldout_accuracy() if self.step == 0 else None
         if before is not None:
             self.log(f"held-out accuracy before training: {before:.3f}")
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (self.is_main and cfg.progress_bar), file=sys.stderr)
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, disable=not (self.is_main and cfg.progress_bar), file=sys.stderr
+        )
         metrics_file = open(self.run_dir / "metrics.jsonl", "a") if self.is_main else None
         try:
             while self.step < self.total_steps:
                 values = self.train_step()
+                if metrics_file:
+                    metrics_file.write(json.dumps(values) + "\n")
+                    metrics_file.flush()
                 if values["skipped"]:
                     self.bad_steps += 1
                     self.log(f"step {self.step}: non-finite loss, update skipped ({self.bad_steps} in a row)")
@@ -632,10 +660,7 @@ class Trainer:
                 if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps:
                     started = time.perf_counter()
                     self.save()
-                    values["timing"]["save"] = round(time.perf_counter() - started, 4)
-                if metrics_file:
-                    metrics_file.write(json.dumps(values) + "\n")
-                    metrics_file.flush()
+                    self.log(f"saved step-{self.step} ({time.perf_counter() - started:.2f} s)")
                 sel = self.last_selection or {}
                 bar.set_postfix(
                     r_lab=_fmt(values.get("reward_labeled")),
@@ -692,11 +717,17 @@ def summary_text(summary: dict) -> str:
     sel = summary.get("selection") or {}
     lines = [f"trained {summary['steps']} steps"]
     if summary.get("heldout_accuracy_before") is not None:
-        lines.append(f"held-out accuracy: {summary['heldout_accuracy_before']:.3f} before -> {summary['heldout_accuracy_after']:.3f} after")
+        lines.append(
+            f"held-out accuracy: {summary['heldout_accuracy_before']:.3f} before -> "
+            f"{summary['heldout_accuracy_after']:.3f} after"
+        )
     elif summary.get("heldout_accuracy_after") is not None:
         lines.append(f"held-out accuracy after: {summary['heldout_accuracy_after']:.3f}")
     if sel:
-        lines.append(f"unlabeled selected at the last epoch end: {sel['selected']} of {sel['unlabeled']} (database {sel['database']})")
+        lines.append(
+            f"unlabeled selected at the last epoch end: {sel['selected']} of {sel['unlabeled']} "
+            f"(database {sel['database']})"
+        )
         ps, pr = sel.get("precision_selected"), sel.get("precision_rejected")
         lines.append(f"pseudo-label precision: selected {_fmt(ps)}, rejected {_fmt(pr)}")
     return "\n".join(lines)

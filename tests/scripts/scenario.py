@@ -1,0 +1,109 @@
+"""Trainer scenarios that need to reach inside one process (run by tests/test_trainer_e2e.py).
+
+python tests/scripts/scenario.py crash_at_commit STEP key=value ...
+python tests/scripts/scenario.py weight_push key=value ...
+python tests/scripts/scenario.py nan_from STEP key=value ...
+"""
+
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from trapo import trainer as tr  # noqa: E402
+from trapo.config import load_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    scenario, args = sys.argv[1], sys.argv[2:]
+    if scenario == "crash_at_commit":
+        # A real SIGKILL after every rank wrote the checkpoint but before it is committed.
+        crash_step = int(args.pop(0))
+        real_commit = tr._commit
+
+        def commit(root, step):
+            if step == crash_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_commit(root, step)
+
+        tr._commit = commit
+        tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+    elif scenario == "weight_push":
+        weight_push(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+    elif scenario == "nan_from":
+        nan_from = int(args.pop(0))
+        real_loss = tr.policy_loss
+        trainer_ref = {}
+
+        def poisoned(*a, **k):
+            loss, metrics = real_loss(*a, **k)
+            if trainer_ref["t"].step + 1 >= nan_from:
+                loss = loss * float("nan")
+            return loss, metrics
+
+        tr.policy_loss = poisoned
+        cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), args)
+        t = tr.Trainer(cfg)
+        trainer_ref["t"] = t
+        before = [p.detach().clone() for _, p in t.full_weights()]
+        try:
+            t.train()
+        except tr.TrainingError as err:
+            after = [p for _, p in t.full_weights()]
+            print(json.dumps({"error": str(err), "weights_equal_to_start": all(map(torch.equal, before, after))}))
+            return
+        print(json.dumps({"error": None}))
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
+def weight_push(cfg) -> None:
+    """After two updates, vLLM's greedy output must equal transformers' on the gathered weights."""
+    from transformers import AutoModelForCausalLM
+
+    t = tr.Trainer(cfg)
+    start = {n: p for n, p in t.full_weights()}
+    t.train_step()
+    t.train_step()
+    weights = dict(t.full_weights())
+    changed = sum(not torch.equal(start[n], w) for n, w in weights.items())
+    prompts = t.test_prompts
+    vllm_out = [o[0].token_ids for o in t.rollout.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
+    del t._hf_ds  # transformers would otherwise build this reference model partitioned under ZeRO-3
+    model = AutoModelForCausalLM.from_pretrained(t.model_dir, dtype=torch.float32)
+    model.load_state_dict(weights)
+    model.eval()
+    hf_out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=t.tokenizer.eos_token_id,
+            pad_token_id=t.tokenizer.pad_token_id,
+        )
+        hf_out.append(gen[0, len(p) :].tolist())
+    print(
+        json.dumps(
+            {
+                "changed": changed,
+                "total": len(weights),
+                "match": vllm_out == hf_out,
+                "vllm": vllm_out[:3],
+                "hf": hf_out[:3],
+            }
+        )
+    )
+    t.close()
+
+
+if __name__ == "__main__":
+    main()

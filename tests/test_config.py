@@ -1,0 +1,74 @@
+"""Config loading: every shipped experiment validates; bad keys and values fail with the key named."""
+
+import glob
+import os
+
+import pytest
+
+from trapo.config import ConfigError, load_config, parse_override
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def test_there_is_a_config_per_paper_experiment():
+    names = {os.path.basename(p) for p in CONFIGS}
+    for expected in (
+        "toy.yaml",
+        "trapo_1k_3k.yaml",
+        "trapo_4k_12k.yaml",
+        "trapo_ood_1k_1k.yaml",
+        "trapo_deepmath_2k_8k.yaml",
+        "supervised_1k.yaml",
+        "unsupervised_ttrl_45k.yaml",
+        "naive_semi_1k_3k.yaml",
+    ):
+        assert expected in names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert os.path.isfile(os.path.join(ROOT, cfg.train.deepspeed_config))
+    if os.path.basename(path) != "toy.yaml":
+        # the paper's hyper-parameters (appendix "Implementation Details")
+        assert (cfg.train.lr, cfg.train.rollout_batch_size, cfg.train.update_batch_size) == (1e-6, 64, 64)
+        assert (cfg.rollout.n, cfg.rollout.temperature, cfg.loss.beta, cfg.loss.entropy_coef) == (8, 1.0, 0.0, 0.01)
+        assert (cfg.selection.top_p, cfg.selection.threshold) == (0.1, 0.4)
+        assert cfg.selection.warmup_epochs == (10 if "ood" in path else 8)
+        assert (cfg.model.rope_theta, cfg.model.max_position_embeddings) == (40000, 16384)
+        assert cfg.loss.agg == "dr_grpo" and cfg.loss.advantage_scale == "none"
+
+
+def test_overrides_are_typed_and_dotted():
+    cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["loss.clip_eps=0.28", "max_steps=5", "seed=3"])
+    assert cfg.loss.clip_eps == 0.28 and cfg.max_steps == 5 and cfg.seed == 3
+    assert parse_override("a.b.c=[1, 2]") == {"a": {"b": {"c": [1, 2]}}}
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("loss.clip_epsilon=0.2", "key 'loss.clip_epsilon' is not a known setting; did you mean 'loss.clip_eps'"),
+        ("rollout.n=eight", "key 'rollout.n': got 'eight' (str); expected an integer"),
+        ("mode=semi", "expected one of 'supervised', 'unsupervised', 'naive_semi', 'trapo'"),
+        ("train.lr=true", "key 'train.lr': got True (bool); expected a number"),
+        ("rollout.n=1", "key 'rollout.n': GRPO needs at least 2 rollouts"),
+        ("train.update_batch_size=24", "must divide train.rollout_batch_size (32)"),
+        ("model.path=/somewhere", "must be empty when toy.enabled"),
+        ("max_steps", "expected dotted.key=value"),
+    ],
+)
+def test_bad_settings_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(os.path.join(ROOT, "configs", "toy.yaml"), [override])
+    assert needle in str(err.value)
+
+
+def test_bad_yaml_file_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n  dtpye: float32\n")
+    with pytest.raises(ConfigError, match=r"config file .*bad.yaml: key 'model.dtpye' is not a known setting"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "missing.yaml"))

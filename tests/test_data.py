@@ -1,0 +1,115 @@
+"""Training data: both layouts, validation errors naming file/row/field, splits, prompts, batch order."""
+
+import json
+import os
+
+import pytest
+
+from trapo.data import (
+    THINK_SYSTEM,
+    DataError,
+    epoch_batches,
+    load_questions,
+    render_prompt,
+    select_for_mode,
+    tokenize_prompts,
+)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_reads_verl_parquet(benchmarks_dir):
+    qs = load_questions([os.path.join(benchmarks_dir, "gpqa.parquet"), os.path.join(benchmarks_dir, "arc_c.parquet")])
+    assert len(qs) == 198 + 1172 and all(q.labeled for q in qs)
+    assert qs[0].question.startswith("Two quantum states with energies E1 and E2")
+    assert qs[0].answer in "ABCD" and qs[0].messages[0][0] == "system"
+
+
+def test_repeated_benchmark_rows_are_duplicate_training_ids(benchmarks_dir):
+    # math.parquet repeats each AIME question 8 times under one index: fine for
+    # evaluation, a duplicate for training, and reported as such.
+    with pytest.raises(DataError, match=r"math.parquet row 1448: duplicate id 'aime/1447' \(first at .*row 1447\)"):
+        load_questions([os.path.join(benchmarks_dir, "math.parquet")])
+
+
+def test_jsonl_flags_and_hidden_golds(tmp_path):
+    f = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"question": "1+1=", "answer": "2", "labeled": True},
+            {"question": "2+2=", "answer": "4", "labeled": False},  # hidden gold
+            {"question": "3+3="},  # no answer: unlabeled
+        ],
+    )
+    qs = load_questions([f])
+    assert [q.labeled for q in qs] == [True, False, False]
+    assert qs[1].answer == "4"
+    unsup = select_for_mode(qs, "unsupervised")
+    assert not any(q.labeled for q in unsup) and unsup[0].answer == "2"
+    assert len(select_for_mode(qs, "supervised")) == 1
+
+
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        ([{"answer": "2"}], "line 1: field 'question' is missing"),
+        ([{"question": "  ", "answer": "2"}], "line 1: field 'question' is empty"),
+        ([{"question": "q", "labeled": True}], "line 1: a labeled row needs an answer"),
+        ([{"question": ["q"], "answer": "1"}], "line 1: field 'question' must be a string, got list"),
+        ([{"question": "q", "answer": "1", "labeled": "yes"}], "line 1: field 'labeled' must be true or false"),
+        (
+            [{"id": 7, "question": "a", "answer": "1"}, {"id": 7, "question": "b", "answer": "2"}],
+            "line 2: duplicate id '7' (first at",
+        ),
+    ],
+)
+def test_bad_rows_are_named(tmp_path, rows, needle):
+    f = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_questions([f])
+    assert "bad.jsonl" in str(err.value) and needle in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(DataError, match="training file not found"):
+        load_questions([str(tmp_path / "nope.jsonl")])
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unknown format"):
+        load_questions([str(tmp_path / "x.csv")])
+    (tmp_path / "b.jsonl").write_text('{"question": "q"\n')
+    with pytest.raises(DataError, match="b.jsonl line 1: not valid JSON"):
+        load_questions([str(tmp_path / "b.jsonl")])
+
+
+def test_ratio_split_is_seeded(tmp_path):
+    f = write_jsonl(tmp_path / "t.jsonl", [{"question": f"q{i}", "answer": str(i)} for i in range(100)])
+    a = [q.labeled for q in load_questions([f], labeled_ratio=0.25, seed=1)]
+    b = [q.labeled for q in load_questions([f], labeled_ratio=0.25, seed=1)]
+    c = [q.labeled for q in load_questions([f], labeled_ratio=0.25, seed=2)]
+    assert a == b and sum(a) == 25 and a != c
+
+
+def test_prompt_templates(tmp_path):
+    from trapo.toy import _tokenizer
+
+    tok = _tokenizer(["12+34=\\boxed{46}"])
+    f = write_jsonl(tmp_path / "t.jsonl", [{"question": "12+34=", "answer": "46"}])
+    (q,) = load_questions([f])
+    assert render_prompt(q, "plain", tok) == "12+34="
+    think = render_prompt(q, "think", tok)  # no chat template: plain role layout
+    assert think.startswith("System: " + THINK_SYSTEM) and "User: This is the problem: 12+34=" in think
+    assert think.endswith("Assistant:<think>\n")
+    assert "Let's think step by step" in render_prompt(q, "cot", tok)
+    with pytest.raises(DataError, match="over data.max_prompt_tokens=3"):
+        tokenize_prompts([q], "plain", tok, 3)
+
+
+def test_epoch_batches_cover_each_question_once_per_epoch():
+    batches = epoch_batches(70, 16, 4, seed=0, epoch=0)
+    flat = [i for b in batches for i in b]
+    assert [len(b) for b in batches] == [16, 16, 16, 16, 4]  # last: 6 left, rounded down to 4 ranks
+    assert len(set(flat)) == 68
+    assert epoch_batches(70, 16, 4, 0, 0) == batches and epoch_batches(70, 16, 4, 0, 1) != batches

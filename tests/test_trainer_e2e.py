@@ -1,0 +1,173 @@
+"""End to end on the toy model, on CPU, with the real stack (DeepSpeed ZeRO-3, vLLM, Math-Verify).
+
+Each run is a subprocess (a trainer owns a process: its distributed world and its vLLM engine).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
+TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]
+
+
+@pytest.fixture(scope="session")
+def toy_dir(tmp_path_factory):
+    from trapo.config import ToyConfig
+    from trapo.toy import build_assets
+
+    d = tmp_path_factory.mktemp("toy")
+    build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
+    return str(d)
+
+
+def overrides(toy_dir, out, **kv):
+    base = {
+        "output_dir": str(out),
+        "progress_bar": "false",
+        "train.rollout_batch_size": 16,
+        "train.update_batch_size": 16,
+        "selection.warmup_epochs": 1,
+        "save_steps": 0,
+        "keep_checkpoints": "null",
+    }
+    base.update(kv)
+    return [f"toy.dir={toy_dir}", *TOY, *(f"{k}={v}" for k, v in base.items())]
+
+
+def env():
+    e = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def run(cmd, timeout=600):
+    out = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    return out
+
+
+def train(args, nproc=1, check=True):
+    if nproc == 1:
+        cmd = [sys.executable, "trapo_train.py", *args]
+    else:
+        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        cmd = [launcher, "--num_gpus", str(nproc), "--master_port", "29731", "trapo_train.py", *args]
+    out = run(cmd)
+    if check:
+        assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("mode", ["supervised", "unsupervised", "naive_semi"])
+def test_baseline_modes_one_process(toy_dir, tmp_path, mode):
+    train(overrides(toy_dir, tmp_path, mode=mode, max_steps=2, run_name=mode))
+    m = metrics(tmp_path / mode)
+    assert [r["step"] for r in m] == [1, 2] and not any(r["skipped"] for r in m)
+    if mode == "supervised":
+        assert all(r["unlabeled_questions"] == 0 and r["labeled_questions"] == 16 for r in m)
+    elif mode == "unsupervised":
+        assert all(r["labeled_questions"] == 0 and r["unlabeled_in_loss"] == 16 for r in m)
+        assert all(r["pseudo_label_precision"] is not None for r in m)  # hidden golds: diagnostics only
+    else:
+        assert all(r["labeled_questions"] + r["unlabeled_in_loss"] == 16 for r in m)
+    hf = tmp_path / mode / "checkpoints" / "step-2" / "hf"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(hf))
+    summary = json.loads((tmp_path / mode / "summary.json").read_text())
+    assert 0 <= summary["heldout_accuracy_after"] <= 1
+
+
+def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
+    """deepspeed --num_gpus 2 on CPU: warm-up is labeled-only, then the selection opens the gate."""
+    out = train(overrides(toy_dir, tmp_path, mode="trapo", max_steps=6, run_name="two"), nproc=2)
+    m = metrics(tmp_path / "two")
+    assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
+    warmup, after = m[:4], m[4:]
+    for r in warmup:  # epoch 1 (4 steps of 16 of 64 questions) is the warm-up: M = 0 for unlabeled
+        assert r["unlabeled_in_loss"] == 0
+        assert r["trained_sequences"] == r["labeled_questions"] * 8
+    sel = m[3]["selection"]
+    assert sel["epoch"] == 1 and sel["unlabeled"] == 48 and sel["selected"] >= 4  # top-p 0.1 of 48
+    assert sum(r["unlabeled_in_loss"] for r in after) > 0
+    for r in after:
+        assert r["trained_sequences"] == (r["labeled_questions"] + r["unlabeled_in_loss"]) * 8
+    ds = os.listdir(tmp_path / "two" / "checkpoints" / "step-6" / "ds")
+    assert sum("model_states" in f for f in ds) == 2  # one ZeRO-3 shard per rank
+    assert "held-out accuracy" in out.stdout
+
+
+def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path):
+    common = dict(mode="trapo", max_steps=4, save_steps=2)
+    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
+    straight = metrics(tmp_path / "straight")
+
+    crashed = run(
+        [sys.executable, SCENARIO, "crash_at_commit", "4", *overrides(toy_dir, tmp_path, run_name="resumed", **common)]
+    )
+    assert crashed.returncode == -9, crashed.stderr[-3000:]
+    ckpts = tmp_path / "resumed" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == [".step-4.tmp", "step-2"]  # written but never committed
+
+    out = train(overrides(toy_dir, tmp_path, run_name="resumed", resume_from="latest", **common))
+    assert "resumed from" in out.stderr and "step-2 at step 2" in out.stderr
+    assert sorted(os.listdir(ckpts)) == ["step-2", "step-4"]
+    resumed = metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):  # CPU fp32: the same rollouts, rewards and losses
+        for key in ("loss", "pg_loss", "reward_labeled", "pass_rate_unlabeled", "response_tokens", "selection"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+
+
+def test_weight_push_matches_transformers(toy_dir, tmp_path):
+    out = run([sys.executable, SCENARIO, "weight_push", *overrides(toy_dir, tmp_path, run_name="push")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["changed"] == res["total"]  # every tensor moved, and vLLM serves the moved weights
+    assert res["match"], res
+
+
+def test_non_finite_loss_skips_then_stops(toy_dir, tmp_path):
+    out = run(
+        [
+            sys.executable,
+            SCENARIO,
+            "nan_from",
+            "1",
+            *overrides(toy_dir, tmp_path, run_name="nan", max_steps=4, **{"train.max_bad_steps": 2}),
+        ]
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "2 consecutive steps with a non-finite loss" in res["error"]
+    assert res["weights_equal_to_start"]  # skipped steps changed nothing
+    m = metrics(tmp_path / "nan")
+    assert [r["skipped"] for r in m] == [True, True]
+
+
+def test_cli_errors_come_before_any_model_loads(tmp_path):
+    out = train(["loss.clip_epsilon=0.3"], check=False)
+    assert out.returncode == 2 and "did you mean 'loss.clip_eps'" in out.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "", "answer": "3"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = train(
+        [
+            f"--config={ROOT}/configs/trapo_1k_3k.yaml",
+            f"model.path={model}",
+            f"data.train_files=[{bad}]",
+            f"output_dir={tmp_path}",
+        ],
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"{bad} line 2: field 'question' is empty" in out.stderr
