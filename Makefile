@@ -43,6 +43,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_selection.py
 	$(PY) bench/bench_grading.py
+	$(PY) bench/bench_rollout.py
+	$(PY) bench/bench_step.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -20,6 +20,7 @@ DEFAULT_CONFIG = ROOT / "configs" / "toy.yaml"
 # Settings the CPU stack needs before vLLM / torch are imported (see README, "Platform").
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines would bury the progress bar
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,7 +54,7 @@ def test_overrides_are_typed_and_dotted():
         ("mode=semi", "expected one of 'supervised', 'unsupervised', 'naive_semi', 'trapo'"),
         ("train.lr=true", "key 'train.lr': got True (bool); expected a number"),
         ("rollout.n=1", "key 'rollout.n': GRPO needs at least 2 rollouts"),
-        ("train.update_batch_size=24", "must divide train.rollout_batch_size (32)"),
+        ("train.update_batch_size=24", "must divide train.rollout_batch_size (64)"),
         ("model.path=/somewhere", "must be empty when toy.enabled"),
         ("max_steps", "expected dotted.key=value"),
     ],

@@ -4,6 +4,7 @@ Each run is a subprocess (a trainer owns a process: its distributed world and it
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,21 +68,35 @@ def metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("mode", ["supervised", "unsupervised", "naive_semi"])
-def test_baseline_modes_one_process(toy_dir, tmp_path, mode):
-    train(overrides(toy_dir, tmp_path, mode=mode, max_steps=2, run_name=mode))
-    m = metrics(tmp_path / mode)
+# Each baseline mode, each switch riding along on one of them: gradient checkpointing,
+# bf16 on CPU, the three confidence rewards, and two optimizer updates per rollout batch.
+MODES = {
+    "supervised": {"model.gradient_checkpointing": "true"},
+    "unsupervised": {"model.dtype": "bfloat16", "reward.unlabeled": "token_entropy"},
+    "naive_semi": {"reward.unlabeled": "self_certainty"},
+    "naive_semi_two_updates": {"reward.unlabeled": "sentence_entropy", "train.update_batch_size": 8},
+}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_baseline_modes_one_process(toy_dir, tmp_path, name):
+    mode = name.replace("_two_updates", "")
+    train(overrides(toy_dir, tmp_path, mode=mode, max_steps=2, run_name=name, **MODES[name]))
+    m = metrics(tmp_path / name)
     assert [r["step"] for r in m] == [1, 2] and not any(r["skipped"] for r in m)
+    assert all(math.isfinite(r["loss"]) for r in m)
     if mode == "supervised":
         assert all(r["unlabeled_questions"] == 0 and r["labeled_questions"] == 16 for r in m)
     elif mode == "unsupervised":
         assert all(r["labeled_questions"] == 0 and r["unlabeled_in_loss"] == 16 for r in m)
         assert all(r["pseudo_label_precision"] is not None for r in m)  # hidden golds: diagnostics only
+        assert all(r["reward_unlabeled"] is None for r in m)  # confidence reward, not majority agreement
     else:
         assert all(r["labeled_questions"] + r["unlabeled_in_loss"] == 16 for r in m)
-    hf = tmp_path / mode / "checkpoints" / "step-2" / "hf"
+        assert all(r["trained_sequences"] == 16 * 8 for r in m)
+    hf = tmp_path / name / "checkpoints" / "step-2" / "hf"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(hf))
-    summary = json.loads((tmp_path / mode / "summary.json").read_text())
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
     assert 0 <= summary["heldout_accuracy_after"] <= 1
 
 

@@ -23,6 +23,7 @@ import random
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,17 +107,11 @@ class StepLog:
     values: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
+    @contextmanager
     def time(self, name: str):
-        log = self
-
-        class _Timer:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                log.timings[name] = log.timings.get(name, 0.0) + time.perf_counter() - self.t
-
-        return _Timer()
+        start = time.perf_counter()
+        yield
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
 
 class Trainer:
@@ -256,18 +251,20 @@ class Trainer:
     # ------------------------------------------------------------------ weights
 
     def full_weights(self):
-        """(Hugging Face name, full tensor) for every parameter, gathering one module at a time."""
+        """(Hugging Face name, full tensor) for every parameter, gathered one block at a time.
+
+        A block is a repeated layer (`model.layers.N`) or, outside the layer stack, one
+        module: one collective gather per block keeps the peak extra memory at one
+        layer while making far fewer calls than gathering module by module.
+        """
         import deepspeed
 
-        for prefix, module in self.model.named_modules():
-            params = list(module.named_parameters(recurse=False))
-            if not params:
-                continue
+        for params in _blocks(self.model.named_parameters()):
             with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
                 for name, p in params:
                     # A copy: the gathered buffer is freed when the context exits,
                     # and vLLM may keep a tensor until its fused partner arrives.
-                    yield (f"{prefix}.{name}" if prefix else name), p.data.detach().clone()
+                    yield name, p.data.detach().clone()
 
     def push_weights(self) -> tuple[int, float]:
         return self.rollout.push_weights(self.full_weights())
@@ -354,11 +351,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _microbatches(self, seqs: list[TrainSequence]) -> list[list[int]]:
-        """Token-budget micro-batches, padded with empty ones so every rank runs the same
-        number of forward/backward passes (ZeRO-3 gathers parameters collectively)."""
+    def _microbatches(self, seqs: list[TrainSequence]):
+        """Yield (indices into seqs, collated batch) per token-budget micro-batch.
+
+        Ranks with fewer micro-batches add empty ones (indices [], a 2-token dummy
+        batch): every rank must run the same number of forward/backward passes,
+        because ZeRO-3 gathers parameters collectively.
+        """
         groups = pack_by_tokens([len(s.ids) for s in seqs], self.cfg.train.micro_batch_tokens)
-        return groups + [[] for _ in range(all_max(len(groups)) - len(groups))]
+        groups += [[] for _ in range(all_max(len(groups)) - len(groups))]
+        pad = self.tokenizer.pad_token_id
+        for group in groups:
+            if group:
+                yield group, collate([seqs[i] for i in group], pad)
+            else:
+                yield group, collate([TrainSequence([pad, pad], 1, 0.0, 0.0, True)], pad)
 
     def _forward(self, batch: dict) -> torch.Tensor:
         out = self.engine(
@@ -366,18 +373,13 @@ class Trainer:
         )
         return out.logits[:, :-1].float()  # [b, T-1, V]: position t predicts token t+1
 
-    def _dummy_batch(self) -> dict:
-        pad = self.tokenizer.pad_token_id
-        return collate([TrainSequence([pad, pad], 1, 0.0, 0.0, True)], pad)
-
     @torch.no_grad()
     def _score_sequences(self, seqs: list[TrainSequence], kind: str) -> list[float]:
         """Confidence rewards from the current policy (no gradient), one per sequence."""
         from trapo.rewards import self_certainty_reward, sentence_likelihood_reward, token_entropy_reward
 
         scores = [0.0] * len(seqs)
-        for group in self._microbatches(seqs):
-            batch = collate([seqs[i] for i in group], self.tokenizer.pad_token_id) if group else self._dummy_batch()
+        for group, batch in self._microbatches(seqs):
             logits = self._forward(batch)
             mask = batch["response_mask"].to(logits.device)
             if kind == "self_certainty":
@@ -394,8 +396,7 @@ class Trainer:
 
     @torch.no_grad()
     def _store_old_logprobs(self, seqs: list[TrainSequence]) -> None:
-        for group in self._microbatches(seqs):
-            batch = collate([seqs[i] for i in group], self.tokenizer.pad_token_id) if group else self._dummy_batch()
+        for group, batch in self._microbatches(seqs):
             logits = self._forward(batch)
             lp = token_logprobs(logits, batch["input_ids"][:, 1:].to(logits.device)).cpu()  # [b, T-1]
             for row, i in enumerate(group):
@@ -404,8 +405,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _update(self, seqs: list[TrainSequence], log: StepLog) -> bool:
-        """One optimizer step on this rank's sequences of an update batch. False if skipped (non-finite)."""
+    def _update(self, seqs: list[TrainSequence]) -> tuple[bool, dict]:
+        """One optimizer step on this rank's sequences of an update batch.
+
+        Returns (applied, this rank's sums of loss, pg_loss, token-weighted entropy
+        and clip fraction, tokens, sequences trained); applied is False when a
+        non-finite loss on any rank made the step be skipped.
+        """
         cfg = self.cfg
         # Denominators over the whole update batch on all ranks (gated sequences included),
         # divided by the world size because DeepSpeed averages gradients over ranks.
@@ -415,11 +421,7 @@ class Trainer:
         finite = True
         sums = {"loss": 0.0, "pg_loss": 0.0, "entropy": 0.0, "clip_frac": 0.0, "tokens": 0.0}
         self.engine.train()
-        for group in self._microbatches(active):
-            if group:
-                batch = collate([active[i] for i in group], self.tokenizer.pad_token_id)
-            else:
-                batch = self._dummy_batch()
+        for group, batch in self._microbatches(active):
             logits = self._forward(batch)  # [b, T-1, V]
             targets = batch["input_ids"][:, 1:].to(logits.device)  # [b, T-1]
             logprobs = token_logprobs(logits, targets)  # [b, T-1]
@@ -457,20 +459,11 @@ class Trainer:
             finite = False
         finite = all_max(0 if finite else 1) == 0
         self.engine.step()
-        applied = self.engine.was_step_applied() if hasattr(self.engine, "was_step_applied") else finite
+        applied = self.engine.was_step_applied()
         if not finite and applied:
             raise TrainingError(f"step {self.step + 1}: non-finite loss but DeepSpeed applied the update")
-        total = all_sum(list(sums.values()))
-        t = max(total[4], 1.0)
-        log.values.update(
-            # each rank's loss is its share of the global loss times world size (see denom)
-            loss=total[0] / self.world if finite else float("nan"),
-            pg_loss=total[1] / self.world,
-            entropy=total[2] / t,
-            clip_frac=total[3] / t,
-            trained_sequences=int(all_sum([len(active)])[0]),
-        )
-        return finite and applied
+        sums["sequences"] = float(len(active))
+        return finite and applied, sums
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -511,34 +504,43 @@ class Trainer:
             gate = [1.0] * len(local)
 
         # 4. advantages and the update(s)
-        seqs: list[TrainSequence] = []
-        for qi, (i, group) in enumerate(zip(local, rollouts)):
-            rewards = grades.rewards[qi]
-            for r, reward in zip(group, rewards):
-                seqs.append(
-                    TrainSequence(
-                        self.prompts[i] + r.token_ids, len(self.prompts[i]), reward, gate[qi], questions[qi].labeled
-                    )
-                )
+        seqs = [
+            TrainSequence(self.prompts[i] + r.token_ids, len(self.prompts[i]), 0.0, gate[qi], questions[qi].labeled)
+            for qi, (i, group) in enumerate(zip(local, rollouts))
+            for r in group
+        ]  # [b * G], question-major
+        rewards = [x for row in grades.rewards for x in row]  # [b * G]
         if cfg.reward.unlabeled != "majority":
             unl = [j for j, s in enumerate(seqs) if not s.labeled]
             with log.time("grading"):
                 scores = self._score_sequences([seqs[j] for j in unl], cfg.reward.unlabeled)
             for j, v in zip(unl, scores):
-                seqs[j].advantage = v
+                rewards[j] = v
         g = cfg.rollout.n
-        rewards_bg = torch.tensor([s.advantage for s in seqs]).view(len(local), g)  # [b, G]
-        adv = group_advantages(rewards_bg, cfg.loss.advantage_scale).view(-1).tolist()  # [b * G]
-        for s, a in zip(seqs, adv):
+        adv = group_advantages(torch.tensor(rewards).view(len(local), g), cfg.loss.advantage_scale)  # [b, G]
+        for s, a in zip(seqs, adv.view(-1).tolist()):
             s.advantage = a
         with log.time("update"):
             per_update = cfg.train.update_batch_size // self.world * g  # sequences per rank per optimizer step
             if per_update < len(seqs):  # several updates: later ones need pi_old from before the first
                 self._store_old_logprobs(seqs)
-            ok = True
+            ok, sums = True, {}
             for start in range(0, len(seqs), per_update):
-                ok &= self._update(seqs[start : start + per_update], log)
+                applied, part = self._update(seqs[start : start + per_update])
+                ok &= applied
+                sums = {key: sums.get(key, 0.0) + v for key, v in part.items()}
             self.rollout.wake_up()
+        total = dict(zip(sums, all_sum(list(sums.values()))))
+        n_updates = -(-len(seqs) // per_update)
+        tok_sum = max(total["tokens"], 1.0)
+        log.values.update(
+            # each rank's loss is its share of the global loss times world size (see denom); mean over updates
+            loss=total["loss"] / self.world / n_updates if ok else float("nan"),
+            pg_loss=total["pg_loss"] / self.world / n_updates,
+            entropy=total["entropy"] / tok_sum,
+            clip_frac=total["clip_frac"] / tok_sum,
+            trained_sequences=int(total["sequences"]),
+        )
         # 5. weights into vLLM
         if ok:
             with log.time("weight_push"):
@@ -577,6 +579,7 @@ class Trainer:
             pass_rate_labeled=lab_pass / n_lab if n_lab else None,
             pass_rate_unlabeled=unl_pass / n_unl if n_unl else None,
             unlabeled_in_loss=int(n_gated_in),
+            selected_unlabeled=int(self.tracker.selected.sum()),  # the gate's current open set
             pseudo_label_precision=n_right / n_known if n_known else None,
             response_tokens=int(tok),
             truncated_frac=trunc / n_resp,
@@ -686,6 +689,22 @@ class Trainer:
 
     def close(self) -> None:
         self.verifier.close()
+
+
+def _blocks(named_params):
+    """Group consecutive (name, param) pairs by block: 'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'."""
+    group, key = [], None
+    for name, p in named_params:
+        parts = name.split(".")
+        digit = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        k = ".".join(parts[: digit + 1]) if digit is not None else ".".join(parts[:-1])
+        if group and k != key:
+            yield group
+            group = []
+        group.append((name, p))
+        key = k
+    if group:
+        yield group
 
 
 def _fmt(x) -> str:
