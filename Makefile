@@ -12,7 +12,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test lint bench clean-venv
+.PHONY: setup train test eval lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -35,6 +35,21 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# `make eval` alone: the latest `make train` checkpoint on the toy held-out split and a
+# 32-question slice of each shipped benchmark. `make eval MODEL=dir BENCH=math,arc_c,gpqa`
+# runs the paper's protocol (T = 0.6, avg@32 on AIME/AMC); EVAL_ARGS passes more flags.
+MODEL ?=
+BENCH ?=
+EVAL_ARGS ?=
+TOY_TEST := outputs/toy-assets/seed-0/test.jsonl
+eval: $(STAMP)
+ifeq ($(strip $(MODEL)$(BENCH)),)
+	$(PY) -m trapo.eval --benchmarks $(TOY_TEST),math,arc_c,gpqa --limit 32 --n 4 --pass-k 4 \
+		--template plain --max-tokens 16 --max-prompt-tokens 1536 $(EVAL_ARGS)
+else
+	$(PY) -m trapo.eval $(if $(MODEL),--model $(MODEL)) --benchmarks $(or $(BENCH),math,arc_c,gpqa) $(EVAL_ARGS)
+endif
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -102,7 +102,9 @@ def test_baseline_modes_one_process(toy_dir, tmp_path, name):
 
 def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     """deepspeed --num_gpus 2 on CPU: warm-up is labeled-only, then the selection opens the gate."""
-    out = train(overrides(toy_dir, tmp_path, mode="trapo", max_steps=6, run_name="two"), nproc=2)
+    val = os.path.join(toy_dir, "seed-0", "test.jsonl")
+    extra = {"eval.files": f"[{val}]", "eval.steps": 3, "eval.n": 2, "keep_checkpoints": 1}
+    out = train(overrides(toy_dir, tmp_path, mode="trapo", max_steps=6, run_name="two", **extra), nproc=2)
     m = metrics(tmp_path / "two")
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
     warmup, after = m[:4], m[4:]
@@ -117,6 +119,68 @@ def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     ds = os.listdir(tmp_path / "two" / "checkpoints" / "step-6" / "ds")
     assert sum("model_states" in f for f in ds) == 2  # one ZeRO-3 shard per rank
     assert "held-out accuracy" in out.stdout
+    # validation every 3 steps on both ranks' shares; the best step's checkpoint survives pruning
+    assert "eval" in m[2] and "eval" in m[5] and "eval" not in m[3]
+    scores = [m[2]["eval"]["mean"], m[5]["eval"]["mean"]]
+    best = json.loads((tmp_path / "two" / "best.json").read_text())
+    assert best["score"] == max(scores) and best["step"] == (3 if scores[0] >= scores[1] else 6)
+    assert os.path.isdir(best["checkpoint"]) and os.path.isdir(tmp_path / "two" / "checkpoints" / "step-6")
+
+
+def test_eval_cli_writes_outputs_and_resumes_without_regenerating(toy_dir, tmp_path):
+    model = os.path.join(toy_dir, "seed-0", "model")
+    test = os.path.join(toy_dir, "seed-0", "test.jsonl")
+    args = [
+        sys.executable,
+        "-m",
+        "trapo.eval",
+        "--model",
+        model,
+        "--benchmarks",
+        f"{test},aime",
+        "--limit",
+        "6",
+        "--n",
+        "2",
+        "--pass-k",
+        "2",
+        "--template",
+        "plain",
+        "--max-tokens",
+        "8",
+        "--max-prompt-tokens",
+        "1200",
+        "--out",
+        str(tmp_path / "ev"),
+    ]
+    first = run(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "generated 12 questions, reused 0" in first.stderr
+    assert "| Model | AIME24 | ID Avg. | test |" in first.stdout
+    lines = (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 12
+    rec = json.loads(lines[0])
+    assert len(rec["responses"]) == 2 and {"text", "answer", "correct", "tokens"} <= set(rec["responses"][0])
+    results = json.loads((tmp_path / "ev" / "results.json").read_text())["results"]
+    assert results["aime"]["questions"] == 6 and results["aime"]["samples"] == 2
+    assert set(results["test"]["metrics"]) == {"avg@2", "pass@2"}
+    assert (tmp_path / "ev" / "results.md").read_text() in first.stdout
+
+    # interrupted: 5 questions done and a torn line; the rerun generates only the other 7
+    (tmp_path / "ev" / "samples.jsonl").write_text("\n".join(lines[:5]) + "\n" + lines[5][:40])
+    second = run(args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "generated 7 questions, reused 5" in second.stderr
+    again = (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()
+    assert again[:5] == lines[:5] and len(again) == 12
+    assert sorted(again) == sorted(lines)  # same seeds: the same responses
+    resumed = json.loads((tmp_path / "ev" / "results.json").read_text())["results"]
+    assert {k: v["metrics"] for k, v in resumed.items()} == {k: v["metrics"] for k, v in results.items()}
+
+    third = run(args)
+    assert "generated 0 questions, reused 12" in third.stderr
+    other = run([*args[:-2], "--temperature", "1.0", "--out", str(tmp_path / "ev")])
+    assert other.returncode == 2 and "holds an evaluation with other settings" in other.stderr
 
 
 def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path):

@@ -84,8 +84,10 @@ def step_of(path: Path) -> int:
     return int(m.group(1))
 
 
-def prune(root: Path, keep: int | None) -> None:
+def prune(root: Path, keep: int | None, protect: int | None = None) -> None:
+    """Keep the newest `keep` checkpoints, and step `protect` (the best so far) whatever its age."""
     if keep is None:
         return
-    for _, path in list_complete(root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+    for step, path in list_complete(root)[:-keep]:
+        if step != protect:
+            shutil.rmtree(path, ignore_errors=True)

@@ -42,7 +42,7 @@ class DataConfig:
     labeled_ratio: float | None = None  # None: use each row's `labeled` flag; else split by ratio with `seed`
     prompt_template: Literal["think", "cot", "chat", "dataset", "plain"] = "think"
     max_prompt_tokens: int = 1024  # longer prompts are an input error, reported before training
-    test_files: list[str] = field(default_factory=list)  # held-out accuracy before / after training
+    test_files: list[str] = field(default_factory=list)  # held-out pass@1 before / after training (benchmark files)
 
 
 @dataclass
@@ -97,6 +97,15 @@ class SelectionYaml:
 
 
 @dataclass
+class EvalConfig:
+    files: list[str] = field(default_factory=list)  # validation benchmarks (parquet / JSONL), see trapo/eval.py
+    steps: int = 0  # evaluate every N steps (0: never); the best score's checkpoint is kept and named in best.json
+    n: int = 1  # samples per question (avg@n)
+    temperature: float = 0.6  # the paper's evaluation temperature
+    max_tokens: int | None = None  # None: rollout.max_tokens
+
+
+@dataclass
 class ToyConfig:
     enabled: bool = False  # build the embedded toy model and data (see trapo/toy.py)
     dir: str = "outputs/toy-assets"
@@ -126,6 +135,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     selection: SelectionYaml = field(default_factory=SelectionYaml)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     toy: ToyConfig = field(default_factory=ToyConfig)
 
     @property
@@ -264,6 +274,9 @@ def validate(cfg: Config, source: str = "config") -> None:
         "must be in [0, 1] or null",
     )
     need(cfg.reward.timeout > 0, "reward.timeout", "must be > 0")
+    need(cfg.eval.steps >= 0, "eval.steps", f"must be >= 0, got {cfg.eval.steps}")
+    need(not cfg.eval.steps or bool(cfg.eval.files), "eval.files", "eval.steps > 0 needs validation files")
+    need(cfg.eval.n >= 1, "eval.n", f"must be >= 1, got {cfg.eval.n}")
     need(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
     if cfg.toy.enabled:
         need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")

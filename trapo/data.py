@@ -71,7 +71,7 @@ def _flag(value, where: str, field: str) -> bool | None:
     return value
 
 
-def _parquet_rows(path: Path) -> list[Question]:
+def parquet_rows(path: Path) -> list[Question]:
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as err:  # noqa: BLE001 - pyarrow raises many types; all mean "not a readable parquet"
@@ -108,7 +108,7 @@ def _parquet_rows(path: Path) -> list[Question]:
     return out
 
 
-def _jsonl_rows(path: Path) -> list[Question]:
+def jsonl_rows(path: Path) -> list[Question]:
     out = []
     try:
         lines = path.read_text().splitlines()
@@ -145,9 +145,9 @@ def load_questions(files: list[str], labeled_ratio: float | None = None, seed: i
         if not path.is_file():
             raise DataError(f"{path}: training file not found")
         if path.suffix == ".parquet":
-            questions += _parquet_rows(path)
+            questions += parquet_rows(path)
         elif path.suffix in (".jsonl", ".json"):
-            questions += _jsonl_rows(path)
+            questions += jsonl_rows(path)
         else:
             raise DataError(f"{path}: unknown format (expected .parquet or .jsonl)")
     if not questions:

@@ -35,11 +35,11 @@ from trapo import checkpoint as ckpt
 from trapo.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
 from trapo.config import Config, dump_config
 from trapo.data import DataError, Question, epoch_batches, load_questions, select_for_mode, tokenize_prompts
+from trapo.eval import Benchmark, avg_at_k, evaluate, read_benchmark_file
 from trapo.grading import grade
 from trapo.logits import token_entropy, token_logprobs
 from trapo.loss import group_advantages, policy_loss
 from trapo.passrate import PassRateTracker, SelectionConfig
-from trapo.rewards import math_rewards
 from trapo.rewards.verifier import MathVerifier
 from trapo.rollout import RolloutEngine
 
@@ -134,6 +134,7 @@ class Trainer:
         self.step = 0
         self.bad_steps = 0
         self.last_selection: dict | None = None
+        self.best: dict | None = None  # {"step", "score"} of the best validation score so far
         self._resume()
 
     # ------------------------------------------------------------------ set-up
@@ -166,10 +167,8 @@ class Trainer:
         self.questions: list[Question] = select_for_mode(
             load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode
         )
-        self.test_questions = load_questions(test_files, None, cfg.seed) if test_files else []
-        if any(q.answer is None for q in self.test_questions):
-            bad = next(q for q in self.test_questions if q.answer is None)
-            raise DataError(f"{bad.where}: a test question needs an answer")
+        self.test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
+        self.val_benchmarks = [b for f in cfg.eval.files for b in read_benchmark_file(Path(f))]
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -177,9 +176,8 @@ class Trainer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         t = cfg.data
         self.prompts = tokenize_prompts(self.questions, t.prompt_template, self.tokenizer, t.max_prompt_tokens)
-        self.test_prompts = tokenize_prompts(
-            self.test_questions, t.prompt_template, self.tokenizer, t.max_prompt_tokens
-        )
+        for bench in self.test_benchmarks + self.val_benchmarks:  # prompt lengths checked now, not mid-run
+            tokenize_prompts(bench.questions, t.prompt_template, self.tokenizer, t.max_prompt_tokens)
         self.steps_per_epoch = len(epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, 0, 0))
         if self.steps_per_epoch == 0:
             raise DataError(f"{len(self.questions)} training questions: too few for one batch on {self.world} ranks")
@@ -307,6 +305,7 @@ class Trainer:
                     "tracker": self.tracker.state_dict(),
                     "bad_steps": self.bad_steps,
                     "last_selection": self.last_selection,
+                    "best": self.best,
                     "world_size": self.world,
                 },
                 tmp / "trainer_state.pt",
@@ -315,7 +314,12 @@ class Trainer:
         final = ckpt.final_dir(self.ckpt_root, self.step)
         if self.is_main:
             _commit(self.ckpt_root, self.step)
-            ckpt.prune(self.ckpt_root, self.cfg.keep_checkpoints)
+            best = None
+            if self.best is not None:
+                best = self.best["step"]
+                info = {**self.best, "checkpoint": str(ckpt.final_dir(self.ckpt_root, best))}
+                (self.run_dir / "best.json").write_text(json.dumps(info, indent=2))
+            ckpt.prune(self.ckpt_root, self.cfg.keep_checkpoints, protect=best)
         dist.barrier()
         return final
 
@@ -338,6 +342,7 @@ class Trainer:
         self.step = state["step"]
         self.bad_steps = state["bad_steps"]
         self.last_selection = state["last_selection"]
+        self.best = state["best"]
         rng = torch.load(path / "rng" / f"rank-{self.rank}.pt", weights_only=False)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -600,27 +605,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def heldout_accuracy(self) -> float | None:
-        """Accuracy on data.test_files (pass@1 at rollout.eval_temperature), over all ranks."""
-        if not self.test_questions:
+    def evaluate(self, benchmarks: list[Benchmark], n: int, temperature: float, max_tokens: int) -> dict | None:
+        """Scores (avg@n) per benchmark and their mean, over all ranks (each takes every world-th question)."""
+        if not benchmarks:
             return None
-        local = list(range(self.rank, len(self.test_questions), self.world))
-        temp = self.cfg.rollout.eval_temperature
-        outs = self.rollout.generate(
-            [self.test_prompts[i] for i in local],
-            n=1,
-            temperature=temp,
-            max_tokens=self.cfg.rollout.max_tokens,
-            seeds=[rollout_seed(self.cfg.seed, -1, i) for i in local] if temp > 0 else None,
+        shards = [Benchmark(b.name, b.questions[self.rank :: self.world], b.source) for b in benchmarks]
+        results = evaluate(
+            self.rollout,
+            self.tokenizer,
+            shards,
+            n_for=lambda _: n,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            template=self.cfg.data.prompt_template,
+            max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+            seed=self.cfg.seed,
+            verifier=self.verifier,
         )
-        rewards = math_rewards(
-            [o[0].text for o in outs],
-            [self.test_questions[i].answer for i in local],
-            self.cfg.reward.timeout,
-            self.verifier,
-        )
-        right, n = all_sum([sum(rewards), len(rewards)])
-        return right / n
+        grades = all_gather({name: r["_grades"] for name, r in results.items()})
+        scores = {name: avg_at_k([g for rank in grades for g in rank[name]]) for name in results}
+        return {**scores, "mean": sum(scores.values()) / len(scores)}
+
+    def heldout_accuracy(self) -> float | None:
+        """pass@1 on data.test_files at rollout.eval_temperature (greedy by default)."""
+        r = self.evaluate(self.test_benchmarks, 1, self.cfg.rollout.eval_temperature, self.cfg.rollout.max_tokens)
+        return None if r is None else r["mean"]
 
     # ------------------------------------------------------------------ the loop
 
@@ -646,6 +655,19 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 values = self.train_step()
+                save = (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps
+                if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or self.step == self.total_steps):
+                    e = cfg.eval
+                    values["eval"] = self.evaluate(
+                        self.val_benchmarks, e.n, e.temperature, e.max_tokens or cfg.rollout.max_tokens
+                    )
+                    if self.best is None or values["eval"]["mean"] > self.best["score"]:
+                        self.best = {"step": self.step, "score": values["eval"]["mean"]}
+                        save = True  # the best checkpoint must exist
+                if save:
+                    started = time.perf_counter()
+                    self.save()
+                    values["timing"]["save"] = round(time.perf_counter() - started, 4)
                 if metrics_file:
                     metrics_file.write(json.dumps(values) + "\n")
                     metrics_file.flush()
@@ -660,10 +682,6 @@ class Trainer:
                         )
                 else:
                     self.bad_steps = 0
-                if (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps:
-                    started = time.perf_counter()
-                    self.save()
-                    self.log(f"saved step-{self.step} ({time.perf_counter() - started:.2f} s)")
                 sel = self.last_selection or {}
                 bar.set_postfix(
                     r_lab=_fmt(values.get("reward_labeled")),
@@ -682,6 +700,7 @@ class Trainer:
             "heldout_accuracy_before": before,
             "heldout_accuracy_after": after,
             "selection": self.last_selection,
+            "best": self.best,
         }
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
