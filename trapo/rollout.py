@@ -58,6 +58,9 @@ class RolloutEngine:
             # The CPU backend sizes its KV cache from this, not from a memory fraction;
             # CUDA graphs / compilation do not apply.
             kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * 2**30), enforce_eager=True)
+            # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill,
+            # which CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         # vLLM's in-process engine seeds the global RNGs; keep the trainer's streams untouched.
         with torch.random.fork_rng(devices=[]):
             self.llm = LLM(**kwargs)
