@@ -175,3 +175,28 @@ def test_tracker_public_code_variant_runs_through_config():
     # z-scored 2-point trajectories are +-1 patterns: q2 is constant -> 0; q3 rises like the labeled ones -> 1.
     assert tr.scores[2].item() == 0.0 and tr.scores[3].item() == pytest.approx(1.0)
     assert tr.selected.tolist() == [False, False, False, True]
+
+
+def test_random_control_selects_as_many_but_at_random():
+    """The paper's random_select control: same count as the rule, chosen uniformly (seeded)."""
+    labeled = torch.tensor([True] * 4 + [False] * 40)
+
+    def run(random, seed=0):
+        tr = PassRateTracker(
+            labeled, SelectionConfig(warmup_epochs=1, top_p=0.1, threshold=0.9, random=random, random_seed=seed)
+        )
+        rates = torch.linspace(0, 1, 44)
+        tr.record(torch.arange(44), rates, torch.ones(44))
+        tr.end_epoch()
+        tr.record(torch.arange(44), rates.flip(0), torch.ones(44))
+        tr.end_epoch()
+        return tr.selected.clone(), tr.last_correct.clone()
+
+    rule, correct = run(False)
+    rand_a, _ = run(True, seed=1)
+    rand_b, _ = run(True, seed=1)
+    rand_c, _ = run(True, seed=2)
+    assert int(rand_a.sum()) == int(rule.sum()) >= 4  # top 10% of 40 at least
+    assert torch.equal(rand_a, rand_b) and not torch.equal(rand_a, rand_c)
+    assert not rand_a[:4].any()  # labeled questions are never "selected"
+    assert torch.equal(correct, torch.ones(44))  # the closed epoch's pseudo-label correctness is kept

@@ -114,6 +114,8 @@ def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     sel = m[3]["selection"]
     assert sel["epoch"] == 1 and sel["unlabeled"] == 48 and sel["selected"] >= 4  # top-p 0.1 of 48
     assert sum(r["unlabeled_in_loss"] for r in after) > 0
+    (dump,) = [json.loads(x) for x in (tmp_path / "two" / "selection.jsonl").read_text().splitlines()]
+    assert dump["epoch"] == 1 and len(dump["tcs"]) == 48 and sum(dump["selected"]) == sel["selected"]
     for r in after:
         assert r["trained_sequences"] == (r["labeled_questions"] + r["unlabeled_in_loss"]) * 8
     ds = os.listdir(tmp_path / "two" / "checkpoints" / "step-6" / "ds")

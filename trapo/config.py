@@ -94,6 +94,7 @@ class SelectionYaml:
     threshold: float = 0.4  # Gamma
     reference: Literal["mean_trajectory", "mean_cosine", "max_cosine"] = "mean_trajectory"
     standardize: bool = False
+    random: bool = False  # control: as many unlabeled questions as the rule picks, chosen at random
 
 
 @dataclass
@@ -108,6 +109,8 @@ class EvalConfig:
 @dataclass
 class ToyConfig:
     enabled: bool = False  # build the embedded toy model and data (see trapo/toy.py)
+    task: Literal["addition", "trap"] = "addition"
+    trap_rate: float = 0.6  # trap task: share of borrow questions the warm start's teacher gets wrong
     dir: str = "outputs/toy-assets"
     seed: int = 0
     labeled: int = 64
@@ -275,7 +278,11 @@ def validate(cfg: Config, source: str = "config") -> None:
     )
     need(cfg.reward.timeout > 0, "reward.timeout", "must be > 0")
     need(cfg.eval.steps >= 0, "eval.steps", f"must be >= 0, got {cfg.eval.steps}")
-    need(not cfg.eval.steps or bool(cfg.eval.files), "eval.files", "eval.steps > 0 needs validation files")
+    need(
+        not cfg.eval.steps or bool(cfg.eval.files) or cfg.toy.enabled,
+        "eval.files",
+        "eval.steps > 0 needs validation files",
+    )
     need(cfg.eval.n >= 1, "eval.n", f"must be >= 1, got {cfg.eval.n}")
     need(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
     if cfg.toy.enabled:

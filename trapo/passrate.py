@@ -136,6 +136,10 @@ class SelectionConfig:
     threshold: float = 0.4
     reference: str = "mean_trajectory"  # or "mean_cosine", "max_cosine"
     standardize: bool = False  # z-score trajectories first (paper's public code)
+    # Control of the paper's "random_select" table: pick as many unlabeled questions as the
+    # rule would, but uniformly at random (seeded by random_seed and the epoch).
+    random: bool = False
+    random_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.warmup_epochs < 0:
@@ -176,6 +180,7 @@ class PassRateTracker:
         self.scores = torch.zeros(q)  # [Q]; latest TCS (0 for labeled)
         self._current = torch.full((q,), float("nan"))  # [Q]; this epoch's P_q, NaN = not yet seen
         self._correct = torch.full((q,), float("nan"))  # [Q]; pseudo-label == hidden gold, NaN unknown
+        self.last_correct = self._correct.clone()  # [Q]; the last closed epoch's
 
     @property
     def num_questions(self) -> int:
@@ -229,6 +234,7 @@ class PassRateTracker:
         column = torch.where(unseen, previous, self._current)  # [Q]
         self.trajectories = torch.cat([self.trajectories, column[:, None]], dim=1)  # [Q, t]
         correct = self._correct
+        self.last_correct = correct  # [Q]: this epoch's pseudo-label == hidden gold (NaN unknown)
         self._current = torch.full_like(self._current, float("nan"))
         self._correct = torch.full_like(self._correct, float("nan"))
 
@@ -246,6 +252,11 @@ class PassRateTracker:
                 standardize=cfg.standardize,
             )  # [U]
             chosen = reliable_mask(scores, cfg.top_p, cfg.threshold)  # [U]
+            if cfg.random:
+                gen = torch.Generator().manual_seed(cfg.random_seed * 100_003 + self.epoch)
+                picked = torch.randperm(len(u_idx), generator=gen)[: int(chosen.sum())]
+                chosen = torch.zeros_like(chosen)
+                chosen[picked] = True
             self.scores[u_idx] = scores
             self.selected[u_idx[chosen]] = True
             self.in_database |= self.selected

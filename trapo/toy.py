@@ -9,9 +9,18 @@
   answers are kept as hidden golds (diagnostics only);
 - `test.jsonl`: held-out questions.
 
-Questions are two-digit additions "a+b=" and answers are `\\boxed{a+b}`; the
-warm start sees a disjoint pool of questions, so the RL phase has to generalise
-carry handling rather than recall pairs. Deterministic given `cfg.seed`.
+Two task families (`cfg.task`):
+- `addition` (the `make train` default): "a+b=" with two-digit a, b, answer
+  `\\boxed{a+b}`; the warm start sees a disjoint pool of questions.
+- `trap` (`make reproduce-toy`): "a-b=" with two-digit a > b, where self-consistency
+  can be wrong. When a column needs a borrow (a's units digit < b's), the warm
+  start's teacher is buggy for `trap_rate` of such questions: it subtracts the
+  smaller digit from the larger in each column (52-17 -> 45 instead of 35), the
+  classic student error. The model so learns a consistent wrong answer on part
+  of the borrow questions, and a majority vote there is confidently wrong.
+  The out-of-domain family is two-digit addition, taught correctly, written to
+  `test_ood.jsonl`.
+Deterministic given `cfg.seed`.
 """
 
 from __future__ import annotations
@@ -35,6 +44,21 @@ def _problems(seed: int) -> list[tuple[str, str]]:
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(seed).shuffle(pairs)
     return [(f"{a}+{b}=", str(a + b)) for a, b in pairs]
+
+
+def needs_borrow(a: int, b: int) -> bool:
+    return a % 10 < b % 10
+
+
+def buggy_difference(a: int, b: int) -> int:
+    """The no-borrow error: each column subtracts the smaller digit from the larger."""
+    return 10 * abs(a // 10 - b // 10) + abs(a % 10 - b % 10)
+
+
+def _subtractions(seed: int) -> list[tuple[int, int]]:
+    pairs = [(a, b) for a in range(11, 100) for b in range(10, a) if a // 10 != b // 10]
+    random.Random(seed).shuffle(pairs)
+    return pairs
 
 
 def response_text(answer: str) -> str:
@@ -113,24 +137,31 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def asset_dir(cfg: ToyConfig) -> Path:
+    return Path(cfg.dir) / (f"seed-{cfg.seed}" if cfg.task == "addition" else f"{cfg.task}-seed-{cfg.seed}")
+
+
 def build_assets(cfg: ToyConfig, log=print) -> Path:
     """Build (or reuse) the toy model and data; returns the asset directory."""
-    root = Path(cfg.dir) / f"seed-{cfg.seed}"
+    root = asset_dir(cfg)
     manifest = {"format": FORMAT_VERSION, **asdict(cfg)}
     manifest.pop("dir")
     done = root / "manifest.json"
     if done.is_file() and json.loads(done.read_text()) == manifest:
         return root
     started = time.perf_counter()
-    problems = _problems(cfg.seed)
     n_task = cfg.labeled + cfg.unlabeled + cfg.test
-    if n_task + 1000 > len(problems):
-        raise ValueError(f"toy: {n_task} questions requested; at most {len(problems) - 1000} available")
-    task, warm = problems[:n_task], problems[n_task:]
-    tokenizer = _tokenizer([q + response_text(a) for q, a in problems])
+    if cfg.task == "addition":
+        problems = _problems(cfg.seed)
+        if n_task + 1000 > len(problems):
+            raise ValueError(f"toy: {n_task} questions requested; at most {len(problems) - 1000} available")
+        task, warm, ood = problems[:n_task], problems[n_task:], []
+        corpus = [q + response_text(a) for q, a in problems]
+    else:
+        task, warm, ood, corpus = _trap_problems(cfg, n_task)
+    tokenizer = _tokenizer(corpus)
     model = _model(tokenizer, cfg.seed)
     with torch.random.fork_rng():
-        torch.set_num_threads(max(1, torch.get_num_threads()))
         _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed)
 
     tmp = root.with_name(root.name + ".tmp")
@@ -146,8 +177,41 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     _write_jsonl(
         tmp / "test.jsonl", [{"id": f"t{i}", "question": q, "answer": a} for i, (q, a) in enumerate(task[-cfg.test :])]
     )
+    if ood:
+        _write_jsonl(
+            tmp / "test_ood.jsonl", [{"id": f"o{i}", "question": q, "answer": a} for i, (q, a) in enumerate(ood)]
+        )
     (tmp / "manifest.json").write_text(json.dumps(manifest))
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     log(f"toy: built model and data in {root} ({time.perf_counter() - started:.1f} s)")
     return root
+
+
+def _trap_problems(cfg: ToyConfig, n_task: int):
+    """(task questions, warm-start pairs, OOD test questions, tokenizer corpus) for the trap family.
+
+    Task and test questions are half borrow, half no-borrow subtractions; the warm
+    start gets disjoint subtractions (the buggy teacher on `trap_rate` of its
+    borrow ones, chosen per question) plus correctly taught additions.
+    """
+    rng = random.Random(cfg.seed)
+    subs = _subtractions(cfg.seed)
+    borrow = [p for p in subs if needs_borrow(*p)]
+    plain = [p for p in subs if not needs_borrow(*p)]
+    half = n_task // 2
+    if half + 600 > min(len(borrow), len(plain)):
+        raise ValueError(f"toy: {n_task} trap questions requested; too many for the subtraction pool")
+    task_pairs = borrow[:half] + plain[: n_task - half]
+    rng.shuffle(task_pairs)
+    task = [(f"{a}-{b}=", str(a - b)) for a, b in task_pairs]
+    warm = [
+        (f"{a}-{b}=", str(buggy_difference(a, b) if rng.random() < cfg.trap_rate else a - b)) for a, b in borrow[half:]
+    ]
+    warm += [(f"{a}-{b}=", str(a - b)) for a, b in plain[n_task - half :]]
+    adds = _problems(cfg.seed + 1)
+    ood = adds[: cfg.test]
+    warm += adds[cfg.test : cfg.test + len(warm) // 2]
+    rng.shuffle(warm)
+    corpus = [q + response_text(a) for q, a in task + warm + ood]
+    return task, warm, ood, corpus

@@ -129,7 +129,9 @@ class Trainer:
         sel = cfg.selection
         self.tracker = PassRateTracker(
             torch.tensor([q.labeled for q in self.questions]),
-            SelectionConfig(sel.warmup_epochs, sel.top_p, sel.threshold, sel.reference, sel.standardize),
+            SelectionConfig(
+                sel.warmup_epochs, sel.top_p, sel.threshold, sel.reference, sel.standardize, sel.random, cfg.seed
+            ),
         )
         self.step = 0
         self.bad_steps = 0
@@ -146,14 +148,15 @@ class Trainer:
     def _prepare_inputs(self) -> None:
         cfg = self.cfg
         if cfg.toy.enabled:
-            from trapo.toy import build_assets
+            from trapo.toy import asset_dir, build_assets
 
             if self.is_main:
                 build_assets(cfg.toy, log=self.log)
             dist.barrier()
-            root = Path(cfg.toy.dir) / f"seed-{cfg.toy.seed}"
+            root = asset_dir(cfg.toy)
             self.model_dir = str(root / "model")
-            train_files, test_files = [str(root / "train.jsonl")], [str(root / "test.jsonl")]
+            train_files = [str(root / "train.jsonl")]
+            test_files = [str(p) for p in (root / "test.jsonl", root / "test_ood.jsonl") if p.is_file()]
         else:
             self.model_dir = cfg.model.path
             train_files, test_files = cfg.data.train_files, cfg.data.test_files
@@ -168,7 +171,8 @@ class Trainer:
             load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode
         )
         self.test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
-        self.val_benchmarks = [b for f in cfg.eval.files for b in read_benchmark_file(Path(f))]
+        val_files = cfg.eval.files or (test_files if cfg.toy.enabled else [])  # the toy validates on its test splits
+        self.val_benchmarks = [b for f in val_files for b in read_benchmark_file(Path(f))]
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -597,11 +601,29 @@ class Trainer:
         if k == self.steps_per_epoch - 1:
             self.last_selection = self.tracker.end_epoch()
             log.values["selection"] = self.last_selection
+            if self.is_main and self.last_selection["tcs_selected"] is not None:
+                self._dump_selection()
         self.step += 1
         log.timings["step"] = time.perf_counter() - step_start
         log.values["timing"] = {name: round(sec, 4) for name, sec in log.timings.items()}
         log.values["tokens_per_s"] = tok / max(log.timings["rollout"], 1e-9)
         return log.values
+
+    def _dump_selection(self) -> None:
+        """Append this epoch's per-question TCS, pseudo-label correctness and gate to selection.jsonl."""
+        tr = self.tracker
+        idx = (~tr.labeled).nonzero().squeeze(1)  # [U]
+        correct = [None if math.isnan(c) else bool(c) for c in tr.last_correct[idx].tolist()]
+        row = {
+            "epoch": tr.epoch,
+            "question": idx.tolist(),
+            "tcs": [round(x, 5) for x in tr.scores[idx].tolist()],
+            "pseudo_correct": correct,
+            "selected": tr.selected[idx].tolist(),
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "selection.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ evaluation
 
@@ -626,10 +648,9 @@ class Trainer:
         scores = {name: avg_at_k([g for rank in grades for g in rank[name]]) for name in results}
         return {**scores, "mean": sum(scores.values()) / len(scores)}
 
-    def heldout_accuracy(self) -> float | None:
-        """pass@1 on data.test_files at rollout.eval_temperature (greedy by default)."""
-        r = self.evaluate(self.test_benchmarks, 1, self.cfg.rollout.eval_temperature, self.cfg.rollout.max_tokens)
-        return None if r is None else r["mean"]
+    def heldout(self) -> dict | None:
+        """pass@1 per test benchmark (data.test_files) and their mean, at rollout.eval_temperature (greedy)."""
+        return self.evaluate(self.test_benchmarks, 1, self.cfg.rollout.eval_temperature, self.cfg.rollout.max_tokens)
 
     # ------------------------------------------------------------------ the loop
 
@@ -645,9 +666,9 @@ class Trainer:
             f"mode {cfg.mode}: {n_lab} labeled + {len(self.questions) - n_lab} unlabeled questions, "
             f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps, world size {self.world}"
         )
-        before = self.heldout_accuracy() if self.step == 0 else None
+        before = self.heldout() if self.step == 0 else None
         if before is not None:
-            self.log(f"held-out accuracy before training: {before:.3f}")
+            self.log(f"held-out accuracy before training: {before['mean']:.3f}")
         bar = tqdm(
             total=self.total_steps, initial=self.step, disable=not (self.is_main and cfg.progress_bar), file=sys.stderr
         )
@@ -694,11 +715,13 @@ class Trainer:
             bar.close()
             if metrics_file:
                 metrics_file.close()
-        after = self.heldout_accuracy()
+        after = self.heldout()
         summary = {
             "steps": self.step,
-            "heldout_accuracy_before": before,
-            "heldout_accuracy_after": after,
+            "heldout_accuracy_before": before and before["mean"],
+            "heldout_accuracy_after": after and after["mean"],
+            "heldout_before": before,
+            "heldout_after": after,
             "selection": self.last_selection,
             "best": self.best,
         }

@@ -1,0 +1,24 @@
+"""The toy tasks: the trap family's arithmetic and splits."""
+
+from trapo import toy
+from trapo.config import ToyConfig
+
+
+def test_borrow_and_the_no_borrow_error():
+    assert toy.needs_borrow(52, 17) and not toy.needs_borrow(57, 12)
+    assert toy.buggy_difference(52, 17) == 45  # 5-1 = 4, |2-7| = 5
+    assert toy.buggy_difference(57, 12) == 57 - 12  # without a borrow the "bug" is right
+
+
+def test_trap_splits_are_balanced_and_disjoint():
+    cfg = ToyConfig(task="trap", labeled=20, unlabeled=60, test=40)
+    task, warm, ood, _ = toy._trap_problems(cfg, 120)
+    qs = [q for q, _ in task]
+    assert len(task) == 120 and len(set(qs)) == 120
+    borrow = sum(toy.needs_borrow(*map(int, q[:-1].split("-"))) for q in qs)
+    assert borrow == 60  # half of the questions need a borrow
+    assert all(a == str(eval(q[:-1])) for q, a in task)  # task golds are right  # noqa: S307
+    assert not set(qs) & {q for q, _ in warm}  # the warm start never sees a task question
+    wrong = [(q, a) for q, a in warm if "-" in q and a != str(eval(q[:-1]))]  # noqa: S307
+    assert wrong and all(a == str(toy.buggy_difference(*map(int, q[:-1].split("-")))) for q, a in wrong)
+    assert len(ood) == 40 and all("+" in q for q, _ in ood)
