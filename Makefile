@@ -12,7 +12,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test eval lint bench clean-venv
+.PHONY: setup train test eval reproduce-toy lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -50,6 +50,11 @@ ifeq ($(strip $(MODEL)$(BENCH)),)
 else
 	$(PY) -m trapo.eval $(if $(MODEL),--model $(MODEL)) --benchmarks $(or $(BENCH),math,arc_c,gpqa) $(EVAL_ARGS)
 endif
+
+# The paper's three claims on the trap toy task: 6 methods x 3 seeds (under 60 min on
+# 2 cores); QUICK=1: one seed, 30 steps (under 15 min). Outputs in outputs/reproduce-toy/.
+reproduce-toy: $(STAMP)
+	$(PY) -m trapo.reproduce $(if $(QUICK),--quick)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -211,7 +211,7 @@ def _trap_problems(cfg: ToyConfig, n_task: int):
     warm += [(f"{a}-{b}=", str(a - b)) for a, b in plain[n_task - half :]]
     adds = _problems(cfg.seed + 1)
     ood = adds[: cfg.test]
-    warm += adds[cfg.test : cfg.test + len(warm) // 2]
+    warm += adds[cfg.test : cfg.test + len(warm)]  # as many additions as subtractions
     rng.shuffle(warm)
     corpus = [q + response_text(a) for q, a in task + warm + ood]
     return task, warm, ood, corpus
