@@ -198,6 +198,20 @@ def report(out: Path, runs: dict, warmup_epochs: int, log=print) -> dict:
     md = head + "\n".join(table) + "\n"
     seed_list = ", ".join(map(str, seeds))
     md += f"\nMean ± standard deviation over seeds {seed_list}; held-out avg@4 at T = 0.6 after the last step.\n"
+    # Per seed: each seed builds its own base model, so differences within a seed are the paired comparison.
+    md += "\nPer seed, ID / OOD accuracy (%):\n\n| Method | " + " | ".join(f"seed {s}" for s in seeds) + " |\n"
+    md += "|---|" + "---|" * len(seeds) + "\n"
+    md += (
+        "| Warm-started base model | "
+        + " | ".join(f"{100 * base[s]['test']:.1f} / {100 * base[s]['test_ood']:.1f}" for s in seeds)
+        + " |\n"
+    )
+    for m in methods:
+        cells = []
+        for s in seeds:
+            last = data[(m, s)]["curve"][-1] if (m, s) in data else None
+            cells.append(f"{100 * last[1]:.1f} / {100 * last[2]:.1f}" if last else "-")
+        md += f"| {LABELS[m]} | " + " | ".join(cells) + " |\n"
 
     # plot 1: held-out ID accuracy over steps
     fig, ax = plt.subplots(figsize=(7, 4.5))
