@@ -42,6 +42,15 @@ def test_reproduce_smallest_configuration(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"supervised", "unsupervised", "trapo", "trapo_random"}
     assert "3_unsupervised_degrades" in results["claims"]
-    # rerunning reuses the finished runs
+    # rerunning reuses the finished runs, but not under another budget
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and again.stderr.count("reusing") == 4
+    other = subprocess.run(
+        [*cmd[:5], "2", *cmd[6:], "--methods", "supervised"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert other.returncode == 0 and "ran 5 steps, not 2: running again" in other.stderr, other.stderr[-2000:]

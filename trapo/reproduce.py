@@ -54,9 +54,14 @@ LABELS = {
 def run_one(out: Path, method: str, seed: int, steps: int, extra: list[str], log) -> Path:
     run_dir = out / "runs" / f"{method}-seed{seed}"
     if (run_dir / "summary.json").is_file():
-        log(f"{method} seed {seed}: reusing {run_dir}")
-        return run_dir
-    if run_dir.exists():  # an interrupted run: start it again from scratch
+        import yaml
+
+        done = yaml.safe_load((run_dir / "config.yaml").read_text())
+        if done["max_steps"] == steps:
+            log(f"{method} seed {seed}: reusing {run_dir}")
+            return run_dir
+        log(f"{method} seed {seed}: {run_dir} ran {done['max_steps']} steps, not {steps}: running again")
+    if run_dir.exists():  # interrupted, or another budget: start it again from scratch
         import shutil
 
         shutil.rmtree(run_dir)
@@ -326,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default=None, help="comma list (default 0,1,2; quick: 0)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 60; quick: 30)")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--out", default="outputs/reproduce-toy")
+    parser.add_argument(
+        "--out", default=None, help="default outputs/reproduce-toy (quick: outputs/reproduce-toy-quick)"
+    )
     parser.add_argument("--tiny", action="store_true", help="a few questions only (the test suite's smoke run)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
@@ -337,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"reproduce: unknown methods {unknown}; known: {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = Path(args.out or ("outputs/reproduce-toy-quick" if args.quick else "outputs/reproduce-toy"))
     out.mkdir(parents=True, exist_ok=True)
     extra = []
     warmup = 3
