@@ -77,13 +77,6 @@ def resolve(resume_from: str | None, root: Path) -> Path | None:
     return path
 
 
-def step_of(path: Path) -> int:
-    m = _STEP_DIR.match(path.name)
-    if not m:
-        raise ValueError(f"{path}: not a checkpoint directory (expected step-N)")
-    return int(m.group(1))
-
-
 def prune(root: Path, keep: int | None, protect: int | None = None) -> None:
     """Keep the newest `keep` checkpoints, and step `protect` (the best so far) whatever its age."""
     if keep is None:
