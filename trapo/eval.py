@@ -32,7 +32,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from trapo.data import DataError, Question, jsonl_rows, parquet_rows, tokenize_prompts
-from trapo.rewards import decide_pairs, extract_boxed
+from trapo.rewards import extract_boxed, math_rewards
 
 # Table 1 of the paper: column label and whether the benchmark is in-domain (math).
 TABLE_COLUMNS = {
@@ -165,11 +165,9 @@ def sample_seed(seed: int, benchmark: str, uid: str) -> int:
 
 
 def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=None) -> list[dict]:
-    """Per response: extracted answer and grade (Math-Verify; a letter gold compares letters)."""
-    answers = [extract_boxed(t) for t in texts]
-    idx = [i for i, a in enumerate(answers) if a is not None]
-    verdicts = dict(zip(idx, decide_pairs([(gold, answers[i]) for i in idx], timeout, verifier)))
-    return [{"answer": a, "correct": bool(verdicts.get(i, False))} for i, a in enumerate(answers)]
+    """Per response: extracted answer and grade (`math_rewards`: Math-Verify; a letter gold compares letters)."""
+    rewards = math_rewards(texts, [gold] * len(texts), timeout, verifier)
+    return [{"answer": extract_boxed(t), "correct": r == 1.0} for t, r in zip(texts, rewards)]
 
 
 def evaluate(
