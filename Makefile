@@ -4,10 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Threads: the CPU machines are 2 cores; without a bound step times swing 40x.
-export OMP_NUM_THREADS ?= 1
-export TORCHDYNAMO_DISABLE ?= 1
-export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+# The process environment (threads, vLLM's in-process engine, CPU-only settings) is decided
+# by trapo/runtime.py, which every entry point calls first.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)

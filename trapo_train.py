@@ -10,17 +10,14 @@ and a message naming the key, before anything is loaded.
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from trapo import runtime
+
 ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = ROOT / "configs" / "toy.yaml"
-
-# Settings the CPU stack needs before vLLM / torch are imported (see README, "Platform").
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines would bury the progress bar
+runtime.configure()  # before vLLM or torch is imported: see trapo/runtime.py
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(cfg)
-    except (DataError, ConfigError) as err:
+    except (DataError, ConfigError, FileNotFoundError) as err:
         print(f"trapo_train: input error: {err}", file=sys.stderr)
         return 2
     except TrainingError as err:

@@ -18,7 +18,9 @@ import sys
 import time
 from collections import Counter
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from trapo import runtime  # noqa: E402
+
+runtime.configure()  # bounded threads before torch is imported
 
 import pyarrow.parquet as pq  # noqa: E402
 

@@ -10,9 +10,11 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trapo import runtime  # noqa: E402
+
+runtime.configure()  # before torch and vLLM are imported
 
 from trapo.config import ToyConfig  # noqa: E402
 from trapo.data import load_questions, tokenize_prompts  # noqa: E402

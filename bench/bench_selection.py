@@ -10,7 +10,9 @@ import math
 import os
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from trapo import runtime  # noqa: E402
+
+runtime.configure()  # bounded threads before torch is imported
 
 import torch  # noqa: E402
 

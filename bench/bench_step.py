@@ -11,10 +11,12 @@ import statistics
 import sys
 import tempfile
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from trapo import runtime  # noqa: E402
+
+runtime.configure()  # before torch and vLLM are imported
 
 from trapo.config import load_config  # noqa: E402
 from trapo.trainer import Trainer  # noqa: E402

@@ -1,7 +1,10 @@
 import os
 
-# Bounded threads: on the 2-core CI machines unbounded OpenMP makes timings swing 40x.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from trapo import runtime
+
+# Before torch is imported: bounded threads (on the 2-core CI machines unbounded OpenMP
+# makes timings swing 40x) and the in-process vLLM engine; see trapo/runtime.py.
+runtime.configure()
 
 import pytest  # noqa: E402
 

@@ -5,12 +5,13 @@ import os
 import subprocess
 import sys
 
+from trapo import runtime
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_reproduce_smallest_configuration(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env["PYTHONPATH"] = ROOT
+    env = runtime.subprocess_env()
     out = tmp_path / "rep"
     cmd = [
         sys.executable,

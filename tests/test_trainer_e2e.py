@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from trapo import runtime
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
 TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]
@@ -40,14 +42,8 @@ def overrides(toy_dir, out, **kv):
     return [f"toy.dir={toy_dir}", *TOY, *(f"{k}={v}" for k, v in base.items())]
 
 
-def env():
-    e = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-    return e
-
-
 def run(cmd, timeout=600):
-    out = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=timeout)
     return out
 
 

@@ -21,6 +21,26 @@ class TrainSequence:
     old_logprobs: list[float] | None = None  # per response token; only when several updates share a rollout batch
 
 
+def build_sequences(
+    prompts: list[list[int]],
+    responses: list[list[list[int]]],
+    advantages: list[list[float]],
+    gate: list[float],
+    labeled: list[bool],
+) -> list[TrainSequence]:
+    """One step's training sequences, question-major: [b * G].
+
+    prompts: [b] prompt token ids; responses: [b][G] response token ids;
+    advantages: [b][G] (paper eq. "advantage", `trapo.loss.group_advantages`);
+    gate: [b] M per question; labeled: [b].
+    """
+    return [
+        TrainSequence(ids=prompt + response, prompt_len=len(prompt), advantage=adv, weight=m, labeled=is_labeled)
+        for prompt, group, group_adv, m, is_labeled in zip(prompts, responses, advantages, gate, labeled)
+        for response, adv in zip(group, group_adv)
+    ]
+
+
 def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     """Group sequence indices into micro-batches of at most `budget` padded tokens.
 

@@ -8,20 +8,124 @@ directory that no reader ever picks (and the next save removes).
 
 Layout of `step-N/`:
     ds/                 DeepSpeed engine state (ZeRO-3 shards, optimizer, per rank)
-    trainer_state.pt    step, pass-rate tracker, bad-step count (rank 0's copy)
+    trainer_state.pt    `Trainer.state_dict()`: step, pass-rate tracker, bad-step count... (rank 0's copy)
     rng/rank-R.pt       RNG states per rank
     hf/                 config, safetensors weights, tokenizer: servable by vLLM as is
     COMPLETE
+
+`save` and `restore` read and write that layout; they are collective (every
+rank calls them). The functions below them only manage directories.
 """
 
 from __future__ import annotations
 
+import json
+import random
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
+import torch
+
+from trapo import dist
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer_state.pt"
+DEEPSPEED_TAG = "ds"
+
+
+def save(
+    root: Path,
+    step: int,
+    *,
+    rank: int,
+    engine,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    trainer_state: dict,
+    model,
+    tokenizer,
+) -> Path:
+    """Write checkpoint `step-N` atomically on every rank; returns its final path.
+
+    engine: the DeepSpeed engine (each rank writes its shards); weights: the
+    gathering iterator of full tensors (consumed on every rank, kept by rank 0
+    for `hf/`); trainer_state: what `Trainer.load_state_dict` takes back.
+    """
+    tmp = staging_dir(root, step)
+    if rank == 0:
+        begin(root, step)
+    dist.barrier()
+    engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
+    save_rng(tmp, rank)
+    state = {}
+    for name, tensor in weights:  # collective: every rank gathers, rank 0 keeps
+        if rank == 0:
+            state[name] = tensor.cpu().contiguous()
+    if rank == 0:
+        _write_hf(tmp / "hf", state, model, tokenizer)
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+    dist.barrier()
+    if rank == 0:
+        commit(root, step)
+    dist.barrier()
+    return final_dir(root, step)
+
+
+def write_best(path: Path, root: Path, best: dict) -> None:
+    """best.json: the best validation score so far, its step and its checkpoint's directory (rank 0)."""
+    path.write_text(json.dumps({**best, "checkpoint": str(final_dir(root, best["step"]))}, indent=2))
+
+
+def read_trainer_state(path: Path) -> dict:
+    """The trainer state saved in checkpoint `path` (not collective)."""
+    return torch.load(path / TRAINER_STATE, weights_only=False)
+
+
+def restore(path: Path, *, rank: int, engine) -> None:
+    """Load the DeepSpeed engine state and this rank's RNG states from checkpoint `path`."""
+    load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG)
+    if load_path is None:
+        raise FileNotFoundError(f"{path}/{DEEPSPEED_TAG}: DeepSpeed could not load the checkpoint")
+    load_rng(path, rank)
+
+
+def load_rng(directory: Path, rank: int) -> None:
+    """Restore the Python, NumPy, torch (and CUDA) RNG states `save_rng` wrote for this rank."""
+    rng = torch.load(directory / "rng" / f"rank-{rank}.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def save_rng(directory: Path, rank: int) -> None:
+    """This rank's Python, NumPy, torch (and CUDA) RNG states into directory/rng/rank-R.pt."""
+    (directory / "rng").mkdir(exist_ok=True)
+    torch.save(
+        {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        },
+        directory / "rng" / f"rank-{rank}.pt",
+    )
+
+
+def _write_hf(hf: Path, state: dict[str, torch.Tensor], model, tokenizer) -> None:
+    """A Hugging Face directory vLLM and transformers load as is: weights, config, generation config, tokenizer."""
+    from safetensors.torch import save_file
+
+    hf.mkdir()
+    save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(hf)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
 
 
 def staging_dir(root: Path, step: int) -> Path:

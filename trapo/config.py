@@ -87,14 +87,36 @@ class RewardConfig:
     workers: int = 2  # Math-Verify worker processes per rank
 
 
+REFERENCES = ("mean_trajectory", "mean_cosine", "max_cosine")
+
+
 @dataclass
-class SelectionYaml:
+class SelectionConfig:
+    """How unlabeled questions are gated (paper defaults: top-p 0.1, Gamma 0.4); `trapo.passrate` uses it as is."""
+
     warmup_epochs: int = 8
     top_p: float = 0.1
     threshold: float = 0.4  # Gamma
     reference: Literal["mean_trajectory", "mean_cosine", "max_cosine"] = "mean_trajectory"
-    standardize: bool = False
-    random: bool = False  # control: as many unlabeled questions as the rule picks, chosen at random
+    standardize: bool = False  # z-score trajectories first (paper's public code)
+    # Control of the paper's "random_select" table: pick as many unlabeled questions as the
+    # rule would, but uniformly at random (seeded by random_seed and the epoch).
+    random: bool = False
+    random_seed: int | None = None  # None: the run's seed
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self, source: str = "config") -> None:
+        """The range checks, for direct construction and for values loaded from YAML."""
+        if self.warmup_epochs < 0:
+            raise ConfigError(f"{source}: key 'selection.warmup_epochs': must be >= 0, got {self.warmup_epochs}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ConfigError(f"{source}: key 'selection.top_p': must be in [0, 1], got {self.top_p}")
+        if self.reference not in REFERENCES:
+            raise ConfigError(
+                f"{source}: key 'selection.reference': must be one of {REFERENCES}, got {self.reference!r}"
+            )
 
 
 @dataclass
@@ -137,7 +159,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    selection: SelectionYaml = field(default_factory=SelectionYaml)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     toy: ToyConfig = field(default_factory=ToyConfig)
 
@@ -269,8 +291,7 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     need(cfg.loss.clip_eps > 0, "loss.clip_eps", "must be > 0")
     need(cfg.loss.beta == 0.0, "loss.beta", "a reference-model KL is not supported by the trainer; the paper uses 0")
-    need(s.warmup_epochs >= 0, "selection.warmup_epochs", "must be >= 0")
-    need(0 <= s.top_p <= 1, "selection.top_p", f"must be in [0, 1], got {s.top_p}")
+    s.check(source)
     need(
         cfg.data.labeled_ratio is None or 0 <= cfg.data.labeled_ratio <= 1,
         "data.labeled_ratio",

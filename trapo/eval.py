@@ -31,8 +31,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from trapo import runtime
 from trapo.data import DataError, Question, jsonl_rows, parquet_rows, tokenize_prompts
 from trapo.rewards import extract_boxed, math_rewards
+from trapo.rollout import request_seed
 
 # Table 1 of the paper: column label and whether the benchmark is in-domain (math).
 TABLE_COLUMNS = {
@@ -159,11 +161,6 @@ def resolve_benchmarks(spec: str, data_dir: Path) -> list[Benchmark]:
 # ----------------------------------------------------------------------------- running
 
 
-def sample_seed(seed: int, benchmark: str, uid: str) -> int:
-    digest = hashlib.blake2b(f"{seed}/{benchmark}/{uid}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
 def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=None) -> list[dict]:
     """Per response: extracted answer and grade (`math_rewards`: Math-Verify; a letter gold compares letters)."""
     rewards = math_rewards(texts, [gold] * len(texts), timeout, verifier)
@@ -185,9 +182,11 @@ def evaluate(
     on_question=None,
     chunk: int = 64,
     verifier=None,
-) -> dict:
-    """Generate, grade and score; returns results per benchmark.
+) -> tuple[dict, dict]:
+    """Generate, grade and score; returns (results per benchmark, grades per benchmark).
 
+    grades[name]: [questions][n] correct flags, for metrics a caller adds (pass@k,
+    or scores pooled over ranks).
     n_for(name) -> samples per question. `done` maps (benchmark, uid) to a
     finished question's record (from samples.jsonl) that is reused as is;
     `on_question(record)` is called once per newly finished question, in
@@ -197,7 +196,7 @@ def evaluate(
     todo = {b.name: [q for q in b.questions if (b.name, q.uid) not in done] for b in benchmarks}
     # Every prompt is checked (length) before any generation starts.
     prompts = {name: tokenize_prompts(qs, template, tokenizer, max_prompt_tokens) for name, qs in todo.items()}
-    results = {}
+    results, grades_by_name = {}, {}
     for bench in benchmarks:
         n = n_for(bench.name)
         started = time.perf_counter()
@@ -210,7 +209,7 @@ def evaluate(
                 n=n,
                 temperature=temperature,
                 max_tokens=max_tokens,
-                seeds=[sample_seed(seed, bench.name, q.uid) for q in part] if temperature > 0 else None,
+                seeds=[request_seed(seed, bench.name, q.uid) for q in part] if temperature > 0 else None,
             )
             for q, group in zip(part, outs):
                 grades = grade_responses([r.text for r in group], q.answer, verifier=verifier)
@@ -232,6 +231,7 @@ def evaluate(
         metrics = {f"avg@{n}": avg_at_k(grades)}
         if n == 1:
             metrics["pass@1"] = metrics["avg@1"]
+        grades_by_name[bench.name] = grades
         results[bench.name] = {
             "questions": len(records),
             "samples": n,
@@ -241,9 +241,8 @@ def evaluate(
             "mean_response_length": sum(tokens) / len(tokens) if tokens else 0.0,
             "seconds": round(time.perf_counter() - started, 3),
             "source": bench.source,
-            "_grades": grades,
         }
-    return results
+    return results, grades_by_name
 
 
 def markdown_table(results: dict, row_label: str) -> str:
@@ -310,6 +309,7 @@ def latest_toy_checkpoint(root: Path = Path("outputs/toy/checkpoints")) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    runtime.configure()  # before vLLM or torch is imported
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="Hugging Face model dir (default: the latest `make train` checkpoint)")
     parser.add_argument("--benchmarks", help="comma list of names in --data-dir or file paths")
@@ -359,18 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trapo.eval: {err}", file=sys.stderr)
         return 2
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import torch
     from transformers import AutoTokenizer
 
     from trapo.rollout import RolloutEngine
+    from trapo.runtime import dtype_name
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
     engine = RolloutEngine(
-        str(model), dtype=dtype, max_model_len=args.max_prompt_tokens + args.max_tokens, seed=args.seed
+        str(model), dtype=dtype_name(args.dtype), max_model_len=args.max_prompt_tokens + args.max_tokens, seed=args.seed
     )
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
@@ -382,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             generated[0] += 1
 
         try:
-            results = evaluate(
+            results, grades = evaluate(
                 engine,
                 tokenizer,
                 benchmarks,
@@ -398,10 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         except DataError as err:
             print(f"trapo.eval: {err}", file=sys.stderr)
             return 2
-    for r in results.values():
-        grades = r.pop("_grades")
-        if args.pass_k:
-            r["metrics"][f"pass@{args.pass_k}"] = mean_pass_at_k(grades, args.pass_k)
+    if args.pass_k:
+        for name, r in results.items():
+            r["metrics"][f"pass@{args.pass_k}"] = mean_pass_at_k(grades[name], args.pass_k)
     (out / "results.json").write_text(
         json.dumps({"model": str(model), "settings": settings, "results": results}, indent=2)
     )

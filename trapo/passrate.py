@@ -25,13 +25,13 @@ selection uses trajectories of length W.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-REFERENCES = ("mean_trajectory", "mean_cosine", "max_cosine")
+from trapo.config import REFERENCES, SelectionConfig  # noqa: F401  (SelectionConfig: the tracker's config type)
 
 
 def pass_rates(correct: Tensor) -> Tensor:
@@ -125,29 +125,6 @@ def reliable_mask(scores: Tensor, top_p: float, threshold: float) -> Tensor:
     order = torch.argsort(scores, descending=True, stable=True)  # [N]
     mask[order[:k]] = True
     return mask | (scores >= threshold)
-
-
-@dataclass
-class SelectionConfig:
-    """How unlabeled questions are gated (paper defaults: top-p 0.1, Gamma 0.4)."""
-
-    warmup_epochs: int = 8
-    top_p: float = 0.1
-    threshold: float = 0.4
-    reference: str = "mean_trajectory"  # or "mean_cosine", "max_cosine"
-    standardize: bool = False  # z-score trajectories first (paper's public code)
-    # Control of the paper's "random_select" table: pick as many unlabeled questions as the
-    # rule would, but uniformly at random (seeded by random_seed and the epoch).
-    random: bool = False
-    random_seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.warmup_epochs < 0:
-            raise ValueError(f"selection.warmup_epochs must be >= 0, got {self.warmup_epochs}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"selection.top_p must be in [0, 1], got {self.top_p}")
-        if self.reference not in REFERENCES:
-            raise ValueError(f"selection.reference must be one of {REFERENCES}, got {self.reference!r}")
 
 
 def _mean_or_none(values: Tensor) -> float | None:
@@ -253,7 +230,7 @@ class PassRateTracker:
             )  # [U]
             chosen = reliable_mask(scores, cfg.top_p, cfg.threshold)  # [U]
             if cfg.random:
-                gen = torch.Generator().manual_seed(cfg.random_seed * 100_003 + self.epoch)
+                gen = torch.Generator().manual_seed((cfg.random_seed or 0) * 100_003 + self.epoch)
                 picked = torch.randperm(len(u_idx), generator=gen)[: int(chosen.sum())]
                 chosen = torch.zeros_like(chosen)
                 chosen[picked] = True
@@ -274,6 +251,21 @@ class PassRateTracker:
             "tcs_rejected": _mean_or_none(self.scores[rej]) if ran else None,
             "precision_selected": _mean_or_none(correct[sel & known]),
             "precision_rejected": _mean_or_none(correct[rej & known]),
+        }
+
+    def selection_row(self) -> dict:
+        """The last epoch end's per-question view of the unlabeled questions (a selection.jsonl row).
+
+        epoch; question: [U] indices; tcs: [U] scores; pseudo_correct: [U] the
+        pseudo-label matched the hidden gold (None unknown); selected: [U] gate.
+        """
+        idx = (~self.labeled).nonzero().squeeze(1)  # [U]
+        return {
+            "epoch": self.epoch,
+            "question": idx.tolist(),
+            "tcs": [round(x, 5) for x in self.scores[idx].tolist()],
+            "pseudo_correct": [None if math.isnan(c) else bool(c) for c in self.last_correct[idx].tolist()],
+            "selected": self.selected[idx].tolist(),
         }
 
     def state_dict(self) -> dict:

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trapo import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {
@@ -77,7 +78,7 @@ def run_one(out: Path, method: str, seed: int, steps: int, extra: list[str], log
     ]
     started = time.perf_counter()
     cmd = [sys.executable, str(ROOT / "trapo_train.py"), "--config", str(ROOT / "configs" / "toy_trap.yaml"), *args]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(cmd, env=runtime.subprocess_env(), capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} seed {seed} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     log(f"{method} seed {seed}: {time.perf_counter() - started:.0f} s")
@@ -120,18 +121,12 @@ def base_eval(out: Path, run_dir: Path, seed: int, log) -> dict:
             str(dest),
             "--overwrite",
         ]
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(cmd, env=runtime.subprocess_env(), capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"base model evaluation, seed {seed}, failed:\n{proc.stderr[-3000:]}")
         log(f"base model seed {seed} evaluated")
     res = json.loads((dest / "results.json").read_text())["results"]
     return {name: r["score"] for name, r in res.items()}
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 def _read(run_dir: Path, base: dict) -> dict:

@@ -9,12 +9,14 @@ extra memory at one layer. On GPU the engine sleeps while the policy trains.
 
 from __future__ import annotations
 
-import os
+import hashlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -22,6 +24,16 @@ class Rollout:
     token_ids: list[int]  # sampled tokens, EOS included when generation stopped on it
     text: str
     truncated: bool  # hit max_tokens
+
+
+def request_seed(*parts) -> int:
+    """A sampling seed for one request from its identity, e.g. (run seed, step, question index).
+
+    It depends on nothing else (not batch order, not rank), so a resumed run or
+    a repeated evaluation draws the same samples.
+    """
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 class RolloutEngine:
@@ -38,8 +50,9 @@ class RolloutEngine:
         enable_prefix_caching: bool = True,
         hf_overrides: dict | None = None,
     ):
-        # In-process engine: the weight push hands tensors over by reference.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # The process environment (an in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0) is set
+        # by the entry point, see trapo/runtime.py.
+        import torch
         from vllm import LLM
 
         self.on_gpu = torch.cuda.is_available()

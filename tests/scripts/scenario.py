@@ -12,8 +12,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from trapo import runtime  # noqa: E402
+
+runtime.configure()
+
 import torch  # noqa: E402
 
+from trapo import checkpoint as ckpt  # noqa: E402
+from trapo import policy as policy_module  # noqa: E402
 from trapo import trainer as tr  # noqa: E402
 from trapo.config import load_config  # noqa: E402
 
@@ -25,20 +31,20 @@ def main() -> None:
     if scenario == "crash_at_commit":
         # A real SIGKILL after every rank wrote the checkpoint but before it is committed.
         crash_step = int(args.pop(0))
-        real_commit = tr._commit
+        real_commit = ckpt.commit
 
         def commit(root, step):
             if step == crash_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            real_commit(root, step)
+            return real_commit(root, step)
 
-        tr._commit = commit
+        ckpt.commit = commit
         tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "weight_push":
         weight_push(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "nan_from":
         nan_from = int(args.pop(0))
-        real_loss = tr.policy_loss
+        real_loss = policy_module.policy_loss
         trainer_ref = {}
 
         def poisoned(*a, **k):
@@ -47,15 +53,15 @@ def main() -> None:
                 loss = loss * float("nan")
             return loss, metrics
 
-        tr.policy_loss = poisoned
+        policy_module.policy_loss = poisoned
         cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), args)
         t = tr.Trainer(cfg)
         trainer_ref["t"] = t
-        before = [p.detach().clone() for _, p in t.full_weights()]
+        before = [p.detach().clone() for _, p in t.policy.full_weights()]
         try:
             t.train()
         except tr.TrainingError as err:
-            after = [p for _, p in t.full_weights()]
+            after = [p for _, p in t.policy.full_weights()]
             print(json.dumps({"error": str(err), "weights_equal_to_start": all(map(torch.equal, before, after))}))
             return
         print(json.dumps({"error": None}))
@@ -68,17 +74,17 @@ def weight_push(cfg) -> None:
     from transformers import AutoModelForCausalLM
 
     t = tr.Trainer(cfg)
-    start = {n: p for n, p in t.full_weights()}
+    start = {n: p for n, p in t.policy.full_weights()}
     t.train_step()
     t.train_step()
-    weights = dict(t.full_weights())
+    weights = dict(t.policy.full_weights())
     changed = sum(not torch.equal(start[n], w) for n, w in weights.items())
     from trapo.data import tokenize_prompts
 
     questions = [q for b in t.test_benchmarks for q in b.questions]
     prompts = tokenize_prompts(questions, cfg.data.prompt_template, t.tokenizer, cfg.data.max_prompt_tokens)
     vllm_out = [o[0].token_ids for o in t.rollout.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
-    del t._hf_ds  # transformers would otherwise build this reference model partitioned under ZeRO-3
+    del t.policy._hf_ds  # transformers would otherwise build this reference model partitioned under ZeRO-3
     model = AutoModelForCausalLM.from_pretrained(t.model_dir, dtype=torch.float32)
     model.load_state_dict(weights)
     model.eval()

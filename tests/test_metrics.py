@@ -1,0 +1,113 @@
+"""One step's statistics: sums per rank, values after the cross-rank sum (hand-computed), files, summary."""
+
+import json
+import math
+
+import pytest
+
+from trapo.data import Question
+from trapo.grading import Grades
+from trapo.metrics import step_sums, step_values, summary_text, trim_metrics
+from trapo.policy import UPDATE_SUMS
+from trapo.rollout import Rollout
+
+
+def q(labeled: bool) -> Question:
+    return Question(uid="x", question="1+1=", answer="2", labeled=labeled, messages=None, where="row 1")
+
+
+def rollouts(*lengths_truncated):
+    return [[Rollout(token_ids=[0] * n, text="", truncated=t) for n, t in group] for group in lengths_truncated]
+
+
+def test_step_sums_by_name():
+    questions = [q(True), q(False), q(True), q(False)]
+    grades = Grades(
+        rewards=[[1, 0], [1, 1], [0, 0], [1, 0]],
+        pass_rates=[0.5, 1.0, 0.0, 0.5],
+        pseudo_correct=[math.nan, 1.0, math.nan, math.nan],  # the second unlabeled one has no hidden gold
+    )
+    gate = [1.0, 1.0, 1.0, 0.0]
+    sums = step_sums(questions, grades, gate, rollouts([(3, False), (5, True)], [(2, False)] * 2, [(4, True)] * 2, []))
+    assert sums == {
+        "labeled_questions": 2,
+        "labeled_pass_sum": 0.5,
+        "unlabeled_questions": 2,
+        "unlabeled_pass_sum": 1.5,
+        "unlabeled_in_loss": 1.0,
+        "pseudo_known": 1,
+        "pseudo_right": 1.0,
+        "response_tokens": 3 + 5 + 2 + 2 + 4 + 4,
+        "truncated": 3,
+        "responses": 6,
+    }
+
+
+def totals(**kw):
+    base = dict.fromkeys(UPDATE_SUMS, 0.0)
+    base.update(
+        labeled_questions=4, labeled_pass_sum=3.0, unlabeled_questions=8, unlabeled_pass_sum=2.0,
+        unlabeled_in_loss=5, pseudo_known=4, pseudo_right=3.0, response_tokens=1000, truncated=6, responses=96,
+    )  # fmt: skip
+    base.update(kw)
+    return base
+
+
+def test_step_values_from_cross_rank_totals():
+    t = totals(loss=1.2, pg_loss=0.8, entropy=50.0, clip_frac=10.0, trained_tokens=200.0, trained_sequences=72.0)
+    v = step_values(t, world=2, updates=3, applied=True, majority=True)
+    assert v["loss"] == pytest.approx(1.2 / 2 / 3) and v["pg_loss"] == pytest.approx(0.8 / 2 / 3)
+    assert v["entropy"] == pytest.approx(0.25) and v["clip_frac"] == pytest.approx(0.05)  # token-weighted
+    assert v["trained_sequences"] == 72
+    assert v["reward_labeled"] == v["pass_rate_labeled"] == 0.75
+    assert v["pass_rate_unlabeled"] == v["reward_unlabeled"] == 0.25
+    assert v["unlabeled_in_loss"] == 5 and v["pseudo_label_precision"] == 0.75
+    assert v["response_tokens"] == 1000 and v["truncated_frac"] == 6 / 96 and v["skipped"] is False
+
+
+def test_step_values_edge_cases():
+    skipped = step_values(totals(), world=1, updates=1, applied=False, majority=False)
+    assert math.isnan(skipped["loss"]) and skipped["skipped"] is True
+    assert skipped["reward_unlabeled"] is None  # a confidence reward is not majority agreement
+    assert skipped["entropy"] == 0.0  # no trained tokens: no division by zero
+    empty = step_values(
+        totals(labeled_questions=0, unlabeled_questions=0, pseudo_known=0),
+        world=1,
+        updates=1,
+        applied=True,
+        majority=True,
+    )
+    assert empty["reward_labeled"] is None and empty["pass_rate_unlabeled"] is None
+    assert empty["pseudo_label_precision"] is None
+
+
+def test_trim_metrics_moves_redone_steps_aside(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5')
+    trim_metrics(path, 2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    discarded = (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()
+    assert discarded[:2] == ['{"step": 3}', '{"step": 4}'] and discarded[2] == '{"step": 5'
+
+
+def test_summary_text():
+    text = summary_text(
+        {
+            "steps": 80,
+            "heldout_accuracy_before": 0.5,
+            "heldout_accuracy_after": 0.625,
+            "selection": {
+                "selected": 19,
+                "unlabeled": 192,
+                "database": 111,
+                "precision_selected": 0.84,
+                "precision_rejected": None,
+            },
+        }  # fmt: skip
+    )
+    assert text.splitlines() == [
+        "trained 80 steps",
+        "held-out accuracy: 0.500 before -> 0.625 after",
+        "unlabeled selected at the last epoch end: 19 of 192 (database 111)",
+        "pseudo-label precision: selected 0.84, rejected -",
+    ]

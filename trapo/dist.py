@@ -1,0 +1,99 @@
+"""Distributed helpers: the process group, small collectives, ZeRO-3 parameter gathering.
+
+Every function here is collective unless it says otherwise: all ranks call it
+in the same order. A plain `python` process gets a one-process world, so the
+same code runs with and without a launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank), initialising the process group once (nccl on GPU, gloo on CPU)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        # DeepSpeed would JIT-compile a shared-memory op (about a minute) that gloo does not need.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+
+
+def comm_device() -> torch.device:
+    """Where collective tensors live: this rank's GPU under nccl, the CPU under gloo (not collective)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def all_gather(obj):
+    """Every rank's `obj`, in rank order (small picklable objects only)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_max(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_sum(values: dict[str, float]) -> dict[str, float]:
+    """Sum of each named value over all ranks (one all-reduce in float64; every rank passes the same keys)."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t)
+    return dict(zip(values, t.tolist()))
+
+
+def parameter_blocks(named_params: Iterable) -> Iterator[list]:
+    """Group consecutive (name, param) pairs by block: 'model.layers.3.mlp.up_proj.weight' -> 'model.layers.3'.
+
+    A block is a repeated layer or, outside the layer stack, one module (not collective).
+    """
+    group, key = [], None
+    for name, p in named_params:
+        parts = name.split(".")
+        digit = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        k = ".".join(parts[: digit + 1]) if digit is not None else ".".join(parts[:-1])
+        if group and k != key:
+            yield group
+            group = []
+        group.append((name, p))
+        key = k
+    if group:
+        yield group
+
+
+def gathered_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every parameter of a ZeRO-3 model, gathered one block at a time.
+
+    One collective gather per block keeps the peak extra memory at one layer
+    while making far fewer calls than gathering parameter by parameter. Every
+    rank must consume the whole iterator.
+    """
+    import deepspeed
+
+    for params in parameter_blocks(model.named_parameters()):
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            for name, p in params:
+                # A copy: the gathered buffer is freed when the context exits,
+                # and vLLM may keep a tensor until its fused partner arrives.
+                yield name, p.data.detach().clone()

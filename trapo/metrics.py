@@ -1,0 +1,142 @@
+"""One step's statistics, the metrics.jsonl file and the end-of-run summary.
+
+A step's statistics are sums, computed on each rank from what it saw
+(`step_sums`, pure), added over ranks once by name (`trapo.dist.all_sum`),
+and turned into the logged values (`step_values`, pure). Sums, never means,
+cross ranks, so a rank with no unlabeled questions weighs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class StepTimer:
+    """Seconds per phase of one step; a phase timed twice adds up."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def time(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float]:
+    """This rank's sums over one step's questions (pure).
+
+    questions: [b] `Question`; grades: `trapo.grading.Grades` of those
+    questions; gate: [b] M per question (1 for labeled ones); rollouts: [b][G]
+    `Rollout`. Pseudo-label precision counts only unlabeled questions whose
+    hidden gold is known (pseudo_correct not NaN).
+    """
+    labeled_rates = [p for q, p in zip(questions, grades.pass_rates) if q.labeled]
+    unlabeled = [
+        (p, c, m) for q, p, c, m in zip(questions, grades.pass_rates, grades.pseudo_correct, gate) if not q.labeled
+    ]
+    known = [c for _, c, _ in unlabeled if not math.isnan(c)]
+    responses = [r for group in rollouts for r in group]
+    return {
+        "labeled_questions": len(labeled_rates),
+        "labeled_pass_sum": sum(labeled_rates),
+        "unlabeled_questions": len(unlabeled),
+        "unlabeled_pass_sum": sum(p for p, _, _ in unlabeled),
+        "unlabeled_in_loss": sum(m for _, _, m in unlabeled),
+        "pseudo_known": len(known),
+        "pseudo_right": sum(known),
+        "response_tokens": sum(len(r.token_ids) for r in responses),
+        "truncated": sum(r.truncated for r in responses),
+        "responses": len(responses),
+    }
+
+
+def step_values(totals: dict[str, float], *, world: int, updates: int, applied: bool, majority: bool) -> dict:
+    """The logged values of one step from the sums over all ranks (pure).
+
+    totals: `step_sums` plus the update sums of `trapo.policy.UPDATE_SUMS`,
+    each added over ranks and (update sums) over the step's `updates`
+    optimizer steps. Each rank's loss is its share of the global loss times
+    the world size (see the loss denominator), so the step's loss is the sum
+    over ranks / world, averaged over updates. majority: the unlabeled reward
+    is majority agreement (then it equals the unlabeled pass rate).
+    """
+    n_lab, n_unl = totals["labeled_questions"], totals["unlabeled_questions"]
+    trained_tokens = max(totals["trained_tokens"], 1.0)
+    lab_pass = totals["labeled_pass_sum"] / n_lab if n_lab else None
+    unl_pass = totals["unlabeled_pass_sum"] / n_unl if n_unl else None
+    return {
+        "loss": totals["loss"] / world / updates if applied else float("nan"),
+        "pg_loss": totals["pg_loss"] / world / updates,
+        "entropy": totals["entropy"] / trained_tokens,
+        "clip_frac": totals["clip_frac"] / trained_tokens,
+        "trained_sequences": int(totals["trained_sequences"]),
+        "labeled_questions": int(n_lab),
+        "unlabeled_questions": int(n_unl),
+        "reward_labeled": lab_pass,
+        "pass_rate_labeled": lab_pass,
+        "pass_rate_unlabeled": unl_pass,
+        "reward_unlabeled": unl_pass if majority else None,
+        "unlabeled_in_loss": int(totals["unlabeled_in_loss"]),
+        "pseudo_label_precision": totals["pseudo_right"] / totals["pseudo_known"] if totals["pseudo_known"] else None,
+        "response_tokens": int(totals["response_tokens"]),
+        "truncated_frac": totals["truncated"] / totals["responses"],
+        "skipped": not applied,
+    }
+
+
+# ----------------------------------------------------------------------------- files and text
+
+
+def append_jsonl(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """On resume, move metrics of steps after the checkpoint (they are redone) to metrics.discarded.jsonl."""
+    if not path.is_file():
+        return
+    keep, drop = [], []
+    for line in path.read_text().splitlines():
+        try:
+            (keep if json.loads(line)["step"] <= step else drop).append(line)
+        except (json.JSONDecodeError, KeyError):
+            drop.append(line)
+    if drop:
+        with open(path.with_name("metrics.discarded.jsonl"), "a") as f:
+            f.write("".join(line + "\n" for line in drop))
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def summary_text(summary: dict) -> str:
+    """The lines printed at the end of a run."""
+    sel = summary.get("selection") or {}
+    lines = [f"trained {summary['steps']} steps"]
+    if summary.get("heldout_accuracy_before") is not None:
+        lines.append(
+            f"held-out accuracy: {summary['heldout_accuracy_before']:.3f} before -> "
+            f"{summary['heldout_accuracy_after']:.3f} after"
+        )
+    elif summary.get("heldout_accuracy_after") is not None:
+        lines.append(f"held-out accuracy after: {summary['heldout_accuracy_after']:.3f}")
+    if sel:
+        lines.append(
+            f"unlabeled selected at the last epoch end: {sel['selected']} of {sel['unlabeled']} "
+            f"(database {sel['database']})"
+        )
+        lines.append(
+            f"pseudo-label precision: selected {fmt(sel.get('precision_selected'))}, "
+            f"rejected {fmt(sel.get('precision_rejected'))}"
+        )
+    return "\n".join(lines)

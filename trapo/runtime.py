@@ -1,0 +1,73 @@
+"""Process environment for the training stack, decided in one place.
+
+Some settings must be in the environment before torch or vLLM is imported, and
+some are right only on CPU:
+    VLLM_ENABLE_V1_MULTIPROCESSING=0  every device: the colocated engine runs in the
+                                      trainer's process (the weight push hands tensors
+                                      over by reference; external_launcher needs it)
+    VLLM_LOGGING_LEVEL=WARNING        every device: per-request INFO lines bury the console
+    TORCHDYNAMO_DISABLE=1             CPU only: on GPU it would turn vLLM's compiled
+                                      model and CUDA graphs off
+    OMP_NUM_THREADS=1                 CPU only: on these 2-core machines unbounded OpenMP
+                                      makes step times swing 40x (and 2 threads with dynamo
+                                      disabled run 20x slower)
+A value already in the environment always wins. Entry points call `configure()`
+first thing; code that starts a Python subprocess passes `subprocess_env()`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ALWAYS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+CPU_ONLY = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def has_gpu() -> bool:
+    """An NVIDIA device node is present (checked without importing torch, so it can run first).
+
+    TRAPO_DEVICE=cpu|cuda overrides the probe.
+    """
+    forced = os.environ.get("TRAPO_DEVICE")
+    if forced:
+        return forced == "cuda"
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def settings(gpu: bool | None = None) -> dict[str, str]:
+    """The variables this device needs (not yet merged with the environment)."""
+    gpu = has_gpu() if gpu is None else gpu
+    return dict(ALWAYS) if gpu else {**ALWAYS, **CPU_ONLY}
+
+
+def configure(gpu: bool | None = None) -> None:
+    """Set the device's variables in this process, keeping any the user set. Call before importing torch."""
+    for key, value in settings(gpu).items():
+        os.environ.setdefault(key, value)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python child process running project code: ours, `extra`, the repo importable."""
+    env = {**settings(), **os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def dtype_name(name: str) -> str:
+    """A config's `dtype` resolved: "auto" is bfloat16 on GPU and float32 on CPU; others pass through."""
+    import torch
+
+    if name == "auto":
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    return name
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a config's `dtype` (see `dtype_name`)."""
+    import torch
+
+    return getattr(torch, dtype_name(name))
