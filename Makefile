@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test eval reproduce-toy lint bench clean-venv
+.PHONY: setup train test eval report reproduce-toy lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ ifeq ($(strip $(MODEL)$(BENCH)),)
 else
 	$(PY) -m trapo.eval $(if $(MODEL),--model $(MODEL)) --benchmarks $(or $(BENCH),math,arc_c,gpqa) $(EVAL_ARGS)
 endif
+
+# PNG plots and report.md of any run directory: `make report RUN=outputs/toy`.
+RUN ?= outputs/toy
+report: $(STAMP)
+	$(PY) -m trapo.report $(RUN)
 
 # The paper's three claims on the trap toy task: 6 methods x 3 seeds (under 60 min on
 # 2 cores); QUICK=1: one seed, 30 steps (under 15 min). Outputs in outputs/reproduce-toy/.

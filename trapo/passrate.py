@@ -253,20 +253,31 @@ class PassRateTracker:
             "precision_rejected": _mean_or_none(correct[rej & known]),
         }
 
-    def selection_row(self) -> dict:
+    def selection_row(self, history: bool = False) -> dict:
         """The last epoch end's per-question view of the unlabeled questions (a selection.jsonl row).
 
         epoch; question: [U] indices; tcs: [U] scores; pseudo_correct: [U] the
-        pseudo-label matched the hidden gold (None unknown); selected: [U] gate.
+        pseudo-label matched the hidden gold (None unknown); selected: [U] gate;
+        pass_rate: [U] this epoch's pass rates; reference: [t] the reliable
+        database's mean trajectory (after this epoch's selection grew it);
+        with `history` (a run's first row, so that warm-up epochs are covered)
+        pass_rate_history: [U][t] whole trajectories. Pass rates are multiples
+        of 1/G, so 4 decimals lose nothing.
         """
         idx = (~self.labeled).nonzero().squeeze(1)  # [U]
-        return {
+        traj = self.trajectories[idx]  # [U, t]
+        row = {
             "epoch": self.epoch,
             "question": idx.tolist(),
             "tcs": [round(x, 5) for x in self.scores[idx].tolist()],
             "pseudo_correct": [None if math.isnan(c) else bool(c) for c in self.last_correct[idx].tolist()],
             "selected": self.selected[idx].tolist(),
+            "pass_rate": [round(x, 4) for x in traj[:, -1].tolist()],
+            "reference": [round(x, 4) for x in self.mean_reference().tolist()],
         }
+        if history:
+            row["pass_rate_history"] = [[round(x, 4) for x in r] for r in traj.tolist()]
+        return row
 
     def state_dict(self) -> dict:
         return {
