@@ -248,3 +248,75 @@ def test_cli_errors_come_before_any_model_loads(tmp_path):
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"{bad} line 2: field 'question' is empty" in out.stderr
+
+
+# ----------------------------------------------------------------------------- GPU-launch logic, on CPU
+
+
+def engine_lines(stderr):
+    return [line for line in stderr.splitlines() if "policy and engine agree" in line or "vLLM engines" in line]
+
+
+def test_rope_override_reaches_both_models_and_health_metric_is_small_at_temperature(toy_dir, tmp_path):
+    args = {"model.rope_theta": 40000, "rollout.temperature": 0.7, "max_steps": 2, "run_name": "rope"}
+    out = train(overrides(toy_dir, tmp_path, **args))
+    agree, engines = engine_lines(out.stderr)
+    assert "rope_theta 40000," in agree  # read back from the policy's inv_freq and from vLLM's rotary layer
+    assert engines.endswith("vLLM engines (tensor parallel 1): rank 0 cpu")
+    config = json.loads((tmp_path / "rope" / "checkpoints" / "step-2" / "hf" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 40000
+    diffs = [r["logprob_diff_rollout_vs_policy"] for r in metrics(tmp_path / "rope")]
+    assert all(d < 1e-4 for d in diffs), diffs  # CPU fp32, the same weights, at T = 0.7 on both sides
+
+
+def test_skipped_weight_push_shows_in_the_health_metric(toy_dir, tmp_path):
+    out = run([sys.executable, SCENARIO, "skip_push", *overrides(toy_dir, tmp_path, run_name="stale", max_steps=2)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = (r["logprob_diff_rollout_vs_policy"] for r in metrics(tmp_path / "stale"))
+    assert first < 1e-4  # step 1: the engine still holds the policy's initial weights
+    assert second > 1e-3 and second > 100 * first, (first, second)  # step 2: stale weights
+
+
+def test_engine_placement_check(toy_dir):
+    out = run([sys.executable, SCENARIO, "placement", os.path.join(toy_dir, "seed-0", "model")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["device"] == "cpu" and res["config"]["vocab_size"] > 0
+    assert "sits on cpu, expected cuda:0" in res["error"]
+
+
+def test_tensor_parallel_rollouts_two_ranks(toy_dir, tmp_path):
+    """deepspeed --num_gpus 2 with rollout.tensor_parallel_size=2: one engine shared by both ranks."""
+    args = {"rollout.tensor_parallel_size": 2, "max_steps": 2, "run_name": "tp", "eval.steps": 2}
+    out = train(overrides(toy_dir, tmp_path, **args), nproc=2)
+    assert engine_lines(out.stderr)[1].endswith("vLLM engines (tensor parallel 2): rank 0 cpu, rank 1 cpu")
+    m = metrics(tmp_path / "tp")
+    assert [r["step"] for r in m] == [1, 2] and all(r["trained_sequences"] > 0 for r in m)
+    assert all(r["response_tokens"] > 0 and r["logprob_diff_rollout_vs_policy"] < 1e-3 for r in m)
+    assert 0 <= m[1]["eval"]["mean"] <= 1  # validation shards per engine, not per rank
+
+
+def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
+    """Two "nodes" of one process each (DeepSpeed launcher, hostfile, --no_ssh and a node rank per node)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+
+    def launch(node_rank, **kv):
+        cmd = [launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank)]
+        cmd += ["--master_addr", "127.0.0.1", "--master_port", "29761", "trapo_train.py"]
+        cmd += overrides(toy_dir, tmp_path, run_name="nodes", save_steps=2, **kv)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=runtime.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    for max_steps in (2, 3):  # the second run resumes from the first's checkpoint
+        procs = [launch(node, max_steps=max_steps, resume_from="latest") for node in (0, 1)]
+        outs = [p.communicate(timeout=600) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+        log = outs[0][1]
+        assert "world size 2" in log and "vLLM engines (tensor parallel 1): rank 0 cpu, rank 1 cpu" in log
+    assert "resumed from" in log and "step-2 at step 2" in log
+    ds = os.listdir(tmp_path / "nodes" / "checkpoints" / "step-2" / "ds")
+    assert sum("model_states" in f for f in ds) == 2  # one ZeRO-3 shard per node
+    assert [r["step"] for r in metrics(tmp_path / "nodes")] == [1, 2, 3]

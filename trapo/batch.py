@@ -19,6 +19,7 @@ class TrainSequence:
     weight: float  # the gate M (1 for labeled questions)
     labeled: bool
     old_logprobs: list[float] | None = None  # per response token; only when several updates share a rollout batch
+    engine_logprobs: list[float] | None = None  # per response token, as the rollout engine sampled it
 
 
 def build_sequences(
@@ -27,17 +28,30 @@ def build_sequences(
     advantages: list[list[float]],
     gate: list[float],
     labeled: list[bool],
+    engine_logprobs: list[list[list[float] | None]] | None = None,
 ) -> list[TrainSequence]:
     """One step's training sequences, question-major: [b * G].
 
     prompts: [b] prompt token ids; responses: [b][G] response token ids;
     advantages: [b][G] (paper eq. "advantage", `trapo.loss.group_advantages`);
-    gate: [b] M per question; labeled: [b].
+    gate: [b] M per question; labeled: [b]; engine_logprobs: [b][G] per-token
+    log-probs from the rollout engine, or None.
     """
+    if engine_logprobs is None:
+        engine_logprobs = [[None] * len(group) for group in responses]
     return [
-        TrainSequence(ids=prompt + response, prompt_len=len(prompt), advantage=adv, weight=m, labeled=is_labeled)
-        for prompt, group, group_adv, m, is_labeled in zip(prompts, responses, advantages, gate, labeled)
-        for response, adv in zip(group, group_adv)
+        TrainSequence(
+            ids=prompt + response,
+            prompt_len=len(prompt),
+            advantage=adv,
+            weight=m,
+            labeled=is_labeled,
+            engine_logprobs=lp,
+        )
+        for prompt, group, group_adv, m, is_labeled, group_lp in zip(
+            prompts, responses, advantages, gate, labeled, engine_logprobs
+        )
+        for response, adv, lp in zip(group, group_adv, group_lp)
     ]
 
 
@@ -69,7 +83,8 @@ def collate(seqs: list[TrainSequence], pad_id: int) -> dict[str, Tensor]:
 
     input_ids, attention_mask: [b, T]; response_mask: [b, T-1], true where
     position t predicts a response token (t + 1 >= prompt_len);
-    advantages, weights: [b]; old_logprobs: [b, T-1] when every sequence has them.
+    advantages, weights: [b]; old_logprobs, engine_logprobs: [b, T-1] when
+    every sequence has them (0 outside the response).
     """
     b, length = len(seqs), max(len(s.ids) for s in seqs)
     input_ids = torch.full((b, length), pad_id, dtype=torch.long)  # [b, T]
@@ -86,11 +101,12 @@ def collate(seqs: list[TrainSequence], pad_id: int) -> dict[str, Tensor]:
         "advantages": torch.tensor([s.advantage for s in seqs], dtype=torch.float32),  # [b]
         "weights": torch.tensor([s.weight for s in seqs], dtype=torch.float32),  # [b]
     }
-    if all(s.old_logprobs is not None for s in seqs):
-        old = torch.zeros(b, length - 1)  # [b, T-1]
-        for row, s in enumerate(seqs):
-            old[row, s.prompt_len - 1 : len(s.ids) - 1] = torch.tensor(s.old_logprobs)
-        out["old_logprobs"] = old
+    for key in ("old_logprobs", "engine_logprobs"):
+        if all(getattr(s, key) is not None for s in seqs):
+            values = torch.zeros(b, length - 1)  # [b, T-1]
+            for row, s in enumerate(seqs):
+                values[row, s.prompt_len - 1 : len(s.ids) - 1] = torch.tensor(getattr(s, key))
+            out[key] = values
     return out
 
 

@@ -55,6 +55,7 @@ class RolloutConfig:
     cpu_kv_cache_gb: float = 0.25  # CPU only: vLLM needs an explicit KV-cache size there
     enable_sleep_mode: bool = True  # GPU only: free vLLM's memory while the policy trains
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1  # ranks sharing one vLLM engine (consecutive ranks); must divide the world size
     eval_temperature: float = 0.0  # held-out check in the trainer (greedy by default)
 
 
@@ -129,6 +130,12 @@ class EvalConfig:
 
 
 @dataclass
+class LoggingConfig:
+    level: Literal["info", "debug"] = "info"  # debug: library logs on the terminal too (also TRAPO_LOG_LEVEL=debug)
+    tensorboard: bool = False  # also write every metrics.jsonl scalar to run_dir/tensorboard/
+
+
+@dataclass
 class ToyConfig:
     enabled: bool = False  # build the embedded toy model and data (see trapo/toy.py)
     task: Literal["addition", "trap"] = "addition"
@@ -161,6 +168,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     toy: ToyConfig = field(default_factory=ToyConfig)
 
     @property
@@ -279,6 +287,7 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.max_tokens >= 1, "rollout.max_tokens", f"must be >= 1, got {r.max_tokens}")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
+    need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
     need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
     need(
         t.update_batch_size >= 1 and t.rollout_batch_size % t.update_batch_size == 0,

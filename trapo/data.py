@@ -215,6 +215,30 @@ def render_prompt(q: Question, template: str, tokenizer) -> str:
     return text + ("<think>\n" if template == "think" else "")
 
 
+def stop_token_ids(tokenizer, generation_eos: int | list[int] | None = None) -> list[int]:
+    """Token ids that end a response: EOS, the generation config's EOS ids, and the chat template's
+    end-of-turn token (e.g. Qwen's <|im_end|>, which is not its tokenizer's EOS).
+
+    The end-of-turn token is found by rendering a dummy assistant turn and taking
+    the first special token after its text. Without it, a model that closes its
+    turn would go on writing, and a later \\boxed{} would be the one graded.
+    """
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids += [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+    if getattr(tokenizer, "chat_template", None):
+        mark = "\u2063answer\u2063"  # text no template adds on its own
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}], tokenize=False
+        )
+        after = text.split(mark, 1)[-1]
+        special = set(tokenizer.all_special_ids) | {
+            i for i, tok in tokenizer.added_tokens_decoder.items() if getattr(tok, "special", False)
+        }
+        tail = tokenizer(after, add_special_tokens=False)["input_ids"]
+        ids += [i for i in tail if i in special][:1]
+    return list(dict.fromkeys(ids))  # unique, in order
+
+
 def tokenize_prompts(questions: list[Question], template: str, tokenizer, max_tokens: int) -> list[list[int]]:
     """Token ids per question; a prompt over `max_tokens` is an input error (named), not a silent cut."""
     out = []

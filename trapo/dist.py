@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,11 +44,35 @@ def barrier() -> None:
     dist.barrier()
 
 
-def all_gather(obj):
-    """Every rank's `obj`, in rank order (small picklable objects only)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def all_gather(obj, group=None):
+    """Every rank's `obj` (of `group`, default the world), in rank order (small picklable objects only)."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    handle: object  # the torch.distributed process group
+    rank: int  # this rank's position in the group
+    size: int
+    index: int  # which group: rank // size
+
+
+def tensor_parallel_group(size: int) -> RankGroup:
+    """This rank's group of `size` consecutive ranks ([0..k-1], [k..2k-1], ...), as vLLM's
+    external_launcher forms its tensor-parallel groups. Every rank creates every group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"rollout.tensor_parallel_size ({size}) must divide the world size ({world})")
+    if size == 1:
+        return RankGroup(None, 0, 1, rank)
+    mine = None
+    for start in range(0, world, size):
+        handle = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = RankGroup(handle, rank - start, size, rank // size)
+    return mine
 
 
 def all_max(value: int) -> int:

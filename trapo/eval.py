@@ -32,7 +32,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from trapo import runtime
-from trapo.data import DataError, Question, jsonl_rows, parquet_rows, tokenize_prompts
+from trapo.data import DataError, Question, jsonl_rows, parquet_rows, stop_token_ids, tokenize_prompts
 from trapo.rewards import extract_boxed, math_rewards
 from trapo.rollout import request_seed
 
@@ -245,6 +245,22 @@ def evaluate(
     return results, grades_by_name
 
 
+def pooled_scores(engine, tokenizer, benchmarks: list[Benchmark], *, shard: int, shards: int, gather, **kwargs):
+    """avg@n per benchmark and their mean over `shards` evaluators, or None without benchmarks.
+
+    This one evaluates every `shards`-th question from `shard` (`evaluate` with
+    `kwargs`); `gather(grades)` returns every shard's grades (a collective across
+    processes, or `lambda g: [g]` alone).
+    """
+    if not benchmarks:
+        return None
+    mine = [Benchmark(b.name, b.questions[shard::shards], b.source) for b in benchmarks]
+    _, grades = evaluate(engine, tokenizer, mine, **kwargs)
+    everyone = gather(grades)
+    scores = {name: avg_at_k([g for part in everyone for g in part[name]]) for name in grades}
+    return {**scores, "mean": sum(scores.values()) / len(scores)}
+
+
 def markdown_table(results: dict, row_label: str) -> str:
     """Laid out like the paper's Table 1: ID columns, ID avg, OOD columns, OOD avg, then any others."""
     order = list(dict.fromkeys(TABLE_COLUMNS))
@@ -359,14 +375,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trapo.eval: {err}", file=sys.stderr)
         return 2
 
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     from trapo.rollout import RolloutEngine
     from trapo.runtime import dtype_name
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    try:
+        generation_eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = None
     engine = RolloutEngine(
-        str(model), dtype=dtype_name(args.dtype), max_model_len=args.max_prompt_tokens + args.max_tokens, seed=args.seed
+        str(model),
+        dtype=dtype_name(args.dtype),
+        max_model_len=args.max_prompt_tokens + args.max_tokens,
+        seed=args.seed,
+        stop_token_ids=stop_token_ids(tokenizer, generation_eos),
     )
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]

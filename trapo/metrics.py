@@ -77,6 +77,11 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "entropy": totals["entropy"] / trained_tokens,
         "clip_frac": totals["clip_frac"] / trained_tokens,
         "trained_sequences": int(totals["trained_sequences"]),
+        # mean |log pi_old - log pi_engine| per trained response token: ~0 when the engine runs the policy's
+        # weights, RoPE and dtype at the same temperature; large after a missed push or a config slip
+        "logprob_diff_rollout_vs_policy": (
+            totals["logprob_diff"] / totals["logprob_tokens"] if totals["logprob_tokens"] else None
+        ),
         "labeled_questions": int(n_lab),
         "unlabeled_questions": int(n_unl),
         "reward_labeled": lab_pass,

@@ -24,25 +24,60 @@ from trapo.loss import policy_loss
 from trapo.runtime import torch_dtype
 
 # The update statistics one `update` call returns, summed over its micro-batches (this rank only).
-UPDATE_SUMS = ("loss", "pg_loss", "entropy", "clip_frac", "trained_tokens", "trained_sequences")
+UPDATE_SUMS = (
+    "loss",
+    "pg_loss",
+    "entropy",
+    "clip_frac",
+    "trained_tokens",
+    "trained_sequences",
+    "logprob_diff",  # sum over trained tokens of |log pi_old - log pi_engine| (the rollout engine's health)
+    "logprob_tokens",  # tokens that had engine log-probs
+)
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss that DeepSpeed applied, too many skipped steps)."""
 
 
-def model_overrides(cfg: Config) -> dict:
-    """Model config values the run sets over the checkpoint's (the same for the policy and vLLM)."""
+def model_overrides(cfg: Config, hf_config) -> dict:
+    """Model config attributes the run sets over the checkpoint's, as both transformers and vLLM read them.
+
+    transformers 5.19 builds the rotary embedding from `rope_parameters["rope_theta"]`
+    only (an attribute `rope_theta` is ignored), and vLLM 0.32 passes
+    `rope_parameters` to its rotary layer as given in `hf_overrides`; so the
+    override is the checkpoint's whole `rope_parameters` with the new theta.
+    """
     overrides = {}
     if cfg.model.rope_theta is not None:
-        overrides["rope_theta"] = cfg.model.rope_theta
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"})
+        overrides["rope_parameters"] = {**rope, "rope_theta": float(cfg.model.rope_theta)}
     if cfg.model.max_position_embeddings is not None:
         overrides["max_position_embeddings"] = cfg.model.max_position_embeddings
     return overrides
 
 
+def same_model(policy: dict, engine: dict) -> str:
+    """Compare the policy's and the engine's `effective_config`; a line for the log, or ConfigError naming
+    each key that differs. RoPE theta agrees to a relative 1e-4 (the policy's is read back from fp32)."""
+    bad = []
+    for key, a in policy.items():
+        b = engine.get(key)
+        if key == "rope_theta" and a is not None and b is not None:
+            same = abs(a - b) <= 1e-4 * abs(b)
+        else:
+            same = a == b
+        if not same:
+            bad.append(f"{key}: policy {a}, engine {b}")
+    if bad:
+        raise ConfigError("the policy and the vLLM engine run different models: " + "; ".join(bad))
+    return "policy and engine agree: " + ", ".join(
+        f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in policy.items()
+    )
+
+
 class Policy:
-    def __init__(self, cfg: Config, model_dir: str, world: int, pad_id: int, hf_overrides: dict):
+    def __init__(self, cfg: Config, model_dir: str, world: int, pad_id: int):
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
@@ -71,7 +106,8 @@ class Policy:
         self._hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it turns on zero.Init
 
         hf_config = AutoConfig.from_pretrained(model_dir)
-        for key, value in hf_overrides.items():
+        self.overrides = model_overrides(cfg, hf_config)  # the engine takes the same
+        for key, value in self.overrides.items():
             setattr(hf_config, key, value)
         model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=self.dtype)
         if cfg.model.gradient_checkpointing:
@@ -83,6 +119,21 @@ class Policy:
         )
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model = self.engine.module
+
+    def effective_config(self) -> dict:
+        """What the policy's model uses: RoPE theta (read back from its rotary inverse frequencies),
+        positions, vocabulary, dtype. Compared with `RolloutEngine.effective_config` at start-up."""
+        rotary = next(m for m in self.model.modules() if hasattr(m, "inv_freq"))
+        inv_freq = rotary.inv_freq.double()  # [d/2]: theta ** (-2i / d)
+        head_dim = 2 * inv_freq.numel()
+        theta = float(inv_freq[1] ** (-head_dim / 2)) if inv_freq.numel() > 1 else None
+        c = self.model.config
+        return {
+            "rope_theta": theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size,
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+        }
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) of every parameter, gathered one block at a time."""
@@ -110,7 +161,9 @@ class Policy:
         out = self.engine(
             input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)
         )
-        return out.logits[:, :-1].float()  # [b, T-1, V]: position t predicts token t+1
+        # [b, T-1, V]: position t predicts token t+1. Divided by the sampling temperature, so that log-probs,
+        # ratios and entropies are those of the distribution vLLM sampled from (exact no-op at 1.0).
+        return out.logits[:, :-1].float() / self.cfg.rollout.temperature
 
     @torch.no_grad()
     def confidence_scores(self, seqs: list[TrainSequence], kind: str) -> list[float]:
@@ -151,7 +204,8 @@ class Policy:
         """One optimizer step on this rank's sequences of an update batch.
 
         Returns (applied, this rank's UPDATE_SUMS: loss, pg_loss, token-weighted
-        entropy and clip fraction, response tokens and sequences trained);
+        entropy and clip fraction, response tokens and sequences trained, the
+        engine-vs-policy log-prob difference and its token count);
         applied is False when a non-finite loss on any rank made the step be skipped.
         """
         cfg = self.cfg
@@ -193,6 +247,10 @@ class Policy:
             # A non-finite loss still goes through backward: its NaN gradient makes DeepSpeed's
             # global gradient-norm check discard the whole step on every rank (no rank diverges).
             self.engine.backward(loss)
+            if group and "engine_logprobs" in batch:
+                engine_lp = batch["engine_logprobs"].to(logits.device)
+                sums["logprob_diff"] += float(torch.where(mask, (old - engine_lp).abs(), 0.0).sum())
+                sums["logprob_tokens"] += float(mask.sum())
             if group:
                 tokens = float(mask.sum())
                 sums["loss"] += float(loss.detach())

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class Rollout:
-    token_ids: list[int]  # sampled tokens, EOS included when generation stopped on it
-    text: str
+    token_ids: list[int]  # sampled tokens, the stop token included when generation stopped on one
+    text: str  # the stop token's text excluded
     truncated: bool  # hit max_tokens
+    logprobs: list[float] | None = None  # per sampled token, of the distribution it was sampled from
 
 
 def request_seed(*parts) -> int:
@@ -37,6 +38,16 @@ def request_seed(*parts) -> int:
 
 
 class RolloutEngine:
+    """One colocated `vllm.LLM` per rank, or per group of `tensor_parallel_size` consecutive ranks.
+
+    The engine joins the trainer's process group through vLLM's `external_launcher`
+    backend: it reads RANK / LOCAL_RANK and sits on the rank's own device (the default
+    uni-process executor would put every rank's engine on cuda:0). With tensor
+    parallelism, the ranks of a group build one engine together and `generate` is
+    collective within the group: every member submits the group's requests in the
+    same order and keeps its own share of the outputs.
+    """
+
     def __init__(
         self,
         model_dir: str,
@@ -44,27 +55,45 @@ class RolloutEngine:
         dtype: str,
         max_model_len: int,
         seed: int,
+        tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.4,
         cpu_kv_cache_gb: float = 0.25,
         enable_sleep_mode: bool = True,
         enable_prefix_caching: bool = True,
         hf_overrides: dict | None = None,
+        stop_token_ids: list[int] | None = None,
+        sampled_logprobs: bool = False,
     ):
         # The process environment (an in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0) is set
         # by the entry point, see trapo/runtime.py.
         import torch
+        import torch.distributed as torch_dist
         from vllm import LLM
 
         self.on_gpu = torch.cuda.is_available()
+        self.stop_token_ids = list(stop_token_ids or [])
+        self.sampled_logprobs = sampled_logprobs
         kwargs = dict(
             model=model_dir,
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size,
+            # Log-probs of the distribution each token was drawn from (after temperature and top-p),
+            # comparable with the trainer's log-probs at the sampling temperature.
+            logprobs_mode="processed_logprobs",
         )
+        self.group = None
+        if torch_dist.is_initialized():
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            from trapo import dist
+
+            self.group = dist.tensor_parallel_group(tensor_parallel_size)
+        elif tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs a launcher (torch.distributed) with that many ranks")
         if hf_overrides:
-            kwargs["hf_overrides"] = hf_overrides  # e.g. rope_theta, as the policy uses
+            kwargs["hf_overrides"] = hf_overrides  # rope_parameters etc., as the policy uses
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         else:
@@ -79,6 +108,44 @@ class RolloutEngine:
             self.llm = LLM(**kwargs)
         self.sleeping = False
         self.sleep_enabled = self.on_gpu and enable_sleep_mode
+        self.check_placement()
+
+    # ------------------------------------------------------------------ what the engine runs
+
+    def device(self) -> str:
+        """The device the engine's weights sit on, e.g. "cuda:3" or "cpu"."""
+        (device,) = set(self.llm.apply_model(lambda model: str(next(model.parameters()).device)))
+        return device
+
+    def check_placement(self) -> None:
+        """The engine must sit on this rank's own device: cuda:LOCAL_RANK on GPU, the CPU otherwise."""
+        import os
+
+        expected = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if self.on_gpu else "cpu"
+        found = self.device()
+        if found != expected:
+            raise RuntimeError(
+                f"vLLM engine of rank {os.environ.get('RANK', '0')} sits on {found}, expected {expected} "
+                "(LOCAL_RANK); check CUDA_VISIBLE_DEVICES and the launcher"
+            )
+
+    def effective_config(self) -> dict:
+        """What the engine's model uses: RoPE theta (read off its rotary embedding), positions, vocab, dtype."""
+
+        def rope_base(model) -> float:
+            rotary = next(m for m in model.modules() if hasattr(m, "cos_sin_cache") and hasattr(m, "base"))
+            return float(rotary.base)
+
+        (theta,) = set(self.llm.apply_model(rope_base))
+        mc = self.llm.llm_engine.model_config
+        return {
+            "rope_theta": theta,
+            "max_position_embeddings": mc.hf_text_config.max_position_embeddings,
+            "vocab_size": mc.get_vocab_size(),
+            "dtype": str(mc.dtype).removeprefix("torch."),
+        }
+
+    # ------------------------------------------------------------------ sampling
 
     def generate(
         self,
@@ -92,37 +159,64 @@ class RolloutEngine:
     ) -> list[list[Rollout]]:
         """n samples per prompt. With `seeds` (one per prompt) sampling depends
         only on the seed and the weights, not on batch composition, so a resumed
-        run draws the same rollouts. Returns [len(prompts)][n]."""
+        run draws the same rollouts. Returns [len(prompts)][n].
+
+        Collective within a tensor-parallel group: the members' requests are
+        gathered (identical lists count once) and each member gets its own back.
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake_up()
+        if self.sleeping:
+            raise RuntimeError("generate: the engine is asleep (its weights were released); push weights first")
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        requests, mine = self._group_requests(prompts, seeds)
         params = [
             SamplingParams(
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_tokens,
-                seed=None if seeds is None else seeds[i],
+                seed=seed,
+                stop_token_ids=self.stop_token_ids,
+                logprobs=0 if self.sampled_logprobs else None,  # 0: the sampled token's own only
             )
-            for i in range(len(prompts))
+            for _, seed in requests
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )  # one RequestOutput per prompt, in order
-        return [
-            [Rollout(list(c.token_ids), c.text, c.finish_reason == "length") for c in out.outputs] for out in outputs
-        ]
+            [TokensPrompt(prompt_token_ids=p) for p, _ in requests], params, use_tqdm=False
+        )  # one RequestOutput per request, in order
+        return [[self._rollout(c) for c in out.outputs] for out in outputs[mine]]
+
+    def _group_requests(self, prompts, seeds) -> tuple[list[tuple], slice]:
+        """(the requests every member of the group submits, this rank's slice of them)."""
+        own = list(zip(prompts, seeds if seeds is not None else [None] * len(prompts)))
+        if self.group is None or self.group.size == 1:
+            return own, slice(None)
+        from trapo import dist
+
+        members = dist.all_gather(own, group=self.group.handle)
+        if all(m == own for m in members):  # the same requests on every member (e.g. greedy evaluation)
+            return own, slice(None)
+        start = sum(len(m) for m in members[: self.group.rank])
+        return [r for m in members for r in m], slice(start, start + len(own))
+
+    def _rollout(self, completion) -> Rollout:
+        logprobs = None
+        if self.sampled_logprobs and completion.logprobs is not None:
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        return Rollout(list(completion.token_ids), completion.text, completion.finish_reason == "length", logprobs)
+
+    # ------------------------------------------------------------------ weights and memory
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, float]:
-        """Load Hugging Face-named tensors into the engine in place.
+        """Load Hugging Face-named tensors into the engine in place; wakes a sleeping engine.
 
         Returns (bytes pushed, seconds). The iterator may gather lazily; vLLM
-        fuses q/k/v and gate/up itself (`is_checkpoint_format=True`).
+        fuses q/k/v and gate/up itself (`is_checkpoint_format=True`). Every
+        parameter must come: after a level-2 sleep the engine holds no weights.
         """
-        self.wake_up()
         pushed = [0]
 
         def counted():
@@ -131,18 +225,23 @@ class RolloutEngine:
                 yield name, tensor
 
         start = time.perf_counter()
+        if self.sleeping:  # weights first: the KV cache is allocated only once the push is done
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=counted(), is_checkpoint_format=True))
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         return pushed[0], time.perf_counter() - start
 
     def sleep(self) -> None:
-        """GPU: release weights and KV cache while the policy trains (level 1 keeps weights in host memory)."""
-        if self.sleep_enabled and not self.sleeping:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+        """GPU: release the weights and the KV cache while the policy trains (level 2).
 
-    def wake_up(self) -> None:
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+        Level 1 would copy every weight to host memory and back only for the push
+        to overwrite them; level 2 drops them (vLLM keeps the model's buffers, such
+        as the rotary tables) and the next `push_weights` refills them.
+        """
+        if self.sleep_enabled and not self.sleeping:
+            self.llm.sleep(level=2)
+            self.sleeping = True

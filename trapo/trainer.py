@@ -30,13 +30,21 @@ from trapo import checkpoint as ckpt
 from trapo import dist
 from trapo.batch import build_sequences
 from trapo.config import Config, ConfigError, dump_config
-from trapo.data import DataError, Question, epoch_batches, load_questions, select_for_mode, tokenize_prompts
-from trapo.eval import Benchmark, avg_at_k, evaluate, read_benchmark_file
+from trapo.data import (
+    DataError,
+    Question,
+    epoch_batches,
+    load_questions,
+    select_for_mode,
+    stop_token_ids,
+    tokenize_prompts,
+)
+from trapo.eval import Benchmark, pooled_scores, read_benchmark_file
 from trapo.grading import Grades, grade
 from trapo.loss import group_advantages
 from trapo.metrics import StepTimer, append_jsonl, fmt, step_sums, step_values, summary_text, trim_metrics
 from trapo.passrate import PassRateTracker
-from trapo.policy import UPDATE_SUMS, Policy, TrainingError, model_overrides
+from trapo.policy import UPDATE_SUMS, Policy, TrainingError, same_model
 from trapo.rewards.verifier import MathVerifier
 from trapo.rollout import Rollout, RolloutEngine, request_seed
 from trapo.runtime import dtype_name
@@ -50,20 +58,26 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self._prepare_inputs()  # data and prompts checked before any model loads
-        overrides = model_overrides(cfg)
-        self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id, overrides)
+        self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         r = cfg.rollout
+        generation = getattr(self.policy.model, "generation_config", None)
         self.rollout = RolloutEngine(
             self.model_dir,
             dtype=dtype_name(cfg.model.dtype),
             max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
-            seed=cfg.seed + self.rank,
+            seed=cfg.seed + self.rank // r.tensor_parallel_size,  # one seed per engine
+            tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
             cpu_kv_cache_gb=r.cpu_kv_cache_gb,
             enable_sleep_mode=r.enable_sleep_mode,
             enable_prefix_caching=r.enable_prefix_caching,
-            hf_overrides=overrides,
+            hf_overrides=self.policy.overrides,
+            stop_token_ids=stop_token_ids(self.tokenizer, generation and generation.eos_token_id),
+            sampled_logprobs=True,  # for logprob_diff_rollout_vs_policy
         )
+        self.log(same_model(self.policy.effective_config(), self.rollout.effective_config()))
+        engines = ", ".join(f"rank {i} {d}" for i, d in enumerate(dist.all_gather(self.rollout.device())))
+        self.log(f"vLLM engines (tensor parallel {r.tensor_parallel_size}): {engines}")
         self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
         selection = cfg.selection
         if selection.random_seed is None:  # the random-selection control follows the run's seed
@@ -152,13 +166,10 @@ class Trainer:
             rewards = self._rewards(question_ids, rollouts, grades)  # [b][G]
         with timer.time("update"):
             applied, update_sums, n_updates = self._update(question_ids, rollouts, rewards, gate)
-            self.rollout.wake_up()
 
-        # 5. the new weights into vLLM
-        pushed_bytes = 0
-        if applied:
-            with timer.time("weight_push"):
-                pushed_bytes, _ = self.rollout.push_weights(self.policy.full_weights())
+        # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
+        with timer.time("weight_push"):
+            pushed_bytes, _ = self.rollout.push_weights(self.policy.full_weights())
 
         # 6. statistics over all ranks; at the epoch's end, extend trajectories and select for the next epoch
         totals = dist.all_sum({**update_sums, **step_sums(questions, grades, gate, rollouts)})
@@ -169,8 +180,7 @@ class Trainer:
             **step_values(totals, world=self.world, updates=n_updates, applied=applied, majority=majority),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
         }
-        if applied:
-            step_log["pushed_gb"] = pushed_bytes / 2**30
+        step_log["pushed_gb"] = pushed_bytes / 2**30
         if k == self.steps_per_epoch - 1:
             step_log["selection"] = self._end_epoch()
         self.step += 1
@@ -194,7 +204,8 @@ class Trainer:
         """Extend every trajectory with the epoch's pass rates, select for the next epoch, dump the selection."""
         self.last_selection = self.tracker.end_epoch()
         if self.is_main and self.last_selection["tcs_selected"] is not None:
-            append_jsonl(self.run_dir / "selection.jsonl", self.tracker.selection_row())
+            path = self.run_dir / "selection.jsonl"  # the first row also carries the warm-up's trajectories
+            append_jsonl(path, self.tracker.selection_row(history=not path.is_file()))
         return self.last_selection
 
     def _record_pass_rates(self, question_ids: list[int], grades: Grades) -> list[float]:
@@ -246,6 +257,7 @@ class Trainer:
             advantages=advantages.tolist(),
             gate=gate,
             labeled=[self.questions[i].labeled for i in question_ids],
+            engine_logprobs=[[r.logprobs for r in group] for group in rollouts],
         )  # [b * G], question-major
         per_update = self.cfg.train.update_batch_size // self.world * self.cfg.rollout.n  # sequences per rank
         if per_update < len(seqs):  # several updates: the later ones need pi_old from before the first
@@ -320,14 +332,15 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     def benchmark_scores(self, benchmarks: list[Benchmark], n: int, temperature: float, max_tokens: int) -> dict | None:
-        """avg@n per benchmark and their mean, pooled over all ranks (each takes every world-th question)."""
-        if not benchmarks:
-            return None
-        shards = [Benchmark(b.name, b.questions[self.rank :: self.world], b.source) for b in benchmarks]
-        _, grades = evaluate(
+        """avg@n per benchmark and their mean, pooled over all engines (each evaluates every k-th question)."""
+        tp = self.cfg.rollout.tensor_parallel_size  # the ranks of a tensor-parallel group share an engine
+        return pooled_scores(
             self.rollout,
             self.tokenizer,
-            shards,
+            benchmarks,
+            shard=self.rank // tp,
+            shards=self.world // tp,
+            gather=lambda grades: dist.all_gather(grades)[::tp],
             n_for=lambda _: n,
             temperature=temperature,
             max_tokens=max_tokens,
@@ -336,9 +349,6 @@ class Trainer:
             seed=self.cfg.seed,
             verifier=self.verifier,
         )
-        per_rank = dist.all_gather(grades)
-        scores = {name: avg_at_k([g for rank in per_rank for g in rank[name]]) for name in grades}
-        return {**scores, "mean": sum(scores.values()) / len(scores)}
 
     def heldout_scores(self) -> dict | None:
         """pass@1 per test benchmark (data.test_files) and their mean, at rollout.eval_temperature (greedy)."""

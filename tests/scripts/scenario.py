@@ -3,6 +3,8 @@
 python tests/scripts/scenario.py crash_at_commit STEP key=value ...
 python tests/scripts/scenario.py weight_push key=value ...
 python tests/scripts/scenario.py nan_from STEP key=value ...
+python tests/scripts/scenario.py skip_push key=value ...
+python tests/scripts/scenario.py placement MODEL_DIR
 """
 
 import json
@@ -65,8 +67,37 @@ def main() -> None:
             print(json.dumps({"error": str(err), "weights_equal_to_start": all(map(torch.equal, before, after))}))
             return
         print(json.dumps({"error": None}))
+    elif scenario == "skip_push":
+        # A weight push that silently does nothing: from step 2 on the engine samples from the
+        # initial weights, which the engine-vs-policy log-prob difference must show.
+        from trapo.rollout import RolloutEngine
+
+        def push(self, named_tensors):
+            for _ in named_tensors:  # consumed (the gather is collective), never loaded
+                pass
+            return 0, 0.0
+
+        RolloutEngine.push_weights = push
+        tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+    elif scenario == "placement":
+        placement(args[0])
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+
+
+def placement(model_dir) -> None:
+    """The engine reports where it sits, and the check fails loudly when that is not the rank's device."""
+    from trapo.rollout import RolloutEngine
+
+    engine = RolloutEngine(model_dir, dtype="float32", max_model_len=64, seed=0, cpu_kv_cache_gb=0.05)
+    result = {"device": engine.device(), "config": engine.effective_config()}
+    engine.on_gpu = True  # as if on a GPU machine: the engine should then sit on cuda:LOCAL_RANK
+    try:
+        engine.check_placement()
+        result["error"] = None
+    except RuntimeError as err:
+        result["error"] = str(err)
+    print(json.dumps(result))
 
 
 def weight_push(cfg) -> None:
