@@ -10,7 +10,9 @@ and a message naming the key, before anything is loaded.
 """
 
 import argparse
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from trapo import runtime
@@ -35,16 +37,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"trapo_train: {err}", file=sys.stderr)
         return 2
-    from trapo.trainer import TrainingError, run
+    from trapo import console
+
+    # From here on the libraries' output goes to run_dir/log.txt; our own lines to the terminal.
+    log = console.capture(cfg.run_dir, int(os.environ.get("RANK", "0")), console.debug_requested(cfg.logging.level))
+    from trapo.trainer import Preempted, TrainingError, run
 
     try:
         run(cfg)
     except (DataError, ConfigError, FileNotFoundError) as err:
-        print(f"trapo_train: input error: {err}", file=sys.stderr)
+        console.say(f"input error: {err}")
         return 2
+    except Preempted as err:
+        console.say(str(err))
+        return Preempted.EXIT_CODE
     except TrainingError as err:
-        print(f"trapo_train: {err}", file=sys.stderr)
+        console.say(str(err))
         return 3
+    except Exception:  # a crash: its traceback belongs on the terminal, not only in the log
+        traceback.print_exc(file=console.terminal())
+        if log is not None:
+            print(f"trapo_train: the libraries' output before the error is in {log}", file=console.terminal())
+        raise
     return 0
 
 

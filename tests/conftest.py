@@ -12,6 +12,17 @@ SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "dat
 
 
 @pytest.fixture(scope="session")
+def toy_dir(tmp_path_factory):
+    """A small toy task built once per session: 16 labeled, 48 unlabeled, 16 test questions."""
+    from trapo.config import ToyConfig
+    from trapo.toy import build_assets
+
+    d = tmp_path_factory.mktemp("toy")
+    build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def benchmarks_dir():
     path = os.path.abspath(os.environ.get("TRAPO_BENCHMARKS", SHARED_DATA))
     if not os.path.isdir(path):

@@ -15,17 +15,7 @@ from trapo import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
-TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]
-
-
-@pytest.fixture(scope="session")
-def toy_dir(tmp_path_factory):
-    from trapo.config import ToyConfig
-    from trapo.toy import build_assets
-
-    d = tmp_path_factory.mktemp("toy")
-    build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
-    return str(d)
+TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]  # as conftest's toy_dir
 
 
 def overrides(toy_dir, out, **kv):

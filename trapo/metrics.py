@@ -96,6 +96,32 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
     }
 
 
+TRUNCATION_WARNING = 0.2  # share of responses cut at rollout.max_tokens
+
+
+def step_warnings(step_log: dict) -> list[tuple[str, str]]:
+    """(kind, message) of what in one step's values a user must see on the terminal (pure)."""
+    out = []
+    if step_log["truncated_frac"] > TRUNCATION_WARNING:
+        out.append(
+            (
+                "truncation",
+                f"{step_log['truncated_frac']:.0%} of responses hit rollout.max_tokens at step {step_log['step']}; "
+                "their answers are cut off and usually graded wrong (raise rollout.max_tokens)",
+            )
+        )
+    return out
+
+
+def progress_fields(step_log: dict, selection: dict | None) -> dict[str, str | int]:
+    """The progress bar's postfix: labeled reward, unlabeled pass rate, unlabeled questions selected."""
+    return {
+        "r_lab": fmt(step_log.get("reward_labeled")),
+        "p_unl": fmt(step_log.get("pass_rate_unlabeled")),
+        "sel": (selection or {}).get("selected", 0),
+    }
+
+
 # ----------------------------------------------------------------------------- files and text
 
 
@@ -122,6 +148,20 @@ def trim_metrics(path: Path, step: int) -> None:
 
 def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def run_summary(steps: int, before: dict | None, after: dict | None, selection: dict | None, best: dict | None):
+    """summary.json: held-out scores before / after training (`Trainer.heldout_scores`), the last epoch
+    end's selection diagnostics and the best validation checkpoint."""
+    return {
+        "steps": steps,
+        "heldout_accuracy_before": before and before["mean"],
+        "heldout_accuracy_after": after and after["mean"],
+        "heldout_before": before,
+        "heldout_after": after,
+        "selection": selection,
+        "best": best,
+    }
 
 
 def summary_text(summary: dict) -> str:

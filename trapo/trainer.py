@@ -20,31 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from trapo import checkpoint as ckpt
-from trapo import dist
+from trapo import console, dist, metrics
 from trapo.batch import build_sequences
 from trapo.config import Config, ConfigError, dump_config
-from trapo.data import (
-    DataError,
-    Question,
-    epoch_batches,
-    load_questions,
-    select_for_mode,
-    stop_token_ids,
-    tokenize_prompts,
-)
+from trapo.data import DataError, epoch_batches, load_questions, select_for_mode, stop_token_ids, tokenize_prompts
 from trapo.eval import Benchmark, pooled_scores, read_benchmark_file
 from trapo.grading import Grades, grade
 from trapo.loss import group_advantages
-from trapo.metrics import StepTimer, append_jsonl, fmt, step_sums, step_values, summary_text, trim_metrics
 from trapo.passrate import PassRateTracker
 from trapo.policy import UPDATE_SUMS, Policy, TrainingError, same_model
+from trapo.preemption import Preempted, StopSignals
 from trapo.rewards.verifier import MathVerifier
 from trapo.rollout import Rollout, RolloutEngine, request_seed
 from trapo.runtime import dtype_name
@@ -87,13 +78,14 @@ class Trainer:
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
+        self.board = None  # TensorBoard writer (rank 0, logging.tensorboard)
         self._resume()
 
     # ------------------------------------------------------------------ set-up
 
     def log(self, msg: str) -> None:
         if self.is_main:
-            print(f"[trapo] {msg}", file=sys.stderr, flush=True)
+            console.say(msg)
 
     def _prepare_inputs(self) -> None:
         cfg = self.cfg
@@ -117,9 +109,7 @@ class Trainer:
                 f"train.rollout_batch_size ({cfg.train.rollout_batch_size}) and train.update_batch_size "
                 f"({cfg.train.update_batch_size}) must be multiples of the world size ({self.world})"
             )
-        self.questions: list[Question] = select_for_mode(
-            load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode
-        )
+        self.questions = select_for_mode(load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode)
         self.test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
         val_files = cfg.eval.files or (test_files if cfg.toy.enabled else [])  # the toy validates on its test splits
         self.val_benchmarks = [b for f in val_files for b in read_benchmark_file(Path(f))]
@@ -140,7 +130,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict:
-        cfg, timer = self.cfg, StepTimer()
+        cfg, timer = self.cfg, metrics.StepTimer()
         step_start = time.perf_counter()
         epoch, k = divmod(self.step, self.steps_per_epoch)
         batch = epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, cfg.seed, epoch)[k]
@@ -172,12 +162,12 @@ class Trainer:
             pushed_bytes, _ = self.rollout.push_weights(self.policy.full_weights())
 
         # 6. statistics over all ranks; at the epoch's end, extend trajectories and select for the next epoch
-        totals = dist.all_sum({**update_sums, **step_sums(questions, grades, gate, rollouts)})
+        totals = dist.all_sum({**update_sums, **metrics.step_sums(questions, grades, gate, rollouts)})
         majority = cfg.mode != "supervised" and cfg.reward.unlabeled == "majority"
         step_log = {
             "step": self.step + 1,
             "epoch": epoch + 1,
-            **step_values(totals, world=self.world, updates=n_updates, applied=applied, majority=majority),
+            **metrics.step_values(totals, world=self.world, updates=n_updates, applied=applied, majority=majority),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
         }
         step_log["pushed_gb"] = pushed_bytes / 2**30
@@ -205,7 +195,10 @@ class Trainer:
         self.last_selection = self.tracker.end_epoch()
         if self.is_main and self.last_selection["tcs_selected"] is not None:
             path = self.run_dir / "selection.jsonl"  # the first row also carries the warm-up's trajectories
-            append_jsonl(path, self.tracker.selection_row(history=not path.is_file()))
+            row = self.tracker.selection_row(history=not path.is_file())
+            metrics.append_jsonl(path, row)
+            if self.board:
+                self.board.log_selection(row)
         return self.last_selection
 
     def _record_pass_rates(self, question_ids: list[int], grades: Grades) -> list[float]:
@@ -326,7 +319,7 @@ class Trainer:
         ckpt.restore(path, rank=self.rank, engine=self.policy.engine)
         self.rollout.push_weights(self.policy.full_weights())
         if self.is_main:
-            trim_metrics(self.run_dir / "metrics.jsonl", self.step)
+            metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.log(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ evaluation
@@ -371,6 +364,10 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            if cfg.logging.tensorboard:  # created now: a missing package fails before any step
+                from trapo.tensorboard_writer import TensorBoardWriter
+
+                self.board = TensorBoardWriter(self.run_dir / "tensorboard")
         n_labeled = sum(q.labeled for q in self.questions)
         self.log(
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
@@ -379,47 +376,49 @@ class Trainer:
         before = self.heldout_scores() if self.step == 0 else None
         if before is not None:
             self.log(f"held-out accuracy before training: {before['mean']:.3f}")
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not (self.is_main and cfg.progress_bar), file=sys.stderr
-        )
+        show = self.is_main and cfg.progress_bar
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not show, file=console.terminal())
         try:
-            while self.step < self.total_steps:
-                step_log = self.train_step()
-                save = (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps
-                if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or self.step == self.total_steps):
-                    step_log["eval"] = self.validation_scores()
-                    if self.best is None or step_log["eval"]["mean"] > self.best["score"]:
-                        self.best = {"step": self.step, "score": step_log["eval"]["mean"]}
-                        save = True  # the best checkpoint must exist
-                if save:
-                    started = time.perf_counter()
-                    self.save()
-                    step_log["timing"]["save"] = round(time.perf_counter() - started, 4)
-                if self.is_main:
-                    append_jsonl(self.run_dir / "metrics.jsonl", step_log)
-                self._count_bad_steps(step_log["skipped"])
-                bar.set_postfix(
-                    r_lab=fmt(step_log.get("reward_labeled")),
-                    p_unl=fmt(step_log.get("pass_rate_unlabeled")),
-                    sel=(self.last_selection or {}).get("selected", 0),
-                    refresh=False,
-                )
-                bar.update(1)
+            with StopSignals() as stop:
+                while self.step < self.total_steps:
+                    step_log = self.train_step()
+                    self._finish_step(step_log, stop_requested=dist.all_max(stop.received is not None) == 1)
+                    bar.set_postfix(metrics.progress_fields(step_log, self.last_selection), refresh=False)
+                    bar.update(1)
         finally:
             bar.close()
-        after = self.heldout_scores()
-        summary = {
-            "steps": self.step,
-            "heldout_accuracy_before": before and before["mean"],
-            "heldout_accuracy_after": after and after["mean"],
-            "heldout_before": before,
-            "heldout_after": after,
-            "selection": self.last_selection,
-            "best": self.best,
-        }
+            if self.board:
+                self.board.close()
+        summary = metrics.run_summary(self.step, before, self.heldout_scores(), self.last_selection, self.best)
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _finish_step(self, step_log: dict, stop_requested: bool) -> None:
+        """Validate, checkpoint and log one finished step; stop on a signal (every rank agreed) or bad steps."""
+        cfg = self.cfg
+        save = (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps
+        if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or self.step == self.total_steps):
+            step_log["eval"] = self.validation_scores()
+            if self.best is None or step_log["eval"]["mean"] > self.best["score"]:
+                self.best = {"step": self.step, "score": step_log["eval"]["mean"]}
+                save = True  # the best checkpoint must exist
+        if save or stop_requested:
+            started = time.perf_counter()
+            saved = self.save()
+            step_log["timing"]["save"] = round(time.perf_counter() - started, 4)
+        if self.is_main:
+            metrics.append_jsonl(self.run_dir / "metrics.jsonl", step_log)
+            if self.board:
+                self.board.log_step(step_log)
+        for kind, message in metrics.step_warnings(step_log):
+            console.warn_once(kind, message)
+        if stop_requested:
+            raise Preempted(
+                f"stopped by a signal after step {self.step}; checkpoint {saved}; "
+                "run again with resume_from=latest to continue"
+            )
+        self._count_bad_steps(step_log["skipped"])
 
     def _count_bad_steps(self, skipped: bool) -> None:
         """A skipped (non-finite) update is logged; train.max_bad_steps of them in a row stop the run."""
@@ -446,5 +445,5 @@ def run(cfg: Config) -> dict:
     finally:
         trainer.close()
     if trainer.is_main:
-        print(summary_text(summary), flush=True)
+        print(metrics.summary_text(summary), file=console.terminal_out(), flush=True)
     return summary

@@ -1,0 +1,66 @@
+"""Operator experience on the toy, end to end: a quiet terminal, TensorBoard, a SIGTERM-safe stop."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_trainer_e2e import ROOT, metrics, overrides, train
+
+from trapo import runtime
+from trapo.tensorboard_writer import read_histogram_tags, read_scalars
+
+
+def test_quiet_terminal_and_tensorboard(toy_dir, tmp_path):
+    out = train(overrides(toy_dir, tmp_path, max_steps=4, progress_bar="true", run_name="quiet",
+                          **{"logging.tensorboard": "true"}))  # fmt: skip
+    for line in out.stderr.replace("\r", "\n").splitlines():
+        # our own lines and the progress bar only: no vLLM / DeepSpeed / torch messages
+        assert not line.strip() or line.startswith("[trapo] ") or "it/s" in line or "%|" in line, line
+    assert "trained 4 steps" in out.stdout
+    log = (tmp_path / "quiet" / "log.txt").read_text()
+    assert "WARNING" in log and "[trapo] mode trapo" in log  # the libraries' lines, with ours beside them
+    assert "RotaryEmbedding: Failed to load weights" not in log  # benign, silenced at its source
+
+    rows = metrics(tmp_path / "quiet")
+    scalars = read_scalars(tmp_path / "quiet" / "tensorboard")
+    assert [s for s, _ in scalars["loss"]] == [1, 2, 3, 4]
+    assert [v for _, v in scalars["loss"]] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert [v for _, v in scalars["timing/rollout"]] == pytest.approx([r["timing"]["rollout"] for r in rows])
+    assert scalars["selection/selected"] == [(4, rows[3]["selection"]["selected"])]  # epoch end at step 4
+    # per epoch, from the selection.jsonl row
+    assert scalars["selection_epoch/size"] == [(1, rows[3]["selection"]["selected"])]
+    assert 1 in read_histogram_tags(tmp_path / "quiet" / "tensorboard")["selection_epoch/tcs"]
+
+
+def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path):
+    common = dict(mode="trapo", max_steps=4, save_steps=0)
+    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
+    straight = metrics(tmp_path / "straight")
+
+    args = overrides(toy_dir, tmp_path, run_name="stopped", **common)
+    proc = subprocess.Popen([sys.executable, "trapo_train.py", *args], cwd=ROOT, env=runtime.subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    rows = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (rows.is_file() and rows.read_text().count("\n") >= 1) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # during step 2 (or, at the latest, between steps)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    stopped_at = len(rows.read_text().splitlines())
+    assert 1 <= stopped_at < 4
+    assert f"stopped by a signal after step {stopped_at}" in err and f"step-{stopped_at}" in err
+    assert os.path.isdir(tmp_path / "stopped" / "checkpoints" / f"step-{stopped_at}")
+
+    out = train(overrides(toy_dir, tmp_path, run_name="stopped", resume_from="latest", **common))
+    assert f"at step {stopped_at}" in out.stderr
+    resumed = metrics(tmp_path / "stopped")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):  # CPU fp32: the same rollouts, rewards and losses
+        for key in ("loss", "pg_loss", "reward_labeled", "pass_rate_unlabeled", "response_tokens", "selection"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+    assert json.loads((tmp_path / "stopped" / "summary.json").read_text())["steps"] == 4

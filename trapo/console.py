@@ -1,0 +1,93 @@
+"""What reaches the terminal, and what goes to the run's log file.
+
+The terminal gets our own lines: one per start-up phase, the progress bar,
+warnings that matter (each kind once), the summary. Everything the libraries
+print (vLLM and DeepSpeed INFO logs, PyTorch FutureWarnings, C++ messages of
+the CPU backend, Math-Verify workers) goes to `run_dir/log.txt`
+(`log.rank-R.txt` on other ranks), which also gets a copy of our lines.
+This is done at the file-descriptor level, so output written by C++ code and
+by child processes is caught too. `log_level: debug` (or TRAPO_LOG_LEVEL=debug)
+leaves the terminal alone and turns the libraries' INFO logs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+_terminal: TextIO | None = None  # the real terminal's stderr once `capture` ran
+_terminal_out: TextIO | None = None  # and its stdout
+_warned: set[str] = set()
+
+
+def debug_requested(log_level: str) -> bool:
+    return (os.environ.get("TRAPO_LOG_LEVEL") or log_level).lower() == "debug"
+
+
+def capture(run_dir: Path, rank: int, debug: bool) -> Path | None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2) to the run's log file.
+
+    Call before vLLM, DeepSpeed or torch.distributed start (their loggers keep the
+    streams they saw). Returns the log path, or None in debug mode (nothing moved).
+    """
+    global _terminal, _terminal_out
+    silence_benign_library_warnings()
+    if debug:
+        os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"  # read when vLLM is imported
+        return None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ("log.txt" if rank == 0 else f"log.rank-{rank}.txt")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    _terminal_out = os.fdopen(os.dup(1), "w", buffering=1)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    return path
+
+
+def terminal() -> TextIO:
+    """The user's terminal (stderr before `capture`), for the progress bar and the summary."""
+    return _terminal or sys.stderr
+
+
+def terminal_out() -> TextIO:
+    """The user's terminal's stdout (sys.stdout before `capture`), for the end-of-run summary."""
+    return _terminal_out or sys.stdout
+
+
+def say(message: str) -> None:
+    """One of our lines: to the terminal, and to the log file when the terminal is elsewhere."""
+    line = f"[trapo] {message}"
+    print(line, file=terminal(), flush=True)
+    if _terminal is not None:
+        print(line, file=sys.stderr, flush=True)
+
+
+def warn_once(kind: str, message: str) -> None:
+    """A warning that matters (truncation, a grading-timeout storm): shown the first time its kind occurs."""
+    if kind not in _warned:
+        _warned.add(kind)
+        say(f"warning: {message}")
+
+
+class _DropRotaryReloadWarning(logging.Filter):
+    """vLLM's layer-wise reload warns "RotaryEmbedding: Failed to load weights" at every push.
+
+    Benign: a rotary embedding has no trained weights, only its cos/sin table,
+    which depends on the RoPE theta and positions alone. Hugging Face checkpoints
+    (and our push) do not carry that table, so vLLM keeps the one it built at
+    start-up, which is what we want. Other layers' load failures still show.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.args and record.args[0] == "RotaryEmbedding" and "Failed to load" in record.msg)
+
+
+def silence_benign_library_warnings() -> None:
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRotaryReloadWarning())
