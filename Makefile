@@ -66,6 +66,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_selection.py
 	$(PY) bench/bench_grading.py
+	$(PY) bench/bench_vote.py
 	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_step.py
 

@@ -1,9 +1,11 @@
 """Step grading: gold rewards, majority-vote pseudo pass rates, hidden-gold precision."""
 
 import math
+import time
 
 from trapo.data import Question
 from trapo.grading import grade
+from trapo.rewards.verifier import MathVerifier
 
 
 def q(answer, labeled):
@@ -24,3 +26,45 @@ def test_grade_labeled_and_unlabeled():
     assert g.rewards[2] == [1.0, 1.0, 1.0, 0.0] and g.pass_rates[2] == 0.75
     assert g.rewards[3] == [0.0] * 4 and g.pass_rates[3] == 0.0
     assert math.isnan(g.pseudo_correct[0]) and g.pseudo_correct[1:3] == [1.0, 0.0] and math.isnan(g.pseudo_correct[3])
+
+
+TOWERS = [f"9^{{9^{{9^{{{k}}}}}}}" for k in range(4, 12)]  # evaluating these runs into any timeout
+
+
+def test_grade_counts_nothing_on_ordinary_answers():
+    g = grade([q("12", True), q("7", False)], [["\\boxed{12}", "\\boxed{x+1}"], ["\\boxed{7}"] * 2], timeout=5.0)
+    assert g.rewards == [[1.0, 0.0], [1.0, 1.0]] and g.pseudo_correct[1] == 1.0
+    assert (g.timeouts, g.budget_cut) == (0, 0)
+
+
+def test_grade_on_degenerate_outputs_counts_timeouts_and_stays_bounded():
+    verifier = MathVerifier(num_workers=2, timeout=1.0)
+    verifier.start()
+    try:
+        texts = [[f"\\boxed{{{t}}}" for t in TOWERS]] * 2 + [["\\boxed{x+1}"] * 6 + ["\\boxed{1+x}", "\\boxed{y}"]]
+        questions = [q("\\frac{1}{2}", True), q("5", False), q("x+1", False)]
+        start = time.monotonic()
+        g = grade(questions, texts, timeout=1.0, verifier=verifier)
+        # labeled rewards and the vote's parsing, each about one timeout: not one per comparison
+        assert time.monotonic() - start < 2 * (1.5 * 1.0 + 0.5)
+        assert g.rewards[0] == [0.0] * 8 and g.rewards[1] == [0.0] * 8 and g.pass_rates[2] == 7 / 8
+        assert g.pseudo_correct[1:] == [0.0, 1.0]  # 8 singletons: a tie, no pseudo-label
+        assert g.timeouts == 8 + 8 and g.budget_cut == 0
+
+        start = time.monotonic()  # with a budget, whatever is not decided in time counts as not equal
+        g = grade(questions[:2], [[f"\\boxed{{{t}}}" for t in TOWERS[::-1]]] * 2, 30.0, verifier, budget=0.5)
+        assert time.monotonic() - start < 0.5 + 0.5
+        assert g.rewards == [[0.0] * 8] * 2 and g.budget_cut == 8 + 28 and g.timeouts == 0
+    finally:
+        verifier.close()
+
+
+def test_a_spent_budget_sends_nothing_to_the_workers():
+    verifier = MathVerifier(num_workers=1)
+    questions = [q("12", True), q("x+1", False)]
+    texts = [["\\boxed{12.0}", "\\boxed{13}", "\\boxed{2\\cdot 6}"], ["\\boxed{1+x}", "\\boxed{x+1}", "\\boxed{y}"]]
+    g = grade(questions, texts, timeout=5.0, verifier=verifier, budget=0.0)
+    assert verifier._supervisor is None  # never even started
+    assert g.rewards[0] == [1.0, 0.0, 0.0]  # exact fast paths still decide; `2\cdot 6` needed Math-Verify: cut
+    assert g.rewards[1] == [0.0, 0.0, 0.0]  # three singletons (x+1 vs 1+x was cut): a tie
+    assert g.budget_cut == 1 + 3 and g.timeouts == 0

@@ -7,7 +7,7 @@ import pytest
 
 from trapo.data import Question
 from trapo.grading import Grades
-from trapo.metrics import step_sums, step_values, summary_text, trim_metrics
+from trapo.metrics import step_sums, step_values, step_warnings, summary_text, trim_metrics
 from trapo.policy import UPDATE_SUMS
 from trapo.rollout import Rollout
 
@@ -26,6 +26,8 @@ def test_step_sums_by_name():
         rewards=[[1, 0], [1, 1], [0, 0], [1, 0]],
         pass_rates=[0.5, 1.0, 0.0, 0.5],
         pseudo_correct=[math.nan, 1.0, math.nan, math.nan],  # the second unlabeled one has no hidden gold
+        timeouts=2,
+        budget_cut=5,
     )
     gate = [1.0, 1.0, 1.0, 0.0]
     sums = step_sums(questions, grades, gate, rollouts([(3, False), (5, True)], [(2, False)] * 2, [(4, True)] * 2, []))
@@ -40,6 +42,8 @@ def test_step_sums_by_name():
         "response_tokens": 3 + 5 + 2 + 2 + 4 + 4,
         "truncated": 3,
         "responses": 6,
+        "grading_timeouts": 2,
+        "grading_budget_cut": 5,
     }
 
 
@@ -48,17 +52,19 @@ def totals(**kw):
     base.update(
         labeled_questions=4, labeled_pass_sum=3.0, unlabeled_questions=8, unlabeled_pass_sum=2.0,
         unlabeled_in_loss=5, pseudo_known=4, pseudo_right=3.0, response_tokens=1000, truncated=6, responses=96,
+        grading_timeouts=0, grading_budget_cut=0,
     )  # fmt: skip
     base.update(kw)
     return base
 
 
 def test_step_values_from_cross_rank_totals():
-    t = totals(loss=1.2, pg_loss=0.8, entropy=50.0, clip_frac=10.0, trained_tokens=200.0, trained_sequences=72.0)
+    t = totals(loss=1.2, pg_loss=0.8, entropy=50.0, clip_frac=10.0, trained_tokens=200.0, trained_sequences=72.0,
+               logprob_diff=0.5, logprob_tokens=200.0)  # fmt: skip
     v = step_values(t, world=2, updates=3, applied=True, majority=True)
     assert v["loss"] == pytest.approx(1.2 / 2 / 3) and v["pg_loss"] == pytest.approx(0.8 / 2 / 3)
     assert v["entropy"] == pytest.approx(0.25) and v["clip_frac"] == pytest.approx(0.05)  # token-weighted
-    assert v["trained_sequences"] == 72
+    assert v["trained_sequences"] == 72 and v["logprob_diff_rollout_vs_policy"] == pytest.approx(0.0025)
     assert v["reward_labeled"] == v["pass_rate_labeled"] == 0.75
     assert v["pass_rate_unlabeled"] == v["reward_unlabeled"] == 0.25
     assert v["unlabeled_in_loss"] == 5 and v["pseudo_label_precision"] == 0.75
@@ -70,6 +76,7 @@ def test_step_values_edge_cases():
     assert math.isnan(skipped["loss"]) and skipped["skipped"] is True
     assert skipped["reward_unlabeled"] is None  # a confidence reward is not majority agreement
     assert skipped["entropy"] == 0.0  # no trained tokens: no division by zero
+    assert skipped["logprob_diff_rollout_vs_policy"] is None  # no engine log-probs
     empty = step_values(
         totals(labeled_questions=0, unlabeled_questions=0, pseudo_known=0),
         world=1,
@@ -111,3 +118,16 @@ def test_summary_text():
         "unlabeled selected at the last epoch end: 19 of 192 (database 111)",
         "pseudo-label precision: selected 0.84, rejected -",
     ]
+
+
+def test_step_warnings_for_truncation_and_grading_storms():
+    quiet = step_values(totals(truncated=19), world=1, updates=1, applied=True, majority=True)
+    assert step_warnings({**quiet, "step": 3}) == []  # 19 of 96 truncated: under 20%
+    loud = step_values(
+        totals(truncated=20, grading_timeouts=5), world=1, updates=1, applied=True, majority=True
+    )  # 5 timeouts in 96 responses: over 5%
+    kinds = [kind for kind, _ in step_warnings({**loud, "step": 3})]
+    assert kinds == ["truncation", "grading"]
+    cut = step_values(totals(grading_budget_cut=1), world=1, updates=1, applied=True, majority=True)
+    ((kind, message),) = step_warnings({**cut, "step": 7})
+    assert kind == "grading" and "step 7: 0 Math-Verify timeouts and 1 comparisons cut" in message

@@ -1,13 +1,24 @@
 import os
 import random
+import signal
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
 import pytest
 
-from trapo.rewards import decide_pairs, extract_boxed, majority_vote, majority_votes, math_reward, math_rewards
-from trapo.rewards.answers import MAX_ANSWER_CHARS, choice_letter, exact_number, fast_equal
+from trapo.rewards import (
+    Tally,
+    Verdict,
+    decide_pairs,
+    extract_boxed,
+    majority_vote,
+    majority_votes,
+    math_reward,
+    math_rewards,
+)
+from trapo.rewards.answers import MAX_ANSWER_CHARS, choice_letter, exact_number, fast_equal, normalize
 from trapo.rewards.verifier import MathVerifier
 
 TIMEOUT = 2.0  # short, to keep adversarial tests quick; the default is 5 s
@@ -172,3 +183,155 @@ def test_majority_vote_ties_and_empty_give_no_label():
 def test_majority_votes_batch_matches_single_calls():
     groups = [["1", "1", "2"], ["x", "y", "y"], [None, "B", "(B)"], []]
     assert majority_votes(groups) == [majority_vote(g) for g in groups]
+
+
+# --- degenerate answers: timeouts told apart, votes that cannot stall, the grading budget
+
+SHORT = 1.0  # per-comparison timeout for the tests below
+# Exponent towers: evaluating them (the numeric pre-filter) runs into any timeout, while being parsed.
+TOWERS = [f"9^{{9^{{9^{{{k}}}}}}}" for k in range(4, 12)]
+# Three spellings of 9^387420489: each parses at once, but comparing two of them runs into the timeout.
+SAME_HUGE = ["9^{9^9}", "9^{387420489}", "3^{774840978}"]
+
+
+class SpyVerifier(MathVerifier):
+    """A real verifier that records what is sent to it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.judged: list[list[tuple[str, str]]] = []
+        self.prepared: list[list[str]] = []
+
+    def judge_many(self, pairs, timeout=None, deadline=None):
+        self.judged.append(list(pairs))
+        return super().judge_many(pairs, timeout, deadline)
+
+    def prepare_many(self, groups, timeout=None, deadline=None):
+        self.prepared.append([a for g in groups for a in g])
+        return super().prepare_many(groups, timeout, deadline)
+
+
+@pytest.fixture
+def spy():
+    verifier = SpyVerifier(num_workers=2, timeout=SHORT)
+    verifier.start()
+    yield verifier
+    verifier.close()
+
+
+def test_verdicts_tell_timeouts_from_not_equal(spy):
+    pairs = [("x^2", "y^2"), ("\\frac{1}{2}", TOWERS[0]), (SAME_HUGE[0], SAME_HUGE[1]), ("9^{9^9}", "2")]
+    assert spy.judge_many(pairs) == [Verdict.NOT_EQUAL, Verdict.PRED_TIMEOUT, Verdict.TIMEOUT, Verdict.NOT_EQUAL]
+    assert spy.equal_many(pairs) == [False] * 4
+    start = time.monotonic()  # what exhausted the timeout is remembered: no second wait
+    assert spy.judge_many([(TOWERS[0], "1")], SHORT) == [Verdict.GOLD_TIMEOUT]
+    assert time.monotonic() - start < 0.5
+    assert spy.timeouts == 5  # counted each time, remembered or not
+
+
+def test_what_exhausted_a_short_timeout_gets_a_longer_one_again(spy):
+    pair = ("x^{2^{30}}", "x^{1073741824}")  # about 0.3 s of sympy
+    assert spy.judge_many([pair], timeout=0.05)[0].timed_out
+    assert spy.judge_many([pair], timeout=30.0) == [Verdict.EQUAL]
+
+
+def test_vote_over_answers_that_each_exhaust_the_timeout_takes_about_one_timeout(spy):
+    tally = Tally()
+    start = time.monotonic()
+    assert majority_votes([TOWERS], SHORT, spy, tally=tally) == [(None, [False] * len(TOWERS))]
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.5 * SHORT + 0.5, elapsed  # not one timeout per comparison (28 of them)
+    assert tally == Tally(timeouts=len(TOWERS), budget_cut=0)
+    assert spy.prepared == [TOWERS] and spy.judged == []  # parsed once each, side by side; never compared
+    # Among ordinary answers they are frozen singletons; the rest still cluster by equivalence.
+    answers = [*TOWERS[:3], "x+1", "1+x", "1+x", TOWERS[0], "2"]
+    label, agree = majority_votes([answers], SHORT, spy)[0]
+    assert label == "1+x" and agree == [False] * 3 + [True] * 3 + [False] * 2
+
+
+def test_vote_holds_without_the_soft_alarm():
+    """A computation no signal interrupts (C code) is cut by killing its executor, still side by side."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # inherited by the worker processes
+    try:
+        verifier = MathVerifier(num_workers=2, timeout=SHORT)
+        verifier.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+    try:
+        tally = Tally()
+        start = time.monotonic()
+        assert majority_votes([TOWERS], SHORT, verifier, tally=tally) == [(None, [False] * len(TOWERS))]
+        assert time.monotonic() - start < 1.5 * SHORT + 1.0  # + forking replacements
+        assert tally.timeouts == len(TOWERS)
+        assert majority_vote(["x+1", "1+x", "y"]) == ("x+1", [True, True, False])  # workers replaced
+        assert verifier.equal_many([("x+1", "1+x")]) == [True]
+    finally:
+        verifier.close()
+
+
+def test_vote_never_compares_an_answer_again_after_its_comparison_timed_out(spy):
+    a, b, c = SAME_HUGE
+    tally = Tally()
+    assert majority_votes([[a, a, b, c, "7"]], SHORT, spy, tally=tally) == [(a, [True, True, False, False, False])]
+    sent = [p for pairs in spy.judged for p in pairs]
+    assert (a, b) in sent and (a, c) in sent and (b, c) not in sent  # b timed out against a: frozen
+    assert tally.timeouts == 2
+
+
+def test_identical_answers_cost_no_comparisons(spy):
+    assert majority_votes([["x+1"] * 8, ["\\sqrt{2}"] * 5 + [None] * 3], SHORT, spy) == [
+        ("x+1", [True] * 8),
+        ("\\sqrt{2}", [True] * 5 + [False] * 3),
+    ]
+    assert spy.judged == [] and spy.prepared == []
+    assert majority_votes([["x+1"] * 4 + ["1+x"] * 3 + ["x + 1"]], SHORT, spy)[0][0] == "x+1"
+    assert spy.prepared == [["x+1", "1+x"]]  # each distinct string parsed once
+    assert [p for pairs in spy.judged for p in pairs] == [("x+1", "1+x")]
+
+
+def test_votes_unchanged_on_ordinary_answers(benchmarks_dir, spy):
+    """Same clustering as comparing each new answer with every cluster, one comparison at a time."""
+
+    def reference(answers):
+        keys = [normalize(a) if a is not None and a.strip() and len(a) <= MAX_ANSWER_CHARS else None for a in answers]
+        counts = Counter(k for k in keys if k is not None)
+        order = sorted(counts, key=lambda k: (-counts[k], keys.index(k)))
+        raw = {k: answers[keys.index(k)] for k in order}
+        clusters = []
+        for key in order:
+            home = next((c for c in clusters if decide_pairs([(raw[c[0]], raw[key])], verifier=spy)[0]), None)
+            if home is None:
+                clusters.append([key])
+            else:
+                home.append(key)
+        sizes = [sum(counts[k] for k in c) for c in clusters]
+        if not sizes or sizes.count(max(sizes)) > 1:
+            return None, [False] * len(answers)
+        winner = clusters[sizes.index(max(sizes))]
+        return raw[winner[0]], [k in winner for k in keys]
+
+    golds = sorted(set(_golds(benchmarks_dir, "math.parquet", "math")))
+    rng = random.Random(1)
+    groups = []
+    for _ in range(24):
+        gold, w1, w2 = rng.sample(golds, 3)
+        spellings = [gold, gold.replace("\\frac", "\\dfrac"), gold + " ", w1, w2, None]
+        groups.append([rng.choice(spellings) for _ in range(8)])
+    tally = Tally()
+    assert majority_votes(groups, verifier=spy, tally=tally) == [reference(g) for g in groups]
+    assert tally == Tally()
+
+
+def test_budget_cuts_comparisons_and_counts_them(spy):
+    tally = Tally()
+    start = time.monotonic()
+    deadline = start + 0.3
+    rewards = math_rewards([f"\\boxed{{{t}}}" for t in TOWERS], ["\\frac{1}{2}"] * 8, 30.0, spy, deadline, tally)
+    votes = majority_votes([TOWERS], 30.0, spy, deadline, tally)
+    assert time.monotonic() - start < 0.3 + 0.5  # not 30 s
+    assert rewards == [0.0] * 8 and votes == [(None, [False] * 8)]
+    assert tally == Tally(timeouts=0, budget_cut=8 + 28)  # every comparison cut: 8 rewards, 1+2+..+7 in the vote
+    assert spy.judge_many([("x", "y")], 30.0, deadline) == [Verdict.CUT]
+    # Fast paths still decide after the deadline; the rest is cut without a round trip.
+    assert decide_pairs([("12", "12.0"), ("x+1", "1+x")], deadline=deadline, tally=tally) == [True, False]
+    assert tally.budget_cut == 8 + 28 + 1

@@ -85,6 +85,7 @@ class LossConfig:
 class RewardConfig:
     unlabeled: Literal["majority", "self_certainty", "token_entropy", "sentence_entropy"] = "majority"
     timeout: float = 5.0  # seconds per Math-Verify comparison
+    step_budget: float | None = 60.0  # seconds for one step's grading on a rank; then undecided = not equal
     workers: int = 2  # Math-Verify worker processes per rank
 
 
@@ -307,6 +308,8 @@ def validate(cfg: Config, source: str = "config") -> None:
         "must be in [0, 1] or null",
     )
     need(cfg.reward.timeout > 0, "reward.timeout", "must be > 0")
+    budget = cfg.reward.step_budget
+    need(budget is None or budget > 0, "reward.step_budget", f"must be > 0 or null, got {budget}")
     need(cfg.eval.steps >= 0, "eval.steps", f"must be >= 0, got {cfg.eval.steps}")
     need(
         not cfg.eval.steps or bool(cfg.eval.files) or cfg.toy.enabled,

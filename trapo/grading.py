@@ -6,15 +6,22 @@ responses; its pseudo pass rate (paper eq. "pass_rate" with the pseudo-label)
 is the fraction of responses that agree with it, and with the `majority`
 reward each agreeing response scores 1. A hidden gold, when present, is only
 compared with the pseudo-label (diagnostics), never used for reward.
+
+Degenerate outputs (the collapse the paper describes for unsupervised
+training) cannot stall a step: each Math-Verify comparison has its timeout,
+a vote never waits twice on an answer that exhausted it, and an optional
+`budget` bounds the whole call; what timed out or was cut counts as not
+equal, and is counted in `Grades` for the step's metrics.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from trapo.data import Question
-from trapo.rewards import decide_pairs, extract_boxed, majority_votes, math_rewards
+from trapo.rewards import Tally, decide_pairs, extract_boxed, majority_votes, math_rewards
 
 
 @dataclass
@@ -22,10 +29,27 @@ class Grades:
     rewards: list[list[float]]  # [b][G]; for unlabeled questions the majority-vote reward
     pass_rates: list[float]  # [b]
     pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
+    timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
+    budget_cut: int = 0  # comparisons left undecided because the step's grading budget was spent
 
 
-def grade(questions: list[Question], texts: list[list[str]], timeout: float, verifier=None) -> Grades:
-    """questions: [b]; texts: [b][G] response texts."""
+def grade(
+    questions: list[Question],
+    texts: list[list[str]],
+    timeout: float,
+    verifier=None,
+    *,
+    budget: float | None = None,
+) -> Grades:
+    """questions: [b]; texts: [b][G] response texts.
+
+    timeout: seconds one Math-Verify comparison may take. budget: seconds
+    (wall clock) for the whole call, labeled rewards, votes and hidden-gold
+    checks together, or None for no bound; once spent, comparisons not yet
+    decided count as not equal and are not sent to the workers.
+    """
+    deadline = None if budget is None else time.monotonic() + max(0.0, budget)
+    tally = Tally()
     b = len(questions)
     rewards: list[list[float]] = [[] for _ in range(b)]
     pass_rates = [0.0] * b
@@ -38,6 +62,8 @@ def grade(questions: list[Question], texts: list[list[str]], timeout: float, ver
             [questions[i].answer for i in labeled for _ in texts[i]],
             timeout,
             verifier,
+            deadline,
+            tally,
         )
         pos = 0
         for i in labeled:
@@ -48,7 +74,9 @@ def grade(questions: list[Question], texts: list[list[str]], timeout: float, ver
 
     unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
     if unlabeled:
-        votes = majority_votes([[extract_boxed(t) for t in texts[i]] for i in unlabeled], timeout, verifier)
+        votes = majority_votes(
+            [[extract_boxed(t) for t in texts[i]] for i in unlabeled], timeout, verifier, deadline, tally
+        )
         checks = []  # (question position, hidden gold, pseudo-label)
         for i, (label, agree) in zip(unlabeled, votes):
             rewards[i] = [1.0 if a else 0.0 for a in agree]
@@ -59,6 +87,7 @@ def grade(questions: list[Question], texts: list[list[str]], timeout: float, ver
                     pseudo_correct[i] = 0.0
                 else:
                     checks.append((i, gold, label))
-        for (i, _, _), ok in zip(checks, decide_pairs([(g, lab) for _, g, lab in checks], timeout, verifier)):
+        verdicts = decide_pairs([(g, lab) for _, g, lab in checks], timeout, verifier, deadline, tally)
+        for (i, _, _), ok in zip(checks, verdicts):
             pseudo_correct[i] = 1.0 if ok else 0.0
-    return Grades(rewards, pass_rates, pseudo_correct)
+    return Grades(rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut)

@@ -54,6 +54,8 @@ def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float
         "response_tokens": sum(len(r.token_ids) for r in responses),
         "truncated": sum(r.truncated for r in responses),
         "responses": len(responses),
+        "grading_timeouts": grades.timeouts,
+        "grading_budget_cut": grades.budget_cut,
     }
 
 
@@ -91,12 +93,16 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "unlabeled_in_loss": int(totals["unlabeled_in_loss"]),
         "pseudo_label_precision": totals["pseudo_right"] / totals["pseudo_known"] if totals["pseudo_known"] else None,
         "response_tokens": int(totals["response_tokens"]),
+        "responses": int(totals["responses"]),
         "truncated_frac": totals["truncated"] / totals["responses"],
+        "grading_timeouts": int(totals["grading_timeouts"]),  # Math-Verify comparisons that hit reward.timeout
+        "grading_budget_cut": int(totals["grading_budget_cut"]),  # left undecided: reward.step_budget spent
         "skipped": not applied,
     }
 
 
 TRUNCATION_WARNING = 0.2  # share of responses cut at rollout.max_tokens
+TIMEOUT_STORM = 0.05  # grading timeouts per response
 
 
 def step_warnings(step_log: dict) -> list[tuple[str, str]]:
@@ -108,6 +114,15 @@ def step_warnings(step_log: dict) -> list[tuple[str, str]]:
                 "truncation",
                 f"{step_log['truncated_frac']:.0%} of responses hit rollout.max_tokens at step {step_log['step']}; "
                 "their answers are cut off and usually graded wrong (raise rollout.max_tokens)",
+            )
+        )
+    timeouts, cut = step_log["grading_timeouts"], step_log["grading_budget_cut"]
+    if cut or timeouts > TIMEOUT_STORM * step_log["responses"]:
+        out.append(
+            (
+                "grading",
+                f"step {step_log['step']}: {timeouts} Math-Verify timeouts and {cut} comparisons cut by "
+                "reward.step_budget (degenerate answers?); they count as wrong, see grading_* in metrics.jsonl",
             )
         )
     return out

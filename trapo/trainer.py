@@ -144,9 +144,8 @@ class Trainer:
 
         # 2. grading: rewards and (pseudo) pass rates
         with timer.time("grading"):
-            grades = grade(
-                questions, [[r.text for r in group] for group in rollouts], cfg.reward.timeout, self.verifier
-            )
+            texts = [[r.text for r in group] for group in rollouts]
+            grades = grade(questions, texts, cfg.reward.timeout, self.verifier, budget=cfg.reward.step_budget)
 
         # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
         gate = self._record_pass_rates(question_ids, grades)  # [b]

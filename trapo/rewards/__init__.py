@@ -5,13 +5,25 @@ the Math-Verify worker process (which imports this package) starts fast.
 """
 
 from trapo.rewards.answers import extract_boxed
-from trapo.rewards.verifiable import decide_pairs, majority_vote, majority_votes, math_reward, math_rewards
+from trapo.rewards.verifiable import (
+    Tally,
+    decide_pairs,
+    judge_pairs,
+    majority_vote,
+    majority_votes,
+    math_reward,
+    math_rewards,
+)
+from trapo.rewards.verifier import Verdict
 
 _CONFIDENCE = ("self_certainty_reward", "token_entropy_reward", "sentence_likelihood_reward")
 
 __all__ = [
+    "Tally",
+    "Verdict",
     "decide_pairs",
     "extract_boxed",
+    "judge_pairs",
     "majority_vote",
     "majority_votes",
     "math_reward",
