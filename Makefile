@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test eval report reproduce-toy lint bench clean-venv
+.PHONY: setup train test eval report readme-figures reproduce-toy lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ else
 	$(PY) -m trapo.eval $(if $(MODEL),--model $(MODEL)) --benchmarks $(or $(BENCH),math,arc_c,gpqa) $(EVAL_ARGS)
 endif
 
+# The README's generated blocks (the make train summary) from a fresh run.
+readme-figures: train
+	$(PY) -m trapo.readme --train outputs/toy
+
 # PNG plots and report.md of any run directory: `make report RUN=outputs/toy`.
 RUN ?= outputs/toy
 report: $(STAMP)
@@ -67,6 +71,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_selection.py
 	$(PY) bench/bench_grading.py
 	$(PY) bench/bench_vote.py
+	$(PY) bench/bench_loss_memory.py
 	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_step.py
 

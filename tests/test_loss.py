@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trapo.logits import kl_uniform_to_policy, token_entropy, token_logprobs
-from trapo.loss import group_advantages, policy_loss
+from trapo.loss import group_advantages, policy_loss, rollout_is_weights
 
 
 def test_group_advantages_dr_grpo_is_centered_reward():
@@ -141,3 +141,73 @@ def test_logit_statistics_hand_values():
     assert torch.allclose(
         token_logprobs(logits, torch.tensor([[1, 0]])), torch.tensor([[math.log(0.5), math.log(0.75)]])
     )
+
+
+def test_rollout_is_weights_hand_values():
+    # log(pi_old / pi_engine) per token; the third of row 0 exceeds the cap C = 2.
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]])
+    engine = old - torch.tensor([[0.0, math.log(1.5), math.log(3.0)], [math.log(0.5), 0.0, 0.0]])
+    engine[1, 2] = float("-inf")  # padding may hold garbage
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    w, m = rollout_is_weights(old, engine, mask, cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 1.5, 2.0], [0.5, 1.0, 0.0]]), atol=1e-6)
+    assert not w.requires_grad
+    assert m["is_weight_mean"].item() == pytest.approx((1.0 + 1.5 + 2.0 + 0.5 + 1.0) / 5, abs=1e-6)
+    assert m["is_capped_frac"].item() == pytest.approx(1 / 5)
+    w, m = rollout_is_weights(old, engine, mask, cap=5.0)
+    assert w[0, 2].item() == pytest.approx(3.0, abs=1e-5)
+    assert m["is_capped_frac"].item() == 0.0
+
+
+def test_rollout_is_weights_carry_no_gradient_and_reject_bad_input():
+    old = torch.zeros(2, 3, requires_grad=True)
+    w, _ = rollout_is_weights(old, torch.zeros(2, 3), torch.ones(2, 3))
+    assert w.grad_fn is None and not w.requires_grad
+    with pytest.raises(ValueError, match="engine_logprobs"):
+        rollout_is_weights(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="mask"):
+        rollout_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3, 3))
+    with pytest.raises(ValueError, match="old_logprobs"):
+        rollout_is_weights(torch.zeros(6), torch.zeros(6), torch.ones(6))
+    with pytest.raises(ValueError, match="cap"):
+        rollout_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), cap=0.0)
+
+
+def test_token_weights_scale_pg_terms_only():
+    logprobs, old, adv, mask = _example()
+    tw = torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.0, float("nan")]])  # NaN at padding is ignored
+    ent = torch.ones(2, 3)
+    ref = torch.full((2, 3), math.log(2.0))
+    loss, m = policy_loss(
+        logprobs, old, adv, mask, token_weights=tw, entropy=ent, beta=0.1, ref_logprobs=ref + logprobs.detach()
+    )
+    # pg terms from the hand table above, times w: -1*2, -1.2*0.5, -0.5*1, 2.2*1.5, 1.6*1.
+    pg = (-2.0 - 0.6 - 0.5 + 3.3 + 1.6) / 6
+    k3 = 2.0 - math.log(2.0) - 1.0  # unweighted: 5 tokens
+    assert m["pg_loss"].item() == pytest.approx(pg, abs=1e-6)
+    assert loss.item() == pytest.approx(pg + 0.1 * 5 * k3 / 6 - 0.01 * 5 / 6, abs=1e-6)
+    loss.backward()
+    # d/d logp of the weighted pg term is w * (unclipped grad); k3's gradient is unweighted:
+    # d/dlp [exp(ref - lp) - (ref - lp) - 1] with ref - lp = log 2 held = -(2 - 1) = -1.
+    expected = torch.tensor([[-1.0 * 2.0, 0.0, -0.5], [2.2 * 1.5, 0.0, 0.0]]) / 6 + 0.1 * -1.0 * mask / 6
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+    assert torch.isfinite(logprobs.grad).all()
+
+
+def test_token_weights_none_equals_all_ones():
+    results = []
+    for tw in (None, torch.ones(2, 3)):
+        logprobs, old, adv, mask = _example()
+        loss, _ = policy_loss(logprobs, old, adv, mask, token_weights=tw, entropy=torch.ones(2, 3), agg="token_mean")
+        loss.backward()
+        results.append((loss.detach(), logprobs.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_token_weights_shape_error():
+    logprobs, old, adv, mask = _example()
+    with pytest.raises(ValueError, match="token_weights"):
+        policy_loss(logprobs, old, adv, mask, token_weights=torch.ones(2))
+    with pytest.raises(ValueError, match="token_weights"):
+        policy_loss(logprobs, old, adv, mask, token_weights=torch.ones(3, 2))

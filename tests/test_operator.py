@@ -64,3 +64,14 @@ def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path):
         for key in ("loss", "pg_loss", "reward_labeled", "pass_rate_unlabeled", "response_tokens", "selection"):
             assert a.get(key) == b.get(key), (a["step"], key)
     assert json.loads((tmp_path / "stopped" / "summary.json").read_text())["steps"] == 4
+
+
+def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
+    """loss.rollout_is and train.offload_during_rollout (GPU defaults) forced on, on CPU: weights ~1."""
+    args = {"loss.rollout_is": "true", "train.offload_during_rollout": "true", "max_steps": 2, "run_name": "is"}
+    train(overrides(toy_dir, tmp_path, **args))
+    for row in metrics(tmp_path / "is"):
+        # CPU fp32: vLLM and the trainer compute the same distribution, so pi_old / pi_engine ~ 1
+        assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert row["rollout_is_capped_frac"] == 0.0
+        assert not row["skipped"] and row["loss"] == row["loss"]

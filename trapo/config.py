@@ -51,7 +51,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 3000  # response budget; also the Dr.GRPO loss denominator's length
-    gpu_memory_utilization: float = 0.4
+    # Share of each GPU's memory vLLM may take (weights + KV cache). During rollouts the trainer keeps
+    # its ZeRO-3 partitions: for a 7B model on 8 x 80 GB, fp32 master + Adam moments are ~10.5 GB per
+    # GPU (the bf16 partitions and gradient buffers go to host memory, train.offload_during_rollout),
+    # so 0.6 (48 GB: 14 GB of weights, the rest KV cache) leaves ~20 GB spare. Arithmetic, not a GPU
+    # measurement; lower it for larger models or smaller GPUs.
+    gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gb: float = 0.25  # CPU only: vLLM needs an explicit KV-cache size there
     enable_sleep_mode: bool = True  # GPU only: free vLLM's memory while the policy trains
     enable_prefix_caching: bool = True
@@ -66,7 +71,11 @@ class TrainConfig:
     lr: float = 1e-6  # constant (paper appendix)
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    micro_batch_tokens: int = 16384  # padded tokens per forward/backward on one rank
+    micro_batch_tokens: int = 16384  # padded tokens per forward/backward on one rank (see README, "Memory")
+    loss_chunk_tokens: int = 256  # response tokens per chunk of the LM head (trapo.logits.lm_head_token_stats)
+    # GPU: move the optimizer's states to host memory while vLLM generates, so its KV cache can grow;
+    # None: on with a GPU. (DeepSpeed moves the fp32 master and Adam moments only for its own FusedAdam.)
+    offload_during_rollout: bool | None = None
     deepspeed_config: str = "configs/deepspeed_zero3.json"
     max_bad_steps: int = 3  # consecutive non-finite losses before the run stops
 
@@ -79,6 +88,11 @@ class LossConfig:
     clip_eps_high: float | None = None
     beta: float = 0.0  # KL to the initial policy; the paper uses 0 (no reference model is loaded then)
     entropy_coef: float = 0.01
+    # Truncated importance weight min(pi_old / pi_engine, cap) on each token's policy-gradient term,
+    # for the small mismatch between vLLM's and the trainer's kernels. None: on with a GPU (where they
+    # differ), off on CPU (where both run the same fp32 math and the weight is 1 to ~1e-6).
+    rollout_is: bool | None = None
+    rollout_is_cap: float = 2.0  # TRL's default
 
 
 @dataclass
@@ -298,6 +312,8 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     need(len(t.adam_betas) == 2, "train.adam_betas", f"must be [beta1, beta2], got {t.adam_betas}")
     need(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+    need(t.loss_chunk_tokens >= 1, "train.loss_chunk_tokens", "must be >= 1")
+    need(cfg.loss.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {cfg.loss.rollout_is_cap}")
     need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     need(cfg.loss.clip_eps > 0, "loss.clip_eps", "must be > 0")
     need(cfg.loss.beta == 0.0, "loss.beta", "a reference-model KL is not supported by the trainer; the paper uses 0")

@@ -21,6 +21,7 @@ from typing import TextIO
 _terminal: TextIO | None = None  # the real terminal's stderr once `capture` ran
 _terminal_out: TextIO | None = None  # and its stdout
 _warned: set[str] = set()
+_rank = 0  # only rank 0 speaks: the launcher shows every rank's output on one terminal
 
 
 def debug_requested(log_level: str) -> bool:
@@ -33,7 +34,8 @@ def capture(run_dir: Path, rank: int, debug: bool) -> Path | None:
     Call before vLLM, DeepSpeed or torch.distributed start (their loggers keep the
     streams they saw). Returns the log path, or None in debug mode (nothing moved).
     """
-    global _terminal, _terminal_out
+    global _terminal, _terminal_out, _rank
+    _rank = rank
     silence_benign_library_warnings()
     if debug:
         os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"  # read when vLLM is imported
@@ -62,7 +64,9 @@ def terminal_out() -> TextIO:
 
 
 def say(message: str) -> None:
-    """One of our lines: to the terminal, and to the log file when the terminal is elsewhere."""
+    """One of our lines (rank 0's): to the terminal, and to the log file when the terminal is elsewhere."""
+    if _rank != 0:
+        return
     line = f"[trapo] {message}"
     print(line, file=terminal(), flush=True)
     if _terminal is not None:

@@ -1,4 +1,6 @@
-"""GRPO / Dr.GRPO advantages and the clipped policy loss (paper eq. "grpo").
+"""GRPO / Dr.GRPO advantages, the clipped policy loss (paper eq. "grpo") and
+the truncated importance weights that correct for the rollout engine's
+sampling distribution.
 
 Pure functions on tensors: no I/O, no distributed calls. Shapes use
 B questions, G rollouts per question, N = B * G sequences, L response
@@ -16,6 +18,7 @@ from torch import Tensor
 
 ADVANTAGE_SCALES = ("none", "std")
 AGGREGATIONS = ("dr_grpo", "token_mean", "seq_mean")
+ROLLOUT_IS_CAP = 2.0  # TRL's default cap for the truncated rollout importance weight
 
 
 def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
@@ -37,6 +40,45 @@ def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
         return centered
     std = rewards.std(dim=1, keepdim=True)  # [B, 1], unbiased
     return centered / (std + 1e-6)
+
+
+def rollout_is_weights(
+    old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, *, cap: float = ROLLOUT_IS_CAP
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance weights w = min(pi_old / pi_engine, C) = min(exp(old - engine), C), per token.
+
+    The rollout engine (vLLM) samples with log-probs that differ slightly from
+    the trainer's for the same weights, so its tokens are slightly off-policy
+    for pi_old; weighting each token's policy-gradient term by w corrects for
+    that, and the cap C bounds the variance (truncated IS, "TIS").
+
+    old_logprobs (trainer's pi_old), engine_logprobs (the sampler's), mask:
+    [N, L]. Returns (weights [N, L] float32, detached, 0 at padding; metrics
+    with detached scalars is_weight_mean (mean w over masked tokens) and
+    is_capped_frac (fraction of masked tokens where the cap applied)).
+    """
+    if not cap > 0.0:
+        raise ValueError(f"rollout_is_weights: cap must be > 0, got {cap}")
+    if old_logprobs.dim() != 2:
+        raise ValueError(f"rollout_is_weights: old_logprobs must be [N, L], got shape {tuple(old_logprobs.shape)}")
+    for name, t in (("engine_logprobs", engine_logprobs), ("mask", mask)):
+        if t.shape != old_logprobs.shape:
+            raise ValueError(
+                f"rollout_is_weights: {name} must be [N, L]={list(old_logprobs.shape)} like old_logprobs, "
+                f"got {tuple(t.shape)}"
+            )
+    with torch.no_grad():  # weights are constants of the loss: no gradient flows through pi_old or pi_engine
+        mask = mask.bool()
+        # Padding may hold anything (even -inf); zero its log-ratio so exp() stays finite.
+        log_ratio = torch.where(mask, old_logprobs.float() - engine_logprobs.float(), 0.0)  # [N, L]
+        raw = log_ratio.exp()
+        weights = torch.where(mask, raw.clamp(max=cap), 0.0)  # [N, L]
+        count = mask.sum().clamp_min(1)
+        metrics = {
+            "is_weight_mean": weights.sum() / count,
+            "is_capped_frac": (mask & (raw > cap)).sum() / count,
+        }
+    return weights, metrics
 
 
 def _aggregate(terms: Tensor, mask: Tensor, weights: Tensor, agg: str, denom: float | None) -> Tensor:
@@ -76,6 +118,7 @@ def policy_loss(
     beta: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.01,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate loss of GRPO (paper eq. "grpo"), to be minimised.
 
@@ -89,6 +132,9 @@ def policy_loss(
     exp(ref - lp) - (ref - lp) - 1;
     entropy: [N, L] token entropies (`trapo.logits.token_entropy`), used for
     the bonus -entropy_coef * H when given.
+    token_weights: [N, L] or None, per-token constants multiplying the
+    policy-gradient term only (not the KL or entropy terms), e.g. the rollout
+    importance weights of `rollout_is_weights`; treated as detached.
     agg: "dr_grpo" (sum / (N * L)), "token_mean" (sum / number of masked
     tokens) or "seq_mean" (mean over sequences of each one's token mean).
     denom: the denominator to use instead of this batch's (N * L, token count
@@ -114,6 +160,10 @@ def policy_loss(
         weights = torch.ones(n, device=logprobs.device)
     elif weights.shape != (n,):
         raise ValueError(f"policy_loss: weights must be [N]=[{n}], got {tuple(weights.shape)}")
+    if token_weights is not None and token_weights.shape != mask.shape:
+        raise ValueError(
+            f"policy_loss: token_weights must be [N, L]={list(mask.shape)} like mask, got {tuple(token_weights.shape)}"
+        )
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
 
     mask = mask.bool()
@@ -127,6 +177,10 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + eps_high) * adv
     pg_terms = -torch.minimum(unclipped, clipped)  # [N, L]
+    if token_weights is not None:
+        # Off-policy correction of the sampled tokens: w * pg term. Detached because w is a
+        # ratio of fixed behaviour policies; padding garbage becomes a neutral 1 (masked later).
+        pg_terms = pg_terms * torch.where(mask, token_weights.detach().float(), 1.0)
 
     pg_loss = _aggregate(pg_terms, maskf, weights, agg, denom)
     loss = pg_loss

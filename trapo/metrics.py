@@ -84,6 +84,9 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "logprob_diff_rollout_vs_policy": (
             totals["logprob_diff"] / totals["logprob_tokens"] if totals["logprob_tokens"] else None
         ),
+        # loss.rollout_is: mean truncated importance weight min(pi_old / pi_engine, cap), share at the cap
+        "rollout_is_weight_mean": totals["is_weight"] / totals["is_tokens"] if totals["is_tokens"] else None,
+        "rollout_is_capped_frac": totals["is_capped"] / totals["is_tokens"] if totals["is_tokens"] else None,
         "labeled_questions": int(n_lab),
         "unlabeled_questions": int(n_unl),
         "reward_labeled": lab_pass,

@@ -19,8 +19,8 @@ import torch
 from trapo import dist
 from trapo.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
 from trapo.config import Config, ConfigError
-from trapo.logits import token_entropy, token_logprobs
-from trapo.loss import policy_loss
+from trapo.logits import TokenStats, lm_head_token_stats, scatter_to_mask
+from trapo.loss import policy_loss, rollout_is_weights
 from trapo.runtime import torch_dtype
 
 # The update statistics one `update` call returns, summed over its micro-batches (this rank only).
@@ -33,6 +33,9 @@ UPDATE_SUMS = (
     "trained_sequences",
     "logprob_diff",  # sum over trained tokens of |log pi_old - log pi_engine| (the rollout engine's health)
     "logprob_tokens",  # tokens that had engine log-probs
+    "is_weight",  # token-weighted sum of the rollout importance weights (loss.rollout_is)
+    "is_capped",  # token-weighted sum of the fraction of weights at the cap
+    "is_tokens",  # tokens that had importance weights
 )
 
 
@@ -76,6 +79,24 @@ def same_model(policy: dict, engine: dict) -> str:
     )
 
 
+def _offloadable_states(engine, wanted: bool) -> list | None:
+    """What DeepSpeed 0.19's `offload_states` can move for this engine's optimizer (None: nothing).
+
+    Under ZeRO-3 the fp32 master weights and Adam moments move only with
+    DeepSpeed's own FusedAdam (set an "optimizer" in the DeepSpeed config);
+    with a torch optimizer the low-precision parameter partitions and the
+    gradient buffers do.
+    """
+    if not wanted:
+        return None
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    if isinstance(engine.optimizer.optimizer, FusedAdam):
+        return list(State)
+    return [State.lp_params, State.lp_grads, State.contiguous_grad_buffer]
+
+
 class Policy:
     def __init__(self, cfg: Config, model_dir: str, world: int, pad_id: int):
         import deepspeed
@@ -114,11 +135,16 @@ class Policy:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         t = cfg.train
+        on_gpu = torch.cuda.is_available()
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay
+            model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, fused=on_gpu
         )
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model = self.engine.module
+        self.rollout_is = on_gpu if cfg.loss.rollout_is is None else cfg.loss.rollout_is
+        self.offload_states = _offloadable_states(self.engine, on_gpu if t.offload_during_rollout is None else
+                                                  t.offload_during_rollout)  # fmt: skip
+        self.offloaded = False
 
     def effective_config(self) -> dict:
         """What the policy's model uses: RoPE theta (read back from its rotary inverse frequencies),
@@ -157,31 +183,43 @@ class Policy:
                 dummy = TrainSequence(ids=[pad, pad], prompt_len=1, advantage=0.0, weight=0.0, labeled=True)
                 yield group, collate([dummy], pad)
 
-    def _forward(self, batch: dict) -> torch.Tensor:
+    def _token_stats(self, batch: dict, *, entropy: bool = False, kl_uniform: bool = False) -> TokenStats:
+        """Log-probs (and entropy, KL(U || p)) of the response tokens, [b, T-1] each, 0 elsewhere.
+
+        The transformer runs without its LM head (`logits_to_keep` selects no
+        position, so no [T, V] logits exist); the head is then applied to the
+        response positions only, a chunk of `train.loss_chunk_tokens` rows at a
+        time with recomputation in backward, at the sampling temperature.
+        """
+        mask = batch["response_mask"].to(self.device)  # [b, T-1]: position t predicts token t+1
         out = self.engine(
-            input_ids=batch["input_ids"].to(self.device), attention_mask=batch["attention_mask"].to(self.device)
+            input_ids=batch["input_ids"].to(self.device),
+            attention_mask=batch["attention_mask"].to(self.device),
+            output_hidden_states=True,
+            logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device),
         )
-        # [b, T-1, V]: position t predicts token t+1. Divided by the sampling temperature, so that log-probs,
-        # ratios and entropies are those of the distribution vLLM sampled from (exact no-op at 1.0).
-        return out.logits[:, :-1].float() / self.cfg.rollout.temperature
+        hidden = out.hidden_states[-1][:, :-1][mask]  # [N, H], after the final norm: what the head reads
+        targets = batch["input_ids"][:, 1:].to(self.device)[mask]  # [N]
+        stats = lm_head_token_stats(
+            hidden,
+            self.model.get_output_embeddings(),
+            targets,
+            temperature=self.cfg.rollout.temperature,
+            chunk_tokens=self.cfg.train.loss_chunk_tokens,
+            entropy=entropy,
+            kl_uniform=kl_uniform,
+        )
+        return TokenStats(*(None if s is None else scatter_to_mask(s, mask) for s in stats))
 
     @torch.no_grad()
     def confidence_scores(self, seqs: list[TrainSequence], kind: str) -> list[float]:
         """Confidence rewards from the current policy (no gradient), one per sequence."""
-        from trapo.rewards import self_certainty_reward, sentence_likelihood_reward, token_entropy_reward
+        from trapo.rewards.confidence import confidence_reward
 
         scores = [0.0] * len(seqs)
         for group, batch in self._microbatches(seqs):
-            logits = self._forward(batch)
-            mask = batch["response_mask"].to(logits.device)
-            if kind == "self_certainty":
-                values = self_certainty_reward(logits, mask)
-            elif kind == "token_entropy":
-                values = token_entropy_reward(logits, mask)
-            else:
-                values = sentence_likelihood_reward(
-                    token_logprobs(logits, batch["input_ids"][:, 1:].to(logits.device)), mask
-                )
+            stats = self._token_stats(batch, entropy=kind == "token_entropy", kl_uniform=kind == "self_certainty")
+            values = confidence_reward(kind, stats, batch["response_mask"].to(self.device))
             for i, v in zip(group, values.tolist()):
                 scores[i] = v
         return scores
@@ -191,22 +229,35 @@ class Policy:
         """The sequences with pi_old's log-probs of their response tokens attached (several updates per batch)."""
         out = list(seqs)
         for group, batch in self._microbatches(seqs):
-            logits = self._forward(batch)
-            lp = token_logprobs(logits, batch["input_ids"][:, 1:].to(logits.device)).cpu()  # [b, T-1]
+            lp = self._token_stats(batch).logprobs.cpu()  # [b, T-1]
             for row, i in enumerate(group):
                 s = seqs[i]
                 out[i] = replace(s, old_logprobs=lp[row, s.prompt_len - 1 : len(s.ids) - 1].tolist())
         return out
+
+    # ------------------------------------------------------------------ memory while vLLM generates
+
+    def offload(self) -> None:
+        """Move optimizer states (and the gradient buffers) to host memory while the engine generates."""
+        if self.offload_states:
+            self.engine.offload_states(include=self.offload_states)
+            self.offloaded = True
+        if torch.cuda.is_available():  # the update's freed activations: back to the device, for vLLM
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        if self.offloaded:
+            self.engine.reload_states()
+            self.offloaded = False
 
     # ------------------------------------------------------------------ the update
 
     def update(self, seqs: list[TrainSequence], step: int) -> tuple[bool, dict[str, float]]:
         """One optimizer step on this rank's sequences of an update batch.
 
-        Returns (applied, this rank's UPDATE_SUMS: loss, pg_loss, token-weighted
-        entropy and clip fraction, response tokens and sequences trained, the
-        engine-vs-policy log-prob difference and its token count);
-        applied is False when a non-finite loss on any rank made the step be skipped.
+        Returns (applied, this rank's UPDATE_SUMS); applied is False when a
+        non-finite loss on any rank made the step be skipped. The sums stay on
+        the device until the end of the update: one host synchronisation.
         """
         cfg = self.cfg
         # Denominators over the whole update batch on all ranks (gated sequences included),
@@ -217,53 +268,60 @@ class Policy:
             / self.world
         )
         active = [s for s in seqs if s.weight != 0.0]  # a gated-out sequence adds nothing: skip its compute
-        finite = True
-        sums = dict.fromkeys(UPDATE_SUMS, 0.0)
+        sums = torch.zeros(len(UPDATE_SUMS) + 1, dtype=torch.float64, device=self.device)  # + non-finite count
         self.engine.train()
         for group, batch in self._microbatches(active):
-            logits = self._forward(batch)  # [b, T-1, V]
-            targets = batch["input_ids"][:, 1:].to(logits.device)  # [b, T-1]
-            logprobs = token_logprobs(logits, targets)  # [b, T-1]
-            mask = batch["response_mask"].to(logits.device)  # [b, T-1]
-            entropy = token_entropy(logits) if cfg.loss.entropy_coef else None
+            stats = self._token_stats(batch, entropy=bool(cfg.loss.entropy_coef))  # [b, T-1] each
+            mask = batch["response_mask"].to(self.device)  # [b, T-1]
             # One update per rollout batch (the paper's setting) is on-policy: pi_old = pi_theta.
-            old = batch["old_logprobs"].to(logits.device) if "old_logprobs" in batch else logprobs.detach()
+            old = batch["old_logprobs"].to(self.device) if "old_logprobs" in batch else stats.logprobs.detach()
+            engine_lp = batch["engine_logprobs"].to(self.device) if "engine_logprobs" in batch else None
+            is_weights, is_metrics = None, {}
+            if engine_lp is not None and self.rollout_is:
+                is_weights, is_metrics = rollout_is_weights(old, engine_lp, mask, cap=cfg.loss.rollout_is_cap)
             loss, metrics = policy_loss(
-                logprobs,
+                stats.logprobs,
                 old,
-                batch["advantages"].to(logits.device),
+                batch["advantages"].to(self.device),
                 mask,
                 clip_eps=cfg.loss.clip_eps,
                 clip_eps_high=cfg.loss.clip_eps_high,
-                weights=batch["weights"].to(logits.device),
+                weights=batch["weights"].to(self.device),
                 agg=cfg.loss.agg,
                 denom=denom,
-                entropy=entropy,
+                entropy=stats.entropy,
                 entropy_coef=cfg.loss.entropy_coef,
+                token_weights=is_weights,
             )
             if not group:
                 loss = loss * 0.0
-            finite &= bool(torch.isfinite(loss))
             # A non-finite loss still goes through backward: its NaN gradient makes DeepSpeed's
             # global gradient-norm check discard the whole step on every rank (no rank diverges).
             self.engine.backward(loss)
-            if group and "engine_logprobs" in batch:
-                engine_lp = batch["engine_logprobs"].to(logits.device)
-                sums["logprob_diff"] += float(torch.where(mask, (old - engine_lp).abs(), 0.0).sum())
-                sums["logprob_tokens"] += float(mask.sum())
             if group:
-                tokens = float(mask.sum())
-                sums["loss"] += float(loss.detach())
-                sums["pg_loss"] += float(metrics["pg_loss"])
-                sums["entropy"] += float(metrics.get("entropy", torch.tensor(0.0))) * tokens
-                sums["clip_frac"] += float(metrics["clip_frac"]) * tokens
-                sums["trained_tokens"] += tokens
-        if not all(math.isfinite(v) for v in sums.values()):
-            finite = False
-        finite = dist.all_max(0 if finite else 1) == 0
+                tokens = mask.sum()
+                diff = torch.where(mask, (old - engine_lp).abs(), 0.0).sum() if engine_lp is not None else 0.0
+                part = {
+                    "loss": loss.detach(),
+                    "pg_loss": metrics["pg_loss"],
+                    "entropy": metrics.get("entropy", 0.0) * tokens,
+                    "clip_frac": metrics["clip_frac"] * tokens,
+                    "trained_tokens": tokens,
+                    "logprob_diff": diff,
+                    "logprob_tokens": tokens if engine_lp is not None else 0.0,
+                    "is_weight": is_metrics.get("is_weight_mean", 0.0) * tokens,
+                    "is_capped": is_metrics.get("is_capped_frac", 0.0) * tokens,
+                    "is_tokens": tokens if is_weights is not None else 0.0,
+                }
+                sums[:-1] += torch.stack([torch.as_tensor(part.get(k, 0.0), dtype=torch.float64, device=self.device)
+                                          for k in UPDATE_SUMS])  # fmt: skip
+            sums[-1] += (~torch.isfinite(loss.detach())).double()
+        values = sums.tolist()  # the update's one host synchronisation
+        out = dict(zip(UPDATE_SUMS, values))
+        finite = dist.all_max(int(values[-1] > 0 or not all(math.isfinite(v) for v in values))) == 0
         self.engine.step()
         applied = self.engine.was_step_applied()
         if not finite and applied:
             raise TrainingError(f"step {step + 1}: non-finite loss but DeepSpeed applied the update")
-        sums["trained_sequences"] = float(len(active))
-        return finite and applied, sums
+        out["trained_sequences"] = float(len(active))
+        return finite and applied, out

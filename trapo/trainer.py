@@ -66,9 +66,9 @@ class Trainer:
             stop_token_ids=stop_token_ids(self.tokenizer, generation and generation.eos_token_id),
             sampled_logprobs=True,  # for logprob_diff_rollout_vs_policy
         )
-        self.log(same_model(self.policy.effective_config(), self.rollout.effective_config()))
+        console.say(same_model(self.policy.effective_config(), self.rollout.effective_config()))
         engines = ", ".join(f"rank {i} {d}" for i, d in enumerate(dist.all_gather(self.rollout.device())))
-        self.log(f"vLLM engines (tensor parallel {r.tensor_parallel_size}): {engines}")
+        console.say(f"vLLM engines (tensor parallel {r.tensor_parallel_size}): {engines}")
         self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
         selection = cfg.selection
         if selection.random_seed is None:  # the random-selection control follows the run's seed
@@ -83,17 +83,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
 
-    def log(self, msg: str) -> None:
-        if self.is_main:
-            console.say(msg)
-
     def _prepare_inputs(self) -> None:
         cfg = self.cfg
         if cfg.toy.enabled:
             from trapo.toy import asset_dir, build_assets
 
             if self.is_main:
-                build_assets(cfg.toy, log=self.log)
+                build_assets(cfg.toy, log=console.say)
             dist.barrier()
             root = asset_dir(cfg.toy)
             self.model_dir = str(root / "model")
@@ -180,7 +176,8 @@ class Trainer:
 
     def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
         r = self.cfg.rollout
-        return self.rollout.generate(
+        self.policy.offload()  # GPU: the optimizer's memory is the KV cache's while vLLM generates
+        rollouts = self.rollout.generate(
             [self.prompts[i] for i in question_ids],
             n=r.n,
             temperature=r.temperature,
@@ -188,6 +185,8 @@ class Trainer:
             max_tokens=r.max_tokens,
             seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
         )
+        self.policy.reload()
+        return rollouts
 
     def _end_epoch(self) -> dict:
         """Extend every trajectory with the epoch's pass rates, select for the next epoch, dump the selection."""
@@ -309,7 +308,7 @@ class Trainer:
         path = ckpt.resolve(self.cfg.resume_from, self.ckpt_root)
         if path is None:
             if self.cfg.resume_from == "latest":
-                self.log(f"resume_from: latest: no checkpoint under {self.ckpt_root} yet, starting fresh")
+                console.say(f"resume_from: latest: no checkpoint under {self.ckpt_root} yet, starting fresh")
             return
         try:
             self.load_state_dict(ckpt.read_trainer_state(path))  # checks the world size before DeepSpeed loads
@@ -319,7 +318,7 @@ class Trainer:
         self.rollout.push_weights(self.policy.full_weights())
         if self.is_main:
             metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.log(f"resumed from {path} at step {self.step}")
+        console.say(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ evaluation
 
@@ -368,13 +367,13 @@ class Trainer:
 
                 self.board = TensorBoardWriter(self.run_dir / "tensorboard")
         n_labeled = sum(q.labeled for q in self.questions)
-        self.log(
+        console.say(
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
             f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps, world size {self.world}"
         )
         before = self.heldout_scores() if self.step == 0 else None
         if before is not None:
-            self.log(f"held-out accuracy before training: {before['mean']:.3f}")
+            console.say(f"held-out accuracy before training: {before['mean']:.3f}")
         show = self.is_main and cfg.progress_bar
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not show, file=console.terminal())
         try:
@@ -425,7 +424,7 @@ class Trainer:
             self.bad_steps = 0
             return
         self.bad_steps += 1
-        self.log(f"step {self.step}: non-finite loss, update skipped ({self.bad_steps} in a row)")
+        console.say(f"step {self.step}: non-finite loss, update skipped ({self.bad_steps} in a row)")
         if self.bad_steps >= self.cfg.train.max_bad_steps:
             last = ckpt.list_complete(self.ckpt_root)
             raise TrainingError(

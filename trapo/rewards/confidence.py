@@ -10,7 +10,22 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from trapo.logits import kl_uniform_to_policy, masked_mean, token_entropy
+from trapo.logits import TokenStats, kl_uniform_to_policy, masked_mean, token_entropy
+
+
+def confidence_reward(kind: str, stats: TokenStats, mask: Tensor) -> Tensor:
+    """One of the three rewards below from per-token statistics already computed ([N, L] each).
+
+    kind: "self_certainty" (needs stats.kl_uniform), "token_entropy" (stats.entropy)
+    or "sentence_entropy" (stats.logprobs); mask: [N, L] -> [N].
+    """
+    if kind == "self_certainty":
+        return masked_mean(stats.kl_uniform, mask)
+    if kind == "token_entropy":
+        return -masked_mean(stats.entropy, mask)
+    if kind == "sentence_entropy":
+        return (stats.logprobs.float() * mask.float()).sum(dim=1)
+    raise ValueError(f"confidence_reward: unknown kind {kind!r}")
 
 
 def self_certainty_reward(logits: Tensor, mask: Tensor) -> Tensor:
@@ -21,7 +36,7 @@ def self_certainty_reward(logits: Tensor, mask: Tensor) -> Tensor:
     logits: [N, L, V], mask: [N, L] -> [N]. 0 for a uniform policy, larger
     when the distributions are peaked.
     """
-    return masked_mean(kl_uniform_to_policy(logits), mask)
+    return confidence_reward("self_certainty", TokenStats(None, None, kl_uniform_to_policy(logits)), mask)
 
 
 def token_entropy_reward(logits: Tensor, mask: Tensor) -> Tensor:
@@ -31,7 +46,7 @@ def token_entropy_reward(logits: Tensor, mask: Tensor) -> Tensor:
 
     logits: [N, L, V], mask: [N, L] -> [N] (<= 0).
     """
-    return -masked_mean(token_entropy(logits), mask)
+    return confidence_reward("token_entropy", TokenStats(None, token_entropy(logits), None), mask)
 
 
 def sentence_likelihood_reward(logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -42,4 +57,4 @@ def sentence_likelihood_reward(logprobs: Tensor, mask: Tensor) -> Tensor:
     Maximising it lowers a one-sample estimate of the sequence-level entropy.
     logprobs: [N, L] log-probs of the sampled tokens, mask: [N, L] -> [N] (<= 0).
     """
-    return (logprobs.float() * mask.float()).sum(dim=1)
+    return confidence_reward("sentence_entropy", TokenStats(logprobs, None, None), mask)

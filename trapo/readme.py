@@ -1,0 +1,56 @@
+"""Rewrite the README's generated blocks from the outputs that produce them.
+
+    python -m trapo.readme --train outputs/toy      # after `make train`
+    make readme-figures                             # both steps
+
+A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`
+lines; everything between them is replaced, so the README never quotes a
+figure no code printed. Blocks: `make-train` (the summary `make train` prints,
+from its run's summary.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from trapo.metrics import summary_text
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """`text` with the block `name` holding `body`; ValueError if the markers are missing."""
+    pattern = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n)(.*?)(<!-- /generated:{re.escape(name)} -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"README has no block '{name}' (<!-- generated:{name} --> ... <!-- /generated:{name} -->)")
+    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(3), text, count=1)
+
+
+def train_block(run_dir: Path) -> str:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return f"```\n{summary_text(summary)}\n```"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    text = args.readme.read_text()
+    try:
+        if args.train:
+            text = replace_block(text, "make-train", train_block(args.train))
+    except (OSError, ValueError) as err:
+        print(f"trapo.readme: {err}", file=sys.stderr)
+        return 2
+    args.readme.write_text(text)
+    print(f"updated {args.readme}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
