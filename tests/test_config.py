@@ -58,6 +58,12 @@ def test_overrides_are_typed_and_dotted():
         ("train.update_batch_size=24", "must divide train.rollout_batch_size (64)"),
         ("model.path=/somewhere", "must be empty when toy.enabled"),
         ("max_steps", "expected dotted.key=value"),
+        ("selection.top_p=1.5", "key 'selection.top_p': must be in [0, 1], got 1.5"),
+        ("reward.step_budget=0", "key 'reward.step_budget': must be > 0 or null"),
+        ("rollout.tensor_parallel_size=0", "key 'rollout.tensor_parallel_size': must be >= 1"),
+        ("train.loss_chunk_tokens=0", "key 'train.loss_chunk_tokens': must be >= 1"),
+        ("loss.rollout_is_cap=0", "key 'loss.rollout_is_cap': must be > 0"),
+        ("logging.level=loud", "key 'logging.level'"),
     ],
 )
 def test_bad_settings_name_the_key(override, needle):
