@@ -25,6 +25,10 @@ def test_rope_override_is_the_whole_rope_parameters_with_the_new_theta():
 def test_same_model_names_each_key_that_differs():
     policy = {"rope_theta": 39999.98, "max_position_embeddings": 2048, "vocab_size": 320, "dtype": "float32"}
     assert same_model(policy, {**policy, "rope_theta": 40000.0}).startswith("policy and engine agree: rope_theta 40000")
+    bf16 = {**policy, "dtype": "bfloat16", "rope_theta": 9960.0}  # inv_freq rounded to bf16: theta within 1%
+    assert same_model(bf16, {**bf16, "rope_theta": 10000.0}).startswith("policy and engine agree")
+    with pytest.raises(ConfigError, match="rope_theta: policy 9960.0, engine 40000.0"):
+        same_model(bf16, {**bf16, "rope_theta": 40000.0})
     with pytest.raises(ConfigError) as err:
         same_model(policy, {**policy, "rope_theta": 10000.0, "dtype": "bfloat16"})
     assert "rope_theta: policy 39999.98, engine 10000.0" in str(err.value)

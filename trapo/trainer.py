@@ -136,7 +136,6 @@ class Trainer:
         # 1. rollouts: G samples per question, each request seeded by (run seed, step, question)
         with timer.time("rollout"):
             rollouts = self._sample(question_ids)  # [b][G]
-            self.rollout.sleep()
 
         # 2. grading: rewards and (pseudo) pass rates
         with timer.time("grading"):
@@ -164,8 +163,8 @@ class Trainer:
             "epoch": epoch + 1,
             **metrics.step_values(totals, world=self.world, updates=n_updates, applied=applied, majority=majority),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
+            "pushed_gb": pushed_bytes / 2**30,
         }
-        step_log["pushed_gb"] = pushed_bytes / 2**30
         if k == self.steps_per_epoch - 1:
             step_log["selection"] = self._end_epoch()
         self.step += 1
@@ -175,6 +174,7 @@ class Trainer:
         return step_log
 
     def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
+        """G rollouts per question; on GPU the optimizer's states wait in host memory meanwhile."""
         r = self.cfg.rollout
         self.policy.offload()  # GPU: the optimizer's memory is the KV cache's while vLLM generates
         rollouts = self.rollout.generate(
@@ -185,6 +185,7 @@ class Trainer:
             max_tokens=r.max_tokens,
             seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
         )
+        self.rollout.sleep()  # GPU: vLLM's memory is released before the optimizer's comes back
         self.policy.reload()
         return rollouts
 
