@@ -131,3 +131,12 @@ def test_step_warnings_for_truncation_and_grading_storms():
     cut = step_values(totals(grading_budget_cut=1), world=1, updates=1, applied=True, majority=True)
     ((kind, message),) = step_warnings({**cut, "step": 7})
     assert kind == "grading" and "step 7: 0 Math-Verify timeouts and 1 comparisons cut" in message
+
+
+def test_append_jsonl_creates_the_run_directory(tmp_path):
+    from trapo.metrics import append_jsonl
+
+    path = tmp_path / "run" / "selection.jsonl"  # a step may end an epoch before train() made the directory
+    append_jsonl(path, {"epoch": 1})
+    append_jsonl(path, {"epoch": 2})
+    assert [json.loads(x)["epoch"] for x in path.read_text().splitlines()] == [1, 2]

@@ -144,6 +144,7 @@ def progress_fields(step_log: dict, selection: dict | None) -> dict[str, str | i
 
 
 def append_jsonl(path: Path, row: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
