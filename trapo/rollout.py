@@ -10,6 +10,7 @@ extra memory at one layer. On GPU the engine sleeps while the policy trains.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -119,8 +120,6 @@ class RolloutEngine:
 
     def check_placement(self) -> None:
         """The engine must sit on this rank's own device: cuda:LOCAL_RANK on GPU, the CPU otherwise."""
-        import os
-
         expected = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if self.on_gpu else "cpu"
         found = self.device()
         if found != expected:
