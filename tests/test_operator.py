@@ -75,3 +75,26 @@ def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert row["rollout_is_capped_frac"] == 0.0
         assert not row["skipped"] and row["loss"] == row["loss"]
+
+
+def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir, tmp_path):
+    """SIGTERM to the whole process group (a Ctrl-C, a cluster's preemption), launched with deepspeed."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    args = overrides(toy_dir, tmp_path, run_name="two", max_steps=4)
+    cmd = [launcher, "--num_gpus", "2", "--master_port", "29771", "trapo_train.py", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=runtime.subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    rows = tmp_path / "two" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (rows.is_file() and rows.read_text().count("\n") >= 1) and time.time() < deadline:
+        time.sleep(0.05)
+    # every process gets it; deepspeed's launch.py also forwards one to each rank (a duplicate)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)  # until the ranks, which share the pipes, have exited
+    stopped_at = len(rows.read_text().splitlines())
+    assert 1 <= stopped_at < 4 and f"stopped by a signal after step {stopped_at}" in err, err[-3000:]
+    shards = os.listdir(tmp_path / "two" / "checkpoints" / f"step-{stopped_at}" / "ds")
+    assert sum("model_states" in f for f in shards) == 2  # both ranks saved the same step
+
+    train(overrides(toy_dir, tmp_path, run_name="two", max_steps=4, resume_from="latest"), nproc=2)
+    assert [r["step"] for r in metrics(tmp_path / "two")] == [1, 2, 3, 4]

@@ -3,13 +3,15 @@
 Clusters preempt jobs with SIGTERM. The first signal only sets a flag; the
 trainer checks it after each step, agreed over all ranks (so every rank stops
 after the same step), saves a checkpoint and raises `Preempted`. A second
-signal stops at once, the way the signal would have without us.
+signal (more than a few seconds later) stops at once, the way the signal
+would have without us.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 from trapo import console
 from trapo.policy import TrainingError
@@ -23,9 +25,14 @@ class Preempted(TrainingError):
 
 class StopSignals:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # A second signal this soon after the first is the same request delivered twice, not a user
+    # insisting: a Ctrl-C reaches every process of the group, and the deepspeed launcher then
+    # forwards a SIGTERM of its own to each rank.
+    DUPLICATE_WITHIN_S = 5.0
 
     def __init__(self):
         self.received: str | None = None  # the first signal's name
+        self._first_at = 0.0
         self._previous = {}
 
     def __enter__(self) -> StopSignals:
@@ -38,9 +45,12 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:  # the second one: default behaviour, now
-            signal.signal(signum, signal.SIG_DFL)
+        if self.received is not None:
+            if time.monotonic() - self._first_at < self.DUPLICATE_WITHIN_S:
+                return
+            signal.signal(signum, signal.SIG_DFL)  # a second request: default behaviour, now
             os.kill(os.getpid(), signum)
             return
         self.received = signal.Signals(signum).name
+        self._first_at = time.monotonic()
         console.say(f"{self.received}: finishing this step, then saving a checkpoint (send it again to stop now)")

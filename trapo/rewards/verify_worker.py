@@ -584,6 +584,11 @@ class Supervisor:
 
 
 def _serve(workers: int, max_workers: int) -> None:
+    # The trainer decides when grading stops: a preemption signal (SIGTERM, a Ctrl-C, or the deepspeed
+    # launcher terminating the whole process tree) lets it finish its step, grading included. This
+    # process ends when the trainer closes the pipe or kills it; executors die with it (PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The protocol gets a private copy of stdout; fd 1 then points at stderr,
     # so a stray print() in a library cannot corrupt the stream.
     stdout = os.fdopen(os.dup(1), "w")
