@@ -74,7 +74,8 @@ class TrainConfig:
     micro_batch_tokens: int = 16384  # padded tokens per forward/backward on one rank (see README, "Memory")
     loss_chunk_tokens: int = 256  # response tokens per chunk of the LM head (trapo.logits.lm_head_token_stats)
     # GPU: move the optimizer's states to host memory while vLLM generates, so its KV cache can grow;
-    # None: on with a GPU. (DeepSpeed moves the fp32 master and Adam moments only for its own FusedAdam.)
+    # None: on with a GPU. (DeepSpeed 0.19 moves the fp32 master and Adam moments only for its own
+    # FusedAdam; with our torch AdamW they stay on the GPU.)
     offload_during_rollout: bool | None = None
     deepspeed_config: str = "configs/deepspeed_zero3.json"
     max_bad_steps: int = 3  # consecutive non-finite losses before the run stops

@@ -80,21 +80,17 @@ def same_model(policy: dict, engine: dict) -> str:
     )
 
 
-def _offloadable_states(engine, wanted: bool) -> list | None:
-    """What DeepSpeed 0.19's `offload_states` can move for this engine's optimizer (None: nothing).
+def _offloadable_states(wanted: bool) -> list | None:
+    """What DeepSpeed 0.19's `offload_states` can move with our torch optimizer (None: nothing).
 
-    Under ZeRO-3 the fp32 master weights and Adam moments move only with
-    DeepSpeed's own FusedAdam (set an "optimizer" in the DeepSpeed config);
-    with a torch optimizer the low-precision parameter partitions and the
-    gradient buffers do.
+    Under ZeRO-3 it moves the fp32 master weights and Adam moments only for its
+    own FusedAdam (it asserts so); with a torch optimizer the low-precision
+    parameter partitions and the gradient buffers move.
     """
     if not wanted:
         return None
-    from deepspeed.ops.adam import FusedAdam
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
-    if isinstance(engine.optimizer.optimizer, FusedAdam):
-        return list(State)
     return [State.lp_params, State.lp_grads, State.contiguous_grad_buffer]
 
 
@@ -106,7 +102,7 @@ class Policy:
 
         self.cfg, self.world, self.pad_id = cfg, world, pad_id
         self.device = dist.comm_device()
-        self.dtype = torch_dtype(cfg.model.dtype)
+        dtype = torch_dtype(cfg.model.dtype)
         try:
             ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -122,16 +118,15 @@ class Policy:
             managed_gradient_accumulation=False,
             zero_allow_untested_optimizer=True,
         )
-        ds_config["bf16"] = {"enabled": self.dtype == torch.bfloat16}
+        ds_config["bf16"] = {"enabled": dtype == torch.bfloat16}
         ds_config.pop("fp16", None)
-        self.ds_config = ds_config
         self._hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it turns on zero.Init
 
         hf_config = AutoConfig.from_pretrained(model_dir)
         self.overrides = model_overrides(cfg, hf_config)  # the engine takes the same
         for key, value in self.overrides.items():
             setattr(hf_config, key, value)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -143,7 +138,7 @@ class Policy:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model = self.engine.module
         self.rollout_is = on_gpu if cfg.loss.rollout_is is None else cfg.loss.rollout_is
-        self.offload_states = _offloadable_states(self.engine, on_gpu if t.offload_during_rollout is None else
+        self.offload_states = _offloadable_states(on_gpu if t.offload_during_rollout is None else
                                                   t.offload_during_rollout)  # fmt: skip
         self.offloaded = False
 
