@@ -58,10 +58,16 @@ RUN ?= outputs/toy
 report: $(STAMP)
 	$(PY) -m trapo.report $(RUN)
 
-# The paper's three claims on the trap toy task: 6 methods x 3 seeds (under 60 min on
-# 2 cores); QUICK=1: one seed, 30 steps (under 15 min). Outputs in outputs/reproduce-toy/.
+# The paper's claims on the trap toy task under two protocols (trapo/reproduce.py): 7 methods
+# x 8 seeds, two runs at a time; results, plots and the README's section are rewritten from
+# the runs (docs/reproduce-toy/). QUICK=1: 3 seeds, 8 epochs, into outputs/reproduce-toy-quick/.
 reproduce-toy: $(STAMP)
-	$(PY) -m trapo.reproduce $(if $(QUICK),--quick)
+ifeq ($(QUICK),)
+	$(PY) -m trapo.reproduce --docs docs/reproduce-toy
+	$(PY) -m trapo.readme --reproduce docs/reproduce-toy
+else
+	$(PY) -m trapo.reproduce --quick
+endif
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

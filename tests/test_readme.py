@@ -25,3 +25,16 @@ def test_make_train_block_from_a_run(tmp_path):
     assert readme.main(["--train", str(run), "--readme", str(target)]) == 0
     assert "trained 3 steps\nheld-out accuracy after: 0.500" in target.read_text()
     assert readme.main(["--train", str(tmp_path / "none"), "--readme", str(target)]) == 2  # no summary.json
+
+
+def test_reproduce_block_rewrites_links_from_the_readme(tmp_path):
+    docs = tmp_path / "docs" / "reproduce-toy"
+    docs.mkdir(parents=True)
+    (docs / "results.md").write_text("| a | b |\n\n![fig](figure4.png) [web](https://x.org/a.png)\n")
+    (docs / "results.json").write_text(json.dumps({"minutes": 33.3}))
+    target = tmp_path / "README.md"
+    target.write_text("x\n<!-- generated:reproduce-toy -->\nold 0.602\n<!-- /generated:reproduce-toy -->\n")
+    assert readme.main(["--reproduce", str(docs), "--readme", str(target)]) == 0
+    text = target.read_text()
+    assert "old 0.602" not in text and "took 33.3 min" in text
+    assert "![fig](docs/reproduce-toy/figure4.png)" in text and "(https://x.org/a.png)" in text

@@ -11,8 +11,8 @@ def test_borrow_and_the_no_borrow_error():
 
 
 def test_trap_splits_are_balanced_and_disjoint():
-    cfg = ToyConfig(task="trap", labeled=20, unlabeled=60, test=40)
-    task, warm, ood, _ = toy._trap_problems(cfg, 120)
+    cfg = ToyConfig(task="trap", labeled=20, unlabeled=60, test=40, unlabeled_ood=30)
+    task, warm, ood, ood_train, _ = toy._trap_problems(cfg, 120)
     qs = [q for q, _ in task]
     assert len(task) == 120 and len(set(qs)) == 120
     borrow = sum(toy.needs_borrow(*map(int, q[:-1].split("-"))) for q in qs)
@@ -22,3 +22,32 @@ def test_trap_splits_are_balanced_and_disjoint():
     wrong = [(q, a) for q, a in warm if "-" in q and a != str(eval(q[:-1]))]  # noqa: S307
     assert wrong and all(a == str(toy.buggy_difference(*map(int, q[:-1].split("-")))) for q, a in wrong)
     assert len(ood) == 40 and all("+" in q for q, _ in ood)
+    assert len(ood_train) == 30 and all("+" in q for q, _ in ood_train)
+    warm_q = {q for q, _ in warm}
+    assert not {q for q, _ in ood} & {q for q, _ in ood_train} and not (warm_q & {q for q, _ in ood + ood_train})
+
+
+def test_validation_split_is_held_out(tmp_path):
+    import json
+
+    cfg = ToyConfig(
+        enabled=True,
+        task="trap",
+        dir=str(tmp_path),
+        labeled=8,
+        unlabeled=24,
+        test=16,
+        validation=16,
+        unlabeled_ood=12,
+        sft_steps=1,
+    )
+    root = toy.build_assets(cfg, log=lambda _: None)
+
+    def questions(name):
+        return [json.loads(x)["question"] for x in (root / name).read_text().splitlines()]
+
+    train, val, test = questions("train.jsonl"), questions("validation.jsonl"), questions("test.jsonl")
+    assert (len(train), len(val), len(test)) == (32, 16, 16)
+    assert not set(val) & set(test) and not set(val) & set(train) and not set(test) & set(train)
+    ood = [json.loads(x) for x in (root / "unlabeled_ood.jsonl").read_text().splitlines()]
+    assert len(ood) == 12 and not any(r["labeled"] for r in ood) and all("+" in r["question"] for r in ood)

@@ -219,7 +219,7 @@ def test_non_finite_loss_skips_then_stops(toy_dir, tmp_path):
     assert [r["skipped"] for r in m] == [True, True]
 
 
-def test_cli_errors_come_before_any_model_loads(tmp_path):
+def test_cli_errors_come_before_any_model_loads(toy_dir, tmp_path):
     out = train(["loss.clip_epsilon=0.3"], check=False)
     assert out.returncode == 2 and "did you mean 'loss.clip_eps'" in out.stderr
     bad = tmp_path / "bad.jsonl"
@@ -238,6 +238,8 @@ def test_cli_errors_come_before_any_model_loads(tmp_path):
     )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"{bad} line 2: field 'question' is empty" in out.stderr
+    out = train(overrides(toy_dir, tmp_path, **{"eval.steps": 1, "eval.select_on": "valdation"}), check=False)
+    assert out.returncode == 2 and "eval.select_on: 'valdation' is not a validation benchmark" in out.stderr
 
 
 # ----------------------------------------------------------------------------- GPU-launch logic, on CPU

@@ -143,6 +143,9 @@ class EvalConfig:
     n: int = 1  # samples per question (avg@n)
     temperature: float = 0.6  # the paper's evaluation temperature
     max_tokens: int | None = None  # None: rollout.max_tokens
+    # The benchmark (a file's name without extension) whose score picks the best checkpoint; None: the
+    # mean over eval.files. Lets test splits be scored along the way without choosing the checkpoint.
+    select_on: str | None = None
 
 
 @dataclass
@@ -161,6 +164,8 @@ class ToyConfig:
     labeled: int = 64
     unlabeled: int = 192
     test: int = 128
+    validation: int = 0  # held-out questions for checkpoint selection (validation.jsonl), disjoint from test
+    unlabeled_ood: int = 0  # trap task: OOD additions for an unlabeled-OOD training set (unlabeled_ood.jsonl)
     sft_steps: int = 150
 
 

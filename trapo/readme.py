@@ -2,17 +2,20 @@
 
     python -m trapo.readme --train outputs/toy      # after `make train`
     make readme-figures                             # both steps
+    python -m trapo.readme --reproduce docs/reproduce-toy   # after `make reproduce-toy` (it runs this)
 
 A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`
 lines; everything between them is replaced, so the README never quotes a
 figure no code printed. Blocks: `make-train` (the summary `make train` prints,
-from its run's summary.json).
+from its run's summary.json) and `reproduce-toy` (the reproduction's results.md,
+its image links made relative to the README).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -35,15 +38,27 @@ def train_block(run_dir: Path) -> str:
     return f"```\n{summary_text(summary)}\n```"
 
 
+def reproduce_block(docs: Path, readme: Path = README) -> str:
+    """results.md of a reproduction, with its run time and its relative links pointing from the README."""
+    body = (docs / "results.md").read_text()
+    minutes = json.loads((docs / "results.json").read_text()).get("minutes")
+    prefix = Path(os.path.relpath(docs.resolve(), readme.resolve().parent)).as_posix()
+    body = re.sub(r"\]\((?![a-z]+:|/)([^)]+)\)", lambda m: f"]({prefix}/{m.group(1)})", body)
+    return f"`make reproduce-toy` took {minutes} min for this run.\n\n{body}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
+    parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
     parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args(argv)
     text = args.readme.read_text()
     try:
         if args.train:
             text = replace_block(text, "make-train", train_block(args.train))
+        if args.reproduce:
+            text = replace_block(text, "reproduce-toy", reproduce_block(args.reproduce, args.readme))
     except (OSError, ValueError) as err:
         print(f"trapo.readme: {err}", file=sys.stderr)
         return 2

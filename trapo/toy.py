@@ -7,7 +7,8 @@
   fit so that its sampled pass rate on the training questions is neither 0 nor 1;
 - `train.jsonl`: `labeled` questions with answers, then `unlabeled` ones whose
   answers are kept as hidden golds (diagnostics only);
-- `test.jsonl`: held-out questions.
+- `test.jsonl`: held-out questions; `validation.jsonl` (`validation` > 0): more
+  held-out questions from the same pool, for checkpoint selection.
 
 Two task families (`cfg.task`):
 - `addition` (the `make train` default): "a+b=" with two-digit a, b, answer
@@ -19,7 +20,8 @@ Two task families (`cfg.task`):
   classic student error. The model so learns a consistent wrong answer on part
   of the borrow questions, and a majority vote there is confidently wrong.
   The out-of-domain family is two-digit addition, taught correctly, written to
-  `test_ood.jsonl`.
+  `test_ood.jsonl`; `unlabeled_ood` more of them (answers as hidden golds) go to
+  `unlabeled_ood.jsonl`, for the paper's labeled-ID + unlabeled-OOD setting.
 Deterministic given `cfg.seed`.
 """
 
@@ -150,15 +152,17 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     if done.is_file() and json.loads(done.read_text()) == manifest:
         return root
     started = time.perf_counter()
-    n_task = cfg.labeled + cfg.unlabeled + cfg.test
+    n_task = cfg.labeled + cfg.unlabeled + cfg.validation + cfg.test
     if cfg.task == "addition":
+        if cfg.unlabeled_ood:
+            raise ValueError("toy: unlabeled_ood needs task 'trap' (the addition task has no OOD family)")
         problems = _problems(cfg.seed)
         if n_task + 1000 > len(problems):
             raise ValueError(f"toy: {n_task} questions requested; at most {len(problems) - 1000} available")
-        task, warm, ood = problems[:n_task], problems[n_task:], []
+        task, warm, ood, ood_train = problems[:n_task], problems[n_task:], [], []
         corpus = [q + response_text(a) for q, a in problems]
     else:
-        task, warm, ood, corpus = _trap_problems(cfg, n_task)
+        task, warm, ood, ood_train, corpus = _trap_problems(cfg, n_task)
     tokenizer = _tokenizer(corpus)
     model = _model(tokenizer, cfg.seed)
     with torch.random.fork_rng():
@@ -174,9 +178,21 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
         for i, (q, a) in enumerate(task[: cfg.labeled + cfg.unlabeled])
     ]
     _write_jsonl(tmp / "train.jsonl", train_rows)
+    held_out = task[cfg.labeled + cfg.unlabeled :]  # validation, then test
     _write_jsonl(
-        tmp / "test.jsonl", [{"id": f"t{i}", "question": q, "answer": a} for i, (q, a) in enumerate(task[-cfg.test :])]
+        tmp / "test.jsonl",
+        [{"id": f"t{i}", "question": q, "answer": a} for i, (q, a) in enumerate(held_out[cfg.validation :])],
     )
+    if cfg.validation:
+        _write_jsonl(
+            tmp / "validation.jsonl",
+            [{"id": f"v{i}", "question": q, "answer": a} for i, (q, a) in enumerate(held_out[: cfg.validation])],
+        )
+    if ood_train:
+        _write_jsonl(
+            tmp / "unlabeled_ood.jsonl",
+            [{"id": f"u{i}", "question": q, "answer": a, "labeled": False} for i, (q, a) in enumerate(ood_train)],
+        )
     if ood:
         _write_jsonl(
             tmp / "test_ood.jsonl", [{"id": f"o{i}", "question": q, "answer": a} for i, (q, a) in enumerate(ood)]
@@ -189,7 +205,7 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
 
 
 def _trap_problems(cfg: ToyConfig, n_task: int):
-    """(task questions, warm-start pairs, OOD test questions, tokenizer corpus) for the trap family.
+    """(task questions, warm-start pairs, OOD test questions, OOD training questions, tokenizer corpus).
 
     Task and test questions are half borrow, half no-borrow subtractions; the warm
     start gets disjoint subtractions (the buggy teacher on `trap_rate` of its
@@ -211,7 +227,11 @@ def _trap_problems(cfg: ToyConfig, n_task: int):
     warm += [(f"{a}-{b}=", str(a - b)) for a, b in plain[n_task - half :]]
     adds = _problems(cfg.seed + 1)
     ood = adds[: cfg.test]
-    warm += adds[cfg.test : cfg.test + len(warm)]  # as many additions as subtractions
+    n_warm_adds = len(warm)  # as many additions as subtractions
+    warm += adds[cfg.test : cfg.test + n_warm_adds]
+    ood_train = adds[cfg.test + n_warm_adds : cfg.test + n_warm_adds + cfg.unlabeled_ood]
+    if len(ood_train) < cfg.unlabeled_ood:
+        raise ValueError(f"toy: {cfg.unlabeled_ood} unlabeled OOD questions requested; too many for the addition pool")
     rng.shuffle(warm)
-    corpus = [q + response_text(a) for q, a in task + warm + ood]
-    return task, warm, ood, corpus
+    corpus = [q + response_text(a) for q, a in task + warm + ood + ood_train]
+    return task, warm, ood, ood_train, corpus

@@ -95,9 +95,10 @@ class Trainer:
             self.model_dir = str(root / "model")
             train_files = [str(root / "train.jsonl")]
             test_files = [str(p) for p in (root / "test.jsonl", root / "test_ood.jsonl") if p.is_file()]
+            toy_val = [str(root / "validation.jsonl")] if cfg.toy.validation else test_files
         else:
             self.model_dir = cfg.model.path
-            train_files, test_files = cfg.data.train_files, cfg.data.test_files
+            train_files, test_files, toy_val = cfg.data.train_files, cfg.data.test_files, []
             if not (Path(self.model_dir) / "config.json").is_file():
                 raise ConfigError(f"model.path {self.model_dir}: not a Hugging Face model directory (no config.json)")
         if cfg.train.rollout_batch_size % self.world or cfg.train.update_batch_size % self.world:
@@ -107,8 +108,11 @@ class Trainer:
             )
         self.questions = select_for_mode(load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode)
         self.test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
-        val_files = cfg.eval.files or (test_files if cfg.toy.enabled else [])  # the toy validates on its test splits
+        val_files = cfg.eval.files or toy_val  # the toy: its validation split, or without one its test splits
         self.val_benchmarks = [b for f in val_files for b in read_benchmark_file(Path(f))]
+        names = [b.name for b in self.val_benchmarks]
+        if cfg.eval.select_on is not None and cfg.eval.select_on not in names:
+            raise ConfigError(f"eval.select_on: '{cfg.eval.select_on}' is not a validation benchmark; have {names}")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -399,8 +403,9 @@ class Trainer:
         save = (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps
         if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or self.step == self.total_steps):
             step_log["eval"] = self.validation_scores()
-            if self.best is None or step_log["eval"]["mean"] > self.best["score"]:
-                self.best = {"step": self.step, "score": step_log["eval"]["mean"]}
+            score = step_log["eval"][cfg.eval.select_on or "mean"]
+            if self.best is None or score > self.best["score"]:
+                self.best = {"step": self.step, "score": score}
                 save = True  # the best checkpoint must exist
         if save or stop_requested:
             started = time.perf_counter()
