@@ -86,6 +86,9 @@ def test_step_values_edge_cases():
     )
     assert empty["reward_labeled"] is None and empty["pass_rate_unlabeled"] is None
     assert empty["pseudo_label_precision"] is None
+    assert empty["kl_ref"] is None  # loss.beta = 0: no reference model, no KL logged
+    kl = step_values(totals(kl_ref=0.3, kl_tokens=200.0), world=1, updates=1, applied=True, majority=True)
+    assert kl["kl_ref"] == pytest.approx(0.0015)  # token-weighted mean
 
 
 def test_trim_metrics_moves_redone_steps_aside(tmp_path):

@@ -86,6 +86,29 @@ def test_baseline_modes_one_process(toy_dir, tmp_path, name):
     assert 0 <= summary["heldout_accuracy_after"] <= 1
 
 
+def test_authors_verl_loss_settings_with_a_reference_model(toy_dir, tmp_path):
+    """configs/trapo_1k_3k_verl.yaml's loss section on the toy: the KL to a ZeRO-3 reference copy."""
+    import yaml
+
+    loss = yaml.safe_load(open(os.path.join(ROOT, "configs", "trapo_1k_3k_verl.yaml")))["loss"]
+    assert (loss["agg"], loss["advantage_scale"], loss["beta"], loss["entropy_coef"]) == (
+        "token_mean",
+        "std",
+        0.001,
+        0.0,
+    )
+    kv = {f"loss.{k}": v for k, v in loss.items()}
+    train(overrides(toy_dir, tmp_path, mode="trapo", max_steps=3, run_name="verl", **{"train.lr": 1e-3}, **kv))
+    m = metrics(tmp_path / "verl")
+    assert all(math.isfinite(r["loss"]) and not r["skipped"] for r in m)
+    # step 1 trains the initial weights: the policy is the reference, so the KL is 0 up to float noise
+    assert m[0]["kl_ref"] < 1e-6 and m[0]["entropy"] == 0.0  # no entropy bonus: not computed
+    # after the first step with a learning signal (a step whose rewards are all equal has none) the
+    # policy has left the reference, and the KL says so
+    moved = next(i for i, r in enumerate(m) if r["pg_loss"] != 0.0)
+    assert moved < 2 and all(r["kl_ref"] > 1e-5 for r in m[moved + 1 :])
+
+
 def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     """deepspeed --num_gpus 2 on CPU: warm-up is labeled-only, then the selection opens the gate."""
     val = os.path.join(toy_dir, "seed-0", "test.jsonl")

@@ -20,6 +20,7 @@ class TrainSequence:
     labeled: bool
     old_logprobs: list[float] | None = None  # per response token; only when several updates share a rollout batch
     engine_logprobs: list[float] | None = None  # per response token, as the rollout engine sampled it
+    ref_logprobs: list[float] | None = None  # per response token, the reference model's (loss.beta > 0)
 
 
 def build_sequences(
@@ -83,7 +84,7 @@ def collate(seqs: list[TrainSequence], pad_id: int) -> dict[str, Tensor]:
 
     input_ids, attention_mask: [b, T]; response_mask: [b, T-1], true where
     position t predicts a response token (t + 1 >= prompt_len);
-    advantages, weights: [b]; old_logprobs, engine_logprobs: [b, T-1] when
+    advantages, weights: [b]; old_logprobs, engine_logprobs, ref_logprobs: [b, T-1] when
     every sequence has them (0 outside the response).
     """
     b, length = len(seqs), max(len(s.ids) for s in seqs)
@@ -101,7 +102,7 @@ def collate(seqs: list[TrainSequence], pad_id: int) -> dict[str, Tensor]:
         "advantages": torch.tensor([s.advantage for s in seqs], dtype=torch.float32),  # [b]
         "weights": torch.tensor([s.weight for s in seqs], dtype=torch.float32),  # [b]
     }
-    for key in ("old_logprobs", "engine_logprobs"):
+    for key in ("old_logprobs", "engine_logprobs", "ref_logprobs"):
         if all(getattr(s, key) is not None for s in seqs):
             values = torch.zeros(b, length - 1)  # [b, T-1]
             for row, s in enumerate(seqs):

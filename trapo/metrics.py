@@ -87,6 +87,8 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         # loss.rollout_is: mean truncated importance weight min(pi_old / pi_engine, cap), share at the cap
         "rollout_is_weight_mean": totals["is_weight"] / totals["is_tokens"] if totals["is_tokens"] else None,
         "rollout_is_capped_frac": totals["is_capped"] / totals["is_tokens"] if totals["is_tokens"] else None,
+        # loss.beta > 0: mean k3 estimate of KL(pi_theta || pi_ref) per trained token
+        "kl_ref": totals["kl_ref"] / totals["kl_tokens"] if totals["kl_tokens"] else None,
         "labeled_questions": int(n_lab),
         "unlabeled_questions": int(n_unl),
         "reward_labeled": lab_pass,

@@ -36,6 +36,8 @@ UPDATE_SUMS = (
     "is_weight",  # token-weighted sum of the rollout importance weights (loss.rollout_is)
     "is_capped",  # token-weighted sum of the fraction of weights at the cap
     "is_tokens",  # tokens that had importance weights
+    "kl_ref",  # token-weighted sum of the k3 estimate of KL(pi_theta || pi_ref) (loss.beta > 0)
+    "kl_tokens",  # tokens that had reference log-probs
 )
 
 
@@ -137,6 +139,15 @@ class Policy:
         )
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model = self.engine.module
+        # loss.beta > 0: a frozen copy of the initial weights for the KL term, partitioned by ZeRO-3 like the
+        # policy (each rank holds 1/world of it) and run forward only; no optimizer, never saved.
+        self.ref = None
+        if cfg.loss.beta > 0:
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype).requires_grad_(False)
+            ref.config.use_cache = False
+            ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+            self.ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
+            self.ref.eval()
         self.rollout_is = on_gpu if cfg.loss.rollout_is is None else cfg.loss.rollout_is
         self.offload_states = _offloadable_states(on_gpu if t.offload_during_rollout is None else
                                                   t.offload_during_rollout)  # fmt: skip
@@ -179,16 +190,18 @@ class Policy:
                 dummy = TrainSequence(ids=[pad, pad], prompt_len=1, advantage=0.0, weight=0.0, labeled=True)
                 yield group, collate([dummy], pad)
 
-    def _token_stats(self, batch: dict, *, entropy: bool = False, kl_uniform: bool = False) -> TokenStats:
+    def _token_stats(self, batch: dict, *, entropy: bool = False, kl_uniform: bool = False, engine=None) -> TokenStats:
         """Log-probs (and entropy, KL(U || p)) of the response tokens, [b, T-1] each, 0 elsewhere.
 
         The transformer runs without its LM head (`logits_to_keep` selects no
         position, so no [T, V] logits exist); the head is then applied to the
         response positions only, a chunk of `train.loss_chunk_tokens` rows at a
         time with recomputation in backward, at the sampling temperature.
+        `engine`: the DeepSpeed engine to run (default the policy's; the reference model's for the KL).
         """
+        engine = engine or self.engine
         mask = batch["response_mask"].to(self.device)  # [b, T-1]: position t predicts token t+1
-        out = self.engine(
+        out = engine(
             input_ids=batch["input_ids"].to(self.device),
             attention_mask=batch["attention_mask"].to(self.device),
             output_hidden_states=True,
@@ -198,7 +211,7 @@ class Policy:
         targets = batch["input_ids"][:, 1:].to(self.device)[mask]  # [N]
         stats = lm_head_token_stats(
             hidden,
-            self.model.get_output_embeddings(),
+            engine.module.get_output_embeddings(),
             targets,
             temperature=self.cfg.rollout.temperature,
             chunk_tokens=self.cfg.train.loss_chunk_tokens,
@@ -221,14 +234,17 @@ class Policy:
         return scores
 
     @torch.no_grad()
-    def with_old_logprobs(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
-        """The sequences with pi_old's log-probs of their response tokens attached (several updates per batch)."""
+    def with_logprobs(self, seqs: list[TrainSequence], field: str) -> list[TrainSequence]:
+        """The sequences with log-probs of their response tokens attached as `field`:
+        "old_logprobs" from the policy now (pi_old, for several updates per batch) or
+        "ref_logprobs" from the reference model (loss.beta > 0)."""
+        engine = self.ref if field == "ref_logprobs" else self.engine
         out = list(seqs)
         for group, batch in self._microbatches(seqs):
-            lp = self._token_stats(batch).logprobs.cpu()  # [b, T-1]
+            lp = self._token_stats(batch, engine=engine).logprobs.cpu()  # [b, T-1]
             for row, i in enumerate(group):
                 s = seqs[i]
-                out[i] = replace(s, old_logprobs=lp[row, s.prompt_len - 1 : len(s.ids) - 1].tolist())
+                out[i] = replace(s, **{field: lp[row, s.prompt_len - 1 : len(s.ids) - 1].tolist()})
         return out
 
     # ------------------------------------------------------------------ memory while vLLM generates
@@ -272,6 +288,7 @@ class Policy:
             # One update per rollout batch (the paper's setting) is on-policy: pi_old = pi_theta.
             old = batch["old_logprobs"].to(self.device) if "old_logprobs" in batch else stats.logprobs.detach()
             engine_lp = batch["engine_logprobs"].to(self.device) if "engine_logprobs" in batch else None
+            ref_lp = batch["ref_logprobs"].to(self.device) if "ref_logprobs" in batch else None
             is_weights, is_metrics = None, {}
             if engine_lp is not None and self.rollout_is:
                 is_weights, is_metrics = rollout_is_weights(old, engine_lp, mask, cap=cfg.loss.rollout_is_cap)
@@ -288,6 +305,8 @@ class Policy:
                 entropy=stats.entropy,
                 entropy_coef=cfg.loss.entropy_coef,
                 token_weights=is_weights,
+                ref_logprobs=ref_lp,
+                beta=cfg.loss.beta,
             )
             if not group:
                 loss = loss * 0.0
@@ -308,6 +327,8 @@ class Policy:
                     "is_weight": is_metrics.get("is_weight_mean", 0.0) * tokens,
                     "is_capped": is_metrics.get("is_capped_frac", 0.0) * tokens,
                     "is_tokens": tokens if is_weights is not None else 0.0,
+                    "kl_ref": metrics.get("kl_ref", 0.0) * tokens,
+                    "kl_tokens": tokens if "kl_ref" in metrics else 0.0,
                 }
                 sums[:-1] += torch.stack([torch.as_tensor(part.get(k, 0.0), dtype=torch.float64, device=self.device)
                                           for k in UPDATE_SUMS])  # fmt: skip

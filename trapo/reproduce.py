@@ -608,6 +608,7 @@ def plots(res: dict, data: dict, docs: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    runtime.configure()  # before torch: the base model is built in this process (one thread on CPU)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"seeds {QUICK_SEEDS}, {QUICK_EPOCHS} epochs")
     parser.add_argument("--seeds", default=None, help="comma list (default 0-7; quick 0-2)")

@@ -257,7 +257,9 @@ class Trainer:
         )  # [b * G], question-major
         per_update = self.cfg.train.update_batch_size // self.world * self.cfg.rollout.n  # sequences per rank
         if per_update < len(seqs):  # several updates: the later ones need pi_old from before the first
-            seqs = self.policy.with_old_logprobs(seqs)
+            seqs = self.policy.with_logprobs(seqs, "old_logprobs")
+        if self.cfg.loss.beta > 0:  # the KL term's reference: the initial weights
+            seqs = self.policy.with_logprobs(seqs, "ref_logprobs")
         applied, sums = True, dict.fromkeys(UPDATE_SUMS, 0.0)
         for start in range(0, len(seqs), per_update):
             ok, part = self.policy.update(seqs[start : start + per_update], self.step)
