@@ -28,8 +28,9 @@ endif
 	$(PY) -c "import torch, deepspeed, vllm, math_verify, transformers; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
+# resume_from=latest: a second `make train` continues (or, finished, just reports) the first.
 train: $(STAMP)
-	$(PY) trapo_train.py
+	$(PY) trapo_train.py resume_from=latest
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -50,7 +51,9 @@ else
 endif
 
 # The README's generated blocks (the make train summary) from a fresh run.
-readme-figures: train
+readme-figures: $(STAMP)
+	rm -rf outputs/toy
+	$(PY) trapo_train.py
 	$(PY) -m trapo.readme --train outputs/toy
 
 # PNG plots and report.md of any run directory: `make report RUN=outputs/toy`.

@@ -211,6 +211,8 @@ def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path):
     assert sorted(os.listdir(ckpts)) == ["step-2", "step-4"]
     resumed = metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("straight", "resumed")]
+    assert summaries[1]["heldout_before"] == summaries[0]["heldout_before"] is not None  # kept in the checkpoint
     for a, b in zip(straight, resumed):  # CPU fp32: the same rollouts, rewards and losses
         for key in ("loss", "pg_loss", "reward_labeled", "pass_rate_unlabeled", "response_tokens", "selection"):
             assert a.get(key) == b.get(key), (a["step"], key)
@@ -263,6 +265,13 @@ def test_cli_errors_come_before_any_model_loads(toy_dir, tmp_path):
     assert f"{bad} line 2: field 'question' is empty" in out.stderr
     out = train(overrides(toy_dir, tmp_path, **{"eval.steps": 1, "eval.select_on": "valdation"}), check=False)
     assert out.returncode == 2 and "eval.select_on: 'valdation' is not a validation benchmark" in out.stderr
+    earlier = tmp_path / "earlier"  # a run directory with logs but no checkpoint: never appended to
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text('{"step": 1}\n')
+    for resume in ("null", "latest"):
+        out = train([f"output_dir={tmp_path}", "run_name=earlier", f"resume_from={resume}"], check=False)
+        assert out.returncode == 2 and f"{earlier} holds an earlier run (metrics.jsonl)" in out.stderr
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 # ----------------------------------------------------------------------------- GPU-launch logic, on CPU

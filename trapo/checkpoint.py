@@ -168,6 +168,19 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def check_run_dir(run_dir: Path, resume_from: str | None) -> None:
+    """ConfigError when a run that resumes nothing would start in a directory holding another run's
+    metrics.jsonl: its rows would be appended to the earlier run's, and the earlier run's later
+    checkpoints could win a `resume_from: latest`. Nothing is moved or deleted."""
+    if (run_dir / "metrics.jsonl").is_file() and resolve(resume_from, run_dir / "checkpoints") is None:
+        from trapo.config import ConfigError
+
+        raise ConfigError(
+            f"{run_dir} holds an earlier run (metrics.jsonl) and resume_from={resume_from} resumes no checkpoint "
+            "of it: set resume_from=latest to continue it, choose another run_name or output_dir, or remove it"
+        )
+
+
 def resolve(resume_from: str | None, root: Path) -> Path | None:
     """The checkpoint to resume from: None, 'latest' (None if there is none yet) or a path."""
     if resume_from is None:

@@ -48,6 +48,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
+        ckpt.check_run_dir(self.run_dir, cfg.resume_from)  # another run's logs: stop before any model loads
         self._prepare_inputs()  # data and prompts checked before any model loads
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         r = cfg.rollout
@@ -78,6 +79,7 @@ class Trainer:
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
+        self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
         self.board = None  # TensorBoard writer (rank 0, logging.tensorboard)
         self._resume()
 
@@ -277,6 +279,7 @@ class Trainer:
             "bad_steps": self.bad_steps,
             "last_selection": self.last_selection,
             "best": self.best,
+            "heldout_before": self.heldout_before,
             "world_size": self.world,
         }
 
@@ -291,6 +294,7 @@ class Trainer:
         self.bad_steps = state["bad_steps"]
         self.last_selection = state["last_selection"]
         self.best = state["best"]
+        self.heldout_before = state.get("heldout_before")  # absent in checkpoints from before it was kept
 
     def save(self) -> Path:
         final = ckpt.save(
@@ -378,9 +382,10 @@ class Trainer:
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
             f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps, world size {self.world}"
         )
-        before = self.heldout_scores() if self.step == 0 else None
-        if before is not None:
-            console.say(f"held-out accuracy before training: {before['mean']:.3f}")
+        if self.step == 0:
+            self.heldout_before = self.heldout_scores()
+            if self.heldout_before is not None:
+                console.say(f"held-out accuracy before training: {self.heldout_before['mean']:.3f}")
         show = self.is_main and cfg.progress_bar
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not show, file=console.terminal())
         try:
@@ -394,7 +399,9 @@ class Trainer:
             bar.close()
             if self.board:
                 self.board.close()
-        summary = metrics.run_summary(self.step, before, self.heldout_scores(), self.last_selection, self.best)
+        summary = metrics.run_summary(
+            self.step, self.heldout_before, self.heldout_scores(), self.last_selection, self.best
+        )
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
