@@ -135,7 +135,11 @@ def _warm_start(model, tokenizer, problems: list[tuple[str, str]], steps: int, s
     model.eval()
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def _write_questions(path: Path, prefix: str, pairs: list[tuple[str, str]], labeled: list[bool] | None = None):
+    """One JSONL row per (question, answer), with id prefix + index and, when given, each row's `labeled` flag."""
+    rows = [{"id": f"{prefix}{i}", "question": q, "answer": a} for i, (q, a) in enumerate(pairs)]
+    for row, flag in zip(rows, labeled or []):
+        row["labeled"] = flag
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -173,30 +177,16 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     (tmp / "model").mkdir(parents=True)
     model.save_pretrained(tmp / "model", safe_serialization=True)
     tokenizer.save_pretrained(tmp / "model")
-    train_rows = [
-        {"id": f"q{i}", "question": q, "answer": a, "labeled": i < cfg.labeled}
-        for i, (q, a) in enumerate(task[: cfg.labeled + cfg.unlabeled])
-    ]
-    _write_jsonl(tmp / "train.jsonl", train_rows)
-    held_out = task[cfg.labeled + cfg.unlabeled :]  # validation, then test
-    _write_jsonl(
-        tmp / "test.jsonl",
-        [{"id": f"t{i}", "question": q, "answer": a} for i, (q, a) in enumerate(held_out[cfg.validation :])],
-    )
+    n_train = cfg.labeled + cfg.unlabeled
+    _write_questions(tmp / "train.jsonl", "q", task[:n_train], labeled=[i < cfg.labeled for i in range(n_train)])
+    held_out = task[n_train:]  # validation, then test
+    _write_questions(tmp / "test.jsonl", "t", held_out[cfg.validation :])
     if cfg.validation:
-        _write_jsonl(
-            tmp / "validation.jsonl",
-            [{"id": f"v{i}", "question": q, "answer": a} for i, (q, a) in enumerate(held_out[: cfg.validation])],
-        )
+        _write_questions(tmp / "validation.jsonl", "v", held_out[: cfg.validation])
     if ood_train:
-        _write_jsonl(
-            tmp / "unlabeled_ood.jsonl",
-            [{"id": f"u{i}", "question": q, "answer": a, "labeled": False} for i, (q, a) in enumerate(ood_train)],
-        )
+        _write_questions(tmp / "unlabeled_ood.jsonl", "u", ood_train, labeled=[False] * len(ood_train))
     if ood:
-        _write_jsonl(
-            tmp / "test_ood.jsonl", [{"id": f"o{i}", "question": q, "answer": a} for i, (q, a) in enumerate(ood)]
-        )
+        _write_questions(tmp / "test_ood.jsonl", "o", ood)
     (tmp / "manifest.json").write_text(json.dumps(manifest))
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
