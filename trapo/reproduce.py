@@ -408,37 +408,25 @@ def analyse(data: dict, seeds: list[int], epochs: int, base: dict) -> dict:
         }
         fig4 = {"per_seed": {str(s): v for s, v in per_seed.items()}}
         gaps = [v["top10"] - v["bottom10"] for v in per_seed.values() if not math.isnan(v["top10"])]
-        if gaps:
-            for name, threshold in (
-                ("figure4_top10_beats_bottom10", 0.0),
-                ("figure4_gap_exceeds_paper_40", PAPER_FIG4_GAP),
-            ):
-                ci = paired_interval(gaps)
+        vs_random = [v["top10"] - v["random"] for v in per_seed.values() if not math.isnan(v["random"] + v["top10"])]
+        for name, diffs, threshold in (
+            ("figure4_top10_beats_bottom10", gaps, 0.0),
+            ("figure4_gap_exceeds_paper_40", gaps, PAPER_FIG4_GAP),
+            ("figure4_top10_beats_random_selection", vs_random, 0.0),
+        ):
+            if diffs:
+                ci = paired_interval(diffs)
                 claims.append(
                     {
                         "claim": name,
                         "protocol": "both",
                         "rule": "pooled epochs after warm-up",
                         "threshold": threshold,
-                        "differences": gaps,
+                        "differences": diffs,
                         **ci,
                         "verdict": verdict(ci, threshold),
                     }
                 )
-        vs_random = [v["top10"] - v["random"] for v in per_seed.values() if not math.isnan(v["random"] + v["top10"])]
-        if vs_random:
-            ci = paired_interval(vs_random)
-            claims.append(
-                {
-                    "claim": "figure4_top10_beats_random_selection",
-                    "protocol": "both",
-                    "rule": "pooled epochs after warm-up",
-                    "threshold": 0.0,
-                    "differences": vs_random,
-                    **ci,
-                    "verdict": verdict(ci),
-                }
-            )
     return {
         "plan": {
             "epochs": epochs,
@@ -453,6 +441,21 @@ def analyse(data: dict, seeds: list[int], epochs: int, base: dict) -> dict:
         "claims": claims,
         "figure4": fig4,
     }
+
+
+def figure4_epoch_means(res: dict) -> list[dict]:
+    """Figure 4 per epoch, each series averaged over the seeds that have it.
+
+    Returns [{"epoch", "top10", "bottom10", "random"}], as long as the shortest seed's series.
+    """
+    rows = [v["per_epoch"] for v in res["figure4"].get("per_seed", {}).values()]
+    return [
+        {
+            "epoch": rows[0][i]["epoch"],
+            **{k: _mean([r[i][k] for r in rows if not math.isnan(r[i][k])]) for k in ("top10", "bottom10", "random")},
+        }
+        for i in range(min(map(len, rows)) if rows else 0)
+    ]
 
 
 def markdown(res: dict) -> str:
@@ -511,14 +514,8 @@ def markdown(res: dict) -> str:
             "| Epoch | top 10% by TCS | bottom 10% by TCS | random selection |",
             "|---|---|---|---|",
         ]
-        rows = [v["per_epoch"] for v in fig4["per_seed"].values()]
-        for i in range(min(map(len, rows)) if rows else 0):
-            vals = {
-                k: _mean([r[i][k] for r in rows if not math.isnan(r[i][k])]) for k in ("top10", "bottom10", "random")
-            }
-            md.append(
-                f"| {rows[0][i]['epoch']} | {_pct(vals['top10'])} | {_pct(vals['bottom10'])} | {_pct(vals['random'])} |"
-            )
+        for e in figure4_epoch_means(res):
+            md.append(f"| {e['epoch']} | {_pct(e['top10'])} | {_pct(e['bottom10'])} | {_pct(e['random'])} |")
         md.append("")
         for name, cs in by_claim.items():
             if name.startswith("figure4"):
@@ -562,15 +559,13 @@ def plots(res: dict, data: dict, docs: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows = [v["per_epoch"] for v in res["figure4"].get("per_seed", {}).values()]
-    n = min(map(len, rows)) if rows else 0
+    epochs = figure4_epoch_means(res)
     for key, color, label in (
         ("top10", "tab:green", "top 10% by TCS"),
         ("bottom10", "tab:red", "bottom 10% by TCS"),
         ("random", "tab:grey", "random selection (control run)"),
     ):
-        ys = [100 * _mean([r[i][key] for r in rows if not math.isnan(r[i][key])]) for i in range(n)]
-        ax.plot([rows[0][i]["epoch"] for i in range(n)], ys, marker="o", color=color, label=label)
+        ax.plot([e["epoch"] for e in epochs], [100 * e[key] for e in epochs], marker="o", color=color, label=label)
     ax.set_title("Figure 4 at toy scale (paper: top beats bottom by > 40 points)", fontsize=9)
     ax.set_xlabel("epoch (after warm-up)")
     ax.set_ylabel("pseudo-label accuracy (%), mean over seeds")
