@@ -199,7 +199,7 @@ class Policy:
         time with recomputation in backward, at the sampling temperature.
         `engine`: the DeepSpeed engine to run (default the policy's; the reference model's for the KL).
         """
-        engine = engine or self.engine
+        engine = self.engine if engine is None else engine
         mask = batch["response_mask"].to(self.device)  # [b, T-1]: position t predicts token t+1
         out = engine(
             input_ids=batch["input_ids"].to(self.device),
@@ -239,6 +239,8 @@ class Policy:
         "old_logprobs" from the policy now (pi_old, for several updates per batch) or
         "ref_logprobs" from the reference model (loss.beta > 0)."""
         engine = self.ref if field == "ref_logprobs" else self.engine
+        if engine is None:  # without it the policy's own log-probs would pass for the reference's
+            raise ValueError("ref_logprobs need a reference model, which is loaded only when loss.beta > 0")
         out = list(seqs)
         for group, batch in self._microbatches(seqs):
             lp = self._token_stats(batch, engine=engine).logprobs.cpu()  # [b, T-1]
