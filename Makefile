@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test eval report readme-figures reproduce-toy lint bench clean-venv
+.PHONY: setup train test eval data report readme-figures reproduce-toy lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -50,6 +50,18 @@ else
 	$(PY) -m trapo.eval $(if $(MODEL),--model $(MODEL)) --benchmarks $(or $(BENCH),math,arc_c,gpqa) $(EVAL_ARGS)
 endif
 
+# Every training file the shipped paper configs name, into data/, from the public datasets downloaded
+# into SOURCES (README, "Reproducing the paper on GPUs"). TOKENIZER=models/<model> also drops prompts
+# over data.max_prompt_tokens (1024) as that model's tokenizer counts them.
+SOURCES ?=
+TOKENIZER ?=
+data: $(STAMP)
+ifeq ($(strip $(SOURCES)),)
+	@echo "make data: give SOURCES=<folder with openr1-46k/, deepmath-103k/, mmlu-pro/> (README, 'Reproducing the paper on GPUs')"; exit 2
+else
+	$(PY) -m trapo.prepare --paper $(SOURCES) $(if $(TOKENIZER),--tokenizer $(TOKENIZER) --max-prompt-tokens 1024)
+endif
+
 # The README's generated blocks (the make train summary) from a fresh run.
 readme-figures: $(STAMP)
 	rm -rf outputs/toy
@@ -78,6 +90,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_selection.py
+	$(PY) bench/bench_decontam.py
 	$(PY) bench/bench_grading.py
 	$(PY) bench/bench_vote.py
 	$(PY) bench/bench_loss_memory.py

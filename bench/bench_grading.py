@@ -1,6 +1,6 @@
 """Grading + majority vote throughput: 64 questions x 8 rollouts = 512 responses.
 
-Answers are drawn from MATH-500 gold answers in ../shared/data/benchmarks:
+Answers are drawn from MATH-500 gold answers in data/benchmarks:
 per rollout, the question's gold (50%), the gold re-spelled (15%: spaces
 around operators, \\dfrac, a trailing ".0" on integers) or one of two wrong answers taken from
 other questions' golds (35%), so each question has a few distinct answers as
@@ -24,13 +24,12 @@ runtime.configure()  # bounded threads before torch is imported
 
 import pyarrow.parquet as pq  # noqa: E402
 
+from trapo.data import benchmarks_dir  # noqa: E402
 from trapo.rewards import extract_boxed, majority_votes, math_rewards  # noqa: E402
 from trapo.rewards.verifier import MathVerifier  # noqa: E402
 
 QUESTIONS, G, TARGET_S = 64, 8, 1.0
-DATA = os.environ.get(
-    "TRAPO_BENCHMARKS", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "benchmarks")
-)
+DATA = str(benchmarks_dir())
 
 
 def respell(gold: str, rng: random.Random) -> str:

@@ -8,8 +8,6 @@ runtime.configure()
 
 import pytest  # noqa: E402
 
-SHARED_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "benchmarks")
-
 
 @pytest.fixture(scope="session")
 def toy_dir(tmp_path_factory):
@@ -24,7 +22,9 @@ def toy_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def benchmarks_dir():
-    path = os.path.abspath(os.environ.get("TRAPO_BENCHMARKS", SHARED_DATA))
-    if not os.path.isdir(path):
-        pytest.fail(f"benchmark files not found at {path}; set TRAPO_BENCHMARKS to the folder with math.parquet")
+    from trapo.data import benchmarks_dir as configured
+
+    path = os.path.abspath(configured())
+    if not os.path.isfile(os.path.join(path, "math.parquet")):
+        pytest.fail(f"benchmark files not found at {path}; they ship in data/benchmarks (TRAPO_BENCHMARKS overrides)")
     return path

@@ -23,6 +23,8 @@ def test_there_is_a_config_per_paper_experiment():
         "supervised_1k.yaml",
         "unsupervised_ttrl_45k.yaml",
         "naive_semi_1k_3k.yaml",
+        "trapo_1k_3k_r1distill_1p5b.yaml",  # appendix "Extend TraPO to More Models"
+        "trapo_1k_3k_llama31_8b.yaml",
     ):
         assert expected in names
 
@@ -37,7 +39,11 @@ def test_shipped_configs_validate(path):
         assert (cfg.rollout.n, cfg.rollout.temperature) == (8, 1.0)
         assert (cfg.selection.top_p, cfg.selection.threshold) == (0.1, 0.4)
         assert cfg.selection.warmup_epochs == (10 if "ood" in path else 8)
-        assert (cfg.model.rope_theta, cfg.model.max_position_embeddings) == (40000, 16384)
+        # The RoPE change is the paper's for Qwen2.5-Math (4K context); the other models keep theirs.
+        qwen_math = cfg.model.path.endswith("Qwen2.5-Math-7B")
+        rope = (40000, 16384) if qwen_math else (None, None)
+        assert (cfg.model.rope_theta, cfg.model.max_position_embeddings) == rope
+        assert cfg.data.prompt_template == ("cot" if "Llama" in cfg.model.path else "think")
         loss = (cfg.loss.agg, cfg.loss.advantage_scale, cfg.loss.beta, cfg.loss.entropy_coef)
         if path.endswith("_verl.yaml"):  # the authors' public veRL script; otherwise the paper's Dr.GRPO
             assert loss == ("token_mean", "std", 0.001, 0.0)

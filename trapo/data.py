@@ -1,8 +1,9 @@
 """Training questions: reading, validation, labeled/unlabeled split, prompts, batch order.
 
 Two input layouts:
-- parquet in the verl layout (the paper's public code, `../shared/data/benchmarks/`):
-  `prompt` (list of chat messages; the last user turn is the question),
+- parquet in the verl layout (the paper's public code, `data/benchmarks/`, `trapo.prepare`):
+  `prompt` (list of chat messages; the last user turn is the question, unless
+  `extra_info.question` holds it bare),
   `reward_model.ground_truth`, optional `extra_info.labeled` and `extra_info.index`;
 - JSONL with `question`, `answer`, optional `labeled` and `id`.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,15 @@ COT_SUFFIX = "\nLet's think step by step and output the final answer within \\bo
 
 class DataError(ValueError):
     pass
+
+
+# The evaluation sets shipped in the repository (data/benchmarks/README.md); `TRAPO_BENCHMARKS`
+# points elsewhere. Evaluation, decontamination (trapo.prepare), tests and benches all read this.
+REPO_BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+
+
+def benchmarks_dir() -> Path:
+    return Path(os.environ.get("TRAPO_BENCHMARKS") or REPO_BENCHMARKS)
 
 
 @dataclass(frozen=True)
@@ -90,14 +101,19 @@ def parquet_rows(path: Path) -> list[Question]:
         users = [c for r, c in messages if r == "user"]
         if not users:
             raise DataError(f"{where}: field 'prompt' has no user message (the question)")
-        question = _text(users[-1], where, "prompt[user].content", required=True)
+        extra = row.get("extra_info") or {}
+        if not isinstance(extra, dict):
+            raise DataError(f"{where}: field 'extra_info' must be a struct")
+        # A file written by trapo.prepare keeps the bare question beside its templated prompt,
+        # so a config's prompt_template renders it once, not around the stored wrapper.
+        if extra.get("question") is not None:
+            question = _text(extra["question"], where, "extra_info.question", required=True)
+        else:
+            question = _text(users[-1], where, "prompt[user].content", required=True)
         reward = row.get("reward_model") or {}
         if not isinstance(reward, dict):
             raise DataError(f"{where}: field 'reward_model' must be a struct with 'ground_truth'")
         answer = _text(reward.get("ground_truth"), where, "reward_model.ground_truth", required=False)
-        extra = row.get("extra_info") or {}
-        if not isinstance(extra, dict):
-            raise DataError(f"{where}: field 'extra_info' must be a struct")
         labeled = _flag(extra.get("labeled"), where, "extra_info.labeled")
         index = extra.get("index", i)
         source = row.get("data_source")
@@ -186,6 +202,15 @@ def select_for_mode(questions: list[Question], mode: str) -> list[Question]:
     return questions
 
 
+def template_messages(question: str, template: str) -> list[tuple[str, str]]:
+    """The chat messages of one question under a template (think, cot; anything else: the question alone)."""
+    if template == "think":
+        return [("system", THINK_SYSTEM), ("user", f"This is the problem: {question}")]
+    if template == "cot":
+        return [("user", question + COT_SUFFIX)]
+    return [("user", question)]
+
+
 def render_prompt(q: Question, template: str, tokenizer) -> str:
     """The prompt text for one question.
 
@@ -198,14 +223,11 @@ def render_prompt(q: Question, template: str, tokenizer) -> str:
     """
     if template == "plain":
         return q.question
-    if template == "think":
-        messages = [("system", THINK_SYSTEM), ("user", f"This is the problem: {q.question}")]
-    elif template == "cot":
-        messages = [("user", q.question + COT_SUFFIX)]
-    elif template == "dataset" and q.messages is not None:
-        messages = list(q.messages)
-    else:  # chat, or dataset for a JSONL row
-        messages = [("user", q.question)]
+    messages = (
+        list(q.messages)
+        if template == "dataset" and q.messages is not None
+        else template_messages(q.question, template)
+    )
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
@@ -239,12 +261,17 @@ def stop_token_ids(tokenizer, generation_eos: int | list[int] | None = None) -> 
     return list(dict.fromkeys(ids))  # unique, in order
 
 
+def prompt_ids(q: Question, template: str, tokenizer) -> list[int]:
+    """The prompt's token ids as the rollout engine receives them (a chat template adds its own specials)."""
+    text = render_prompt(q, template, tokenizer)
+    return tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+
+
 def tokenize_prompts(questions: list[Question], template: str, tokenizer, max_tokens: int) -> list[list[int]]:
     """Token ids per question; a prompt over `max_tokens` is an input error (named), not a silent cut."""
     out = []
     for q in questions:
-        text = render_prompt(q, template, tokenizer)
-        ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+        ids = prompt_ids(q, template, tokenizer)
         if len(ids) > max_tokens:
             raise DataError(f"{q.where}: prompt has {len(ids)} tokens, over data.max_prompt_tokens={max_tokens}")
         if not ids:

@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from trapo import runtime
-from trapo.data import DataError, Question, jsonl_rows, parquet_rows, stop_token_ids, tokenize_prompts
+from trapo.data import DataError, Question, benchmarks_dir, jsonl_rows, parquet_rows, stop_token_ids, tokenize_prompts
 from trapo.rewards import extract_boxed, math_rewards
 from trapo.rollout import request_seed
 
@@ -51,7 +50,6 @@ TABLE_COLUMNS = {
 }
 # The paper's protocol: avg@32 on the small competition sets, one sample elsewhere.
 PAPER_SAMPLES = {"aime": 32, "aime24": 32, "aime25": 32, "amc": 32}
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
 
 
 @dataclass
@@ -329,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="Hugging Face model dir (default: the latest `make train` checkpoint)")
     parser.add_argument("--benchmarks", help="comma list of names in --data-dir or file paths")
-    parser.add_argument("--data-dir", default=os.environ.get("TRAPO_BENCHMARKS", str(DEFAULT_DATA_DIR)))
+    parser.add_argument(
+        "--data-dir", default=str(benchmarks_dir()), help="default: data/benchmarks, or $TRAPO_BENCHMARKS"
+    )
     parser.add_argument("--n", type=int, help="samples per question (default: the paper's, 32 for AIME/AMC, else 1)")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-tokens", type=int, default=8192)
