@@ -10,6 +10,7 @@ and a message naming the key, before anything is loaded.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # From here on the libraries' output goes to run_dir/log.txt; our own lines to the terminal.
     log = console.capture(cfg.run_dir, int(os.environ.get("RANK", "0")), console.debug_requested(cfg.logging.level))
+    from trapo.checkpoint import CheckpointError
     from trapo.trainer import Preempted, TrainingError, run
 
     try:
@@ -48,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError, FileNotFoundError) as err:
         console.say(f"input error: {err}")
         return 2
+    except CheckpointError as err:  # a full or failing disk, a damaged checkpoint: the cause and the fix
+        if log is not None:
+            with contextlib.suppress(OSError):  # into log.txt (its disk may be the full one)
+                traceback.print_exc(file=sys.stderr)
+        console.say(str(err))
+        return CheckpointError.EXIT_CODE
     except Preempted as err:
         console.say(str(err))
         return Preempted.EXIT_CODE

@@ -68,3 +68,137 @@ def test_trainer_state_round_trip(tmp_path):
     assert torch.equal(b.tracker.selected, a.tracker.selected) and torch.equal(b.tracker.scores, a.tracker.scores)
     with pytest.raises(TrainingError, match="saved with 2 ranks, resuming with 1"):
         skeleton(world=1).load_state_dict(ckpt.read_trainer_state(tmp_path))
+
+
+def _committed(root, step, payload=b"x" * 1000):
+    tmp = ckpt.begin(root, step)
+    (tmp / "ds").mkdir()
+    (tmp / "ds" / "shard.pt").write_bytes(payload)
+    (tmp / "hf.safetensors").write_bytes(payload[::-1])
+    return ckpt.commit(root, step)
+
+
+def test_complete_marker_records_every_file_and_damage_is_named(tmp_path):
+    import json
+    import zlib
+
+    root = tmp_path / "checkpoints"
+    path = _committed(root, 4)
+    marker = json.loads((path / ckpt.COMPLETE).read_text())
+    assert marker == {"step": 4, "files": {"ds/shard.pt": [1000, zlib.crc32(b"x" * 1000)],
+                                           "hf.safetensors": [1000, zlib.crc32(b"x" * 1000)]}}  # fmt: skip
+    assert ckpt.damaged(path) is None
+    shard = path / "ds" / "shard.pt"
+    shard.write_bytes(b"x" * 999)  # truncated
+    assert ckpt.damaged(path) == "ds/shard.pt: 999 bytes, 1000 written"
+    shard.write_bytes(b"x" * 999 + b"y")  # same size, one byte flipped
+    assert ckpt.damaged(path) == "ds/shard.pt: checksum differs from the one written"
+    shard.unlink()
+    assert ckpt.damaged(path) == "ds/shard.pt: missing"
+    (path / ckpt.COMPLETE).write_text("4\n")  # written before checksums were kept: nothing to verify
+    assert ckpt.damaged(path) is None
+
+
+def test_latest_sets_a_damaged_checkpoint_aside_and_takes_the_newest_whole_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        _committed(root, step)
+    (root / "step-6" / "ds" / "shard.pt").write_bytes(b"")
+    (root / "step-4" / "hf.safetensors").write_bytes(b"z" * 1000)
+    warnings = []
+    assert ckpt.choose("latest", root, warn=warnings.append) == root / "step-2"
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4.damaged", "step-6.damaged"]  # none deleted
+    assert "step-6 is damaged (ds/shard.pt: 0 bytes, 1000 written); set aside as step-6.damaged" in warnings[0]
+    assert [s for s, _ in ckpt.list_complete(root)] == [2]
+    _committed(root, 4)  # a later save of the same step; the damaged copy stays aside
+    (root / "step-4" / "ds" / "shard.pt").write_bytes(b"")
+    assert ckpt.choose("latest", root, warn=warnings.append) == root / "step-2"
+    assert (root / "step-4.damaged-2").is_dir()
+    (root / "step-2" / "ds" / "shard.pt").write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match="is damaged"):  # an explicit path is never replaced
+        ckpt.choose(str(root / "step-2"), root)
+    with pytest.raises(ckpt.CheckpointError, match="every checkpoint under .* is damaged"):
+        ckpt.choose("latest", root, warn=warnings.append)
+
+
+def test_partials_are_removed_and_reported(tmp_path):
+    root = tmp_path / "checkpoints"
+    _committed(root, 2)
+    ckpt.begin(root, 4)
+    assert ckpt.remove_partials(root) == [root / ".step-4.tmp"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 2 MB filesystem (tmpfs; needs root, which CI has), else None."""
+    import subprocess
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        yield None
+        return
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_save_that_will_not_fit_is_refused_before_writing(tmp_path, small_disk):
+    import shutil
+
+    root = (small_disk or tmp_path) / "checkpoints"
+    root.mkdir()
+    if small_disk is not None:  # two 700 KB checkpoints on 2 MB: a third does not fit
+        for step in (2, 4):
+            _committed(root, step, payload=bytes(350_000))
+        assert ckpt.space_problem(root, 6, estimate=1, keep=2) is not None
+        msg = ckpt.space_problem(root, 6, estimate=1, keep=2)
+        assert "needs about 700.1 KB (the size of step-4)" in msg  # its files and its COMPLETE marker
+        assert "with 2 checkpoints kept (keep_checkpoints=2): nothing was written" in msg
+        ckpt.prune(root, keep=1)
+        assert ckpt.space_problem(root, 6, estimate=1, keep=1) is None
+    free = shutil.disk_usage(root).free
+    assert ckpt.space_problem(root / "fresh", 2, estimate=free + 1, keep=None).startswith(
+        "checkpoint step-2 needs about"
+    )
+    assert "an estimate from the parameter count" in ckpt.space_problem(root / "fresh", 2, estimate=free + 1, keep=None)
+    assert ckpt.space_problem(root / "fresh", 2, estimate=1, keep=None) is None
+    assert not (root / "fresh" / ".step-2.tmp").exists()  # nothing written
+
+
+def test_describe_names_a_full_disk_whichever_layer_reports_it(tmp_path):
+    import errno
+
+    err = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+    assert ckpt.describe(err, tmp_path).startswith("the disk is full (No space left on device")
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 3812928 vs 3812816")
+    assert ckpt.describe(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")  # this disk has room
+
+
+def test_state_files_load_without_unpickling_code(tmp_path):
+    """trainer_state.pt / rng files hold tensors and plain values (weights_only=True); a file with a
+    pickled object is refused with a message, not executed; an older rng file (NumPy arrays) still loads."""
+    import random
+
+    import numpy as np
+    import torch
+
+    ckpt.save_rng(tmp_path, rank=0)
+    torch.load(tmp_path / "rng" / "rank-0.pt", weights_only=True)  # no allow-list needed
+    old = tmp_path / "old"
+    (old / "rng").mkdir(parents=True)
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": None}
+    torch.save(state, old / "rng" / "rank-0.pt")  # the format before this change
+    expected = (random.random(), float(np.random.rand()))
+    random.seed(1), np.random.seed(1)
+    ckpt.load_rng(old, rank=0)
+    assert (random.random(), float(np.random.rand())) == expected
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    torch.save({"step": 1, "x": Payload()}, tmp_path / ckpt.TRAINER_STATE)
+    with pytest.raises(ckpt.CheckpointError, match="holds pickled objects that this trainer does not load"):
+        ckpt.read_trainer_state(tmp_path)
+    assert not (tmp_path / "ran").exists()

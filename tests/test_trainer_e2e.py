@@ -218,6 +218,60 @@ def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path):
             assert a.get(key) == b.get(key), (a["step"], key)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 MB filesystem (tmpfs; needs root, which CI has) for the run directory, else None."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        yield None
+        return
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_full_disk_stops_cleanly_and_a_damaged_latest_falls_back_both_resuming_exactly(toy_dir, tmp_path, small_disk):
+    """The disk fills during the step-4 save: one line naming the cause and step-2, status 74, no partial
+    left, the traceback in log.txt; with space back, resume_from=latest equals an uninterrupted run. Then a
+    truncated shard in step-4: it is set aside, step-2 is resumed, and the run again equals the straight one."""
+    common = dict(mode="trapo", max_steps=4, save_steps=2)
+    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
+    straight = metrics(tmp_path / "straight")
+
+    def same_as_straight(run_dir):
+        rows = metrics(run_dir)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        for a, b in zip(straight, rows):  # CPU fp32: the same rollouts, rewards and losses
+            for key in ("loss", "pg_loss", "reward_labeled", "pass_rate_unlabeled", "response_tokens", "selection"):
+                assert a.get(key) == b.get(key), (a["step"], key)
+
+    out_dir = small_disk or tmp_path / "disk"
+    args = overrides(toy_dir, out_dir, run_name="full", **common)
+    full = run([sys.executable, SCENARIO, "disk_full", "4", str(small_disk or "simulate"), *args])
+    assert full.returncode == 74, full.stderr[-3000:]
+    assert "Traceback" not in full.stderr
+    said = [line for line in full.stderr.splitlines() if "was not saved" in line]
+    assert len(said) == 1 and "checkpoint step-4 was not saved: the disk is full" in said[0], full.stderr[-2000:]
+    assert "last good: " + str(out_dir / "full" / "checkpoints" / "step-2") in said[0]
+    ckpts = out_dir / "full" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["step-2"]  # the partial step-4 removed, step-2 kept
+    assert "Traceback" in (out_dir / "full" / "log.txt").read_text()
+    if small_disk is not None:
+        os.remove(small_disk / "filler")
+
+    out = train(overrides(toy_dir, out_dir, run_name="full", resume_from="latest", **common))
+    assert "step-2 at step 2" in out.stderr
+    same_as_straight(out_dir / "full")
+
+    shard = max((ckpts / "step-4" / "ds").rglob("*"), key=lambda f: f.stat().st_size if f.is_file() else 0)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # as an interrupted copy leaves it
+    out = train(overrides(toy_dir, out_dir, run_name="full", resume_from="latest", **common))
+    assert f"step-4 is damaged (ds/{shard.relative_to(ckpts / 'step-4' / 'ds')}: " in out.stderr
+    assert "set aside as step-4.damaged" in out.stderr and "step-2 at step 2" in out.stderr
+    assert sorted(os.listdir(ckpts)) == ["step-2", "step-4", "step-4.damaged"]
+    same_as_straight(out_dir / "full")
+
+
 def test_weight_push_matches_transformers(toy_dir, tmp_path):
     out = run([sys.executable, SCENARIO, "weight_push", *overrides(toy_dir, tmp_path, run_name="push")])
     assert out.returncode == 0, out.stderr[-3000:]

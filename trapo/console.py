@@ -12,6 +12,7 @@ leaves the terminal alone and turns the libraries' INFO logs on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -70,7 +71,8 @@ def say(message: str) -> None:
     line = f"[trapo] {message}"
     print(line, file=terminal(), flush=True)
     if _terminal is not None:
-        print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # the log's disk may be full; the terminal has the line
+            print(line, file=sys.stderr, flush=True)
 
 
 def warn_once(kind: str, message: str) -> None:

@@ -2,7 +2,9 @@
 
 Every function here is collective unless it says otherwise: all ranks call it
 in the same order. A plain `python` process gets a one-process world, so the
-same code runs with and without a launcher.
+same code runs with and without a launcher; a process that never initialised
+the group (a unit test, a tool) acts as a world of one in `barrier`,
+`all_gather` and `all_max`.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ def comm_device() -> torch.device:
 
 
 def barrier() -> None:
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def all_gather(obj, group=None):
     """Every rank's `obj` (of `group`, default the world), in rank order (small picklable objects only)."""
+    if not dist.is_initialized():
+        return [obj]
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -76,6 +81,8 @@ def tensor_parallel_group(size: int) -> RankGroup:
 
 
 def all_max(value: int) -> int:
+    if not dist.is_initialized():
+        return value
     t = torch.tensor([value], dtype=torch.long, device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())

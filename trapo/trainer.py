@@ -49,6 +49,10 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         ckpt.check_run_dir(self.run_dir, cfg.resume_from)  # another run's logs: stop before any model loads
+        if self.is_main:  # a killed save's staging directory holds disk space the engines will want
+            for partial in ckpt.remove_partials(self.ckpt_root):
+                console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
+        dist.barrier()
         self._prepare_inputs()  # data and prompts checked before any model loads
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         r = cfg.rollout
@@ -301,22 +305,30 @@ class Trainer:
             self.ckpt_root,
             self.step,
             rank=self.rank,
+            world=self.world,
             engine=self.policy.engine,
             weights=self.policy.full_weights(),
             trainer_state=self.state_dict(),
             model=self.policy.model,
             tokenizer=self.tokenizer,
+            keep=self.cfg.keep_checkpoints,
         )
-        if self.is_main:
-            best_step = None if self.best is None else self.best["step"]
-            if self.best is not None:
-                ckpt.write_best(self.run_dir / "best.json", self.ckpt_root, self.best)
-            ckpt.prune(self.ckpt_root, self.cfg.keep_checkpoints, protect=best_step)
-        dist.barrier()
+        if self.is_main and self.best is not None:
+            ckpt.write_best(self.run_dir / "best.json", self.ckpt_root, self.best)
+        self._prune()
         return final
 
+    def _prune(self) -> None:
+        """keep_checkpoints newest, and the best one (rank 0); after every save and when a run resumes,
+        so a lowered keep_checkpoints frees the disk before the next save needs it."""
+        if self.is_main:
+            best_step = None if self.best is None else self.best["step"]
+            ckpt.prune(self.ckpt_root, self.cfg.keep_checkpoints, protect=best_step)
+        dist.barrier()
+
     def _resume(self) -> None:
-        path = ckpt.resolve(self.cfg.resume_from, self.ckpt_root)
+        # Verified before loading: a damaged newest checkpoint is set aside for the newest whole one.
+        path = ckpt.choose(self.cfg.resume_from, self.ckpt_root, self.rank, self.world, warn=console.say)
         if path is None:
             if self.cfg.resume_from == "latest":
                 console.say(f"resume_from: latest: no checkpoint under {self.ckpt_root} yet, starting fresh")
@@ -326,6 +338,7 @@ class Trainer:
         except TrainingError as err:
             raise TrainingError(f"{path}: {err}") from None
         ckpt.restore(path, rank=self.rank, engine=self.policy.engine)
+        self._prune()
         self.rollout.push_weights(self.policy.full_weights())
         if self.is_main:
             metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)

@@ -1,6 +1,7 @@
 """Trainer scenarios that need to reach inside one process (run by tests/test_trainer_e2e.py).
 
 python tests/scripts/scenario.py crash_at_commit STEP key=value ...
+python tests/scripts/scenario.py disk_full STEP FILL_DIR|simulate key=value ...
 python tests/scripts/scenario.py weight_push key=value ...
 python tests/scripts/scenario.py nan_from STEP key=value ...
 python tests/scripts/scenario.py skip_push key=value ...
@@ -42,6 +43,8 @@ def main() -> None:
 
         ckpt.commit = commit
         tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+    elif scenario == "disk_full":
+        disk_full(int(args.pop(0)), args.pop(0), args)
     elif scenario == "weight_push":
         weight_push(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "nan_from":
@@ -83,6 +86,36 @@ def main() -> None:
         placement(args[0])
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+
+
+def disk_full(fail_step: int, fill_dir: str, args: list[str]) -> None:
+    """The disk fills up during the save of `fail_step`, through the real entry point (trapo_train.main).
+
+    With a directory: once the staging directory exists, a filler file takes all but 64 KB of that
+    directory's filesystem (a small tmpfs in the test), so DeepSpeed's own write hits a real ENOSPC.
+    With "simulate" (no tmpfs allowed): every torch.save into the staging directory raises ENOSPC.
+    """
+    import errno
+
+    real_begin, real_save = ckpt.begin, torch.save
+
+    def begin(root, step):
+        tmp = real_begin(root, step)
+        if step == fail_step and fill_dir != "simulate":
+            free = __import__("shutil").disk_usage(fill_dir).free
+            with open(os.path.join(fill_dir, "filler"), "wb") as f:
+                f.write(b"\0" * max(free - (64 << 10), 0))
+        return tmp
+
+    def save(obj, path, *a, **k):
+        if fill_dir == "simulate" and f".step-{fail_step}.tmp" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(obj, path, *a, **k)
+
+    ckpt.begin, torch.save = begin, save
+    import trapo_train
+
+    sys.exit(trapo_train.main(args))
 
 
 def placement(model_dir) -> None:
