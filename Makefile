@@ -91,6 +91,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_selection.py
 	$(PY) bench/bench_decontam.py
+	$(PY) bench/bench_checkpoint.py
 	$(PY) bench/bench_grading.py
 	$(PY) bench/bench_vote.py
 	$(PY) bench/bench_loss_memory.py
