@@ -138,6 +138,42 @@ def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     assert os.path.isdir(best["checkpoint"]) and os.path.isdir(tmp_path / "two" / "checkpoints" / "step-6")
 
 
+def test_packed_micro_batches_equal_padded_ones_under_zero3(toy_dir):
+    """The real Policy (DeepSpeed ZeRO-3, chunked LM head): log-probs, entropies, loss and every full
+    gradient of 24 sequences (3 to ~200 tokens), packed vs padded, to fp32 tolerance."""
+    out = run([sys.executable, SCENARIO, "packed_vs_padded", f"toy.dir={toy_dir}", *TOY])
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["tokens"] > 300 and min(r["microbatches"]) >= 2
+    assert r["logprob"] < 1e-4 and r["entropy"] < 1e-4
+    assert r["loss"] <= 1e-6 * abs(r["loss_value"]) + 1e-9
+    assert r["grad"] < 1e-5 * max(r["grad_scale"], 1.0)
+
+
+def test_two_ranks_packed_balanced_skipping_equal_todays_update(toy_dir, tmp_path):
+    """2 ranks, one step, entropy and KL terms off: packing + rank balancing + skipping zero-advantage
+    sequences give the same loss and the same updated weights as right-padded, unbalanced, unskipped."""
+    from safetensors.torch import load_file
+
+    common = dict(mode="trapo", max_steps=1, save_steps=1, **{"loss.entropy_coef": 0.0})
+    today = {"train.packing": "false", "train.balance_ranks": "false", "train.skip_zero_advantage": "false"}
+    train(overrides(toy_dir, tmp_path, run_name="today", **common, **today), nproc=2)
+    train(overrides(toy_dir, tmp_path, run_name="new", **common), nproc=2)
+    (a,), (b,) = metrics(tmp_path / "today"), metrics(tmp_path / "new")
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8)
+    assert a["pg_loss"] == pytest.approx(b["pg_loss"], rel=1e-5, abs=1e-8)
+    assert b["trained_sequences"] < a["trained_sequences"]  # groups with equal rewards were skipped
+    for r in (a, b):
+        parts = ("update_efficiency", "padding_share", "imbalance_share", "zero_signal_share")
+        assert sum(r[k] for k in parts) == pytest.approx(1.0)
+    assert b["padding_share"] == 0.0 and b["zero_signal_share"] == 0.0 and a["zero_signal_share"] > 0.0
+    assert b["update_efficiency"] > a["update_efficiency"]
+    wa, wb = (
+        load_file(str(tmp_path / n / "checkpoints" / "step-1" / "hf" / "model.safetensors")) for n in ("today", "new")
+    )
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-6
+
+
 def test_eval_cli_writes_outputs_and_resumes_without_regenerating(toy_dir, tmp_path):
     model = os.path.join(toy_dir, "seed-0", "model")
     test = os.path.join(toy_dir, "seed-0", "test.jsonl")

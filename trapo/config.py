@@ -71,7 +71,7 @@ class TrainConfig:
     lr: float = 1e-6  # constant (paper appendix)
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    micro_batch_tokens: int = 16384  # padded tokens per forward/backward on one rank (see README, "Memory")
+    micro_batch_tokens: int = 16384  # tokens (padded ones too without packing) per forward/backward on one rank
     loss_chunk_tokens: int = 256  # response tokens per chunk of the LM head (trapo.logits.lm_head_token_stats)
     # GPU: move the optimizer's states to host memory while vLLM generates, so its KV cache can grow;
     # None: on with a GPU. (DeepSpeed 0.19 moves the fp32 master and Adam moments only for its own
@@ -79,6 +79,16 @@ class TrainConfig:
     offload_during_rollout: bool | None = None
     deepspeed_config: str = "configs/deepspeed_zero3.json"
     max_bad_steps: int = 3  # consecutive non-finite losses before the run stops
+    # Sequences concatenated into one row per micro-batch (no padding), each attending only to itself
+    # (trapo/packing.py); false: right-padded micro-batches, sequences of similar length together.
+    packing: bool = True
+    # Each update batch's sequences redistributed so every rank trains a near-equal number of tokens
+    # (ZeRO-3 makes all ranks wait for the busiest one at every micro-batch).
+    balance_ranks: bool = True
+    # Skip sequences with advantage 0 (a group whose rewards are all equal, Dr.GRPO): None skips them
+    # when that is exact (loss.entropy_coef == 0 and loss.beta == 0: their gradient is exactly 0); true
+    # also when it is not (their entropy and KL terms are then dropped); false never.
+    skip_zero_advantage: bool | None = None
 
 
 @dataclass

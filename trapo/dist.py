@@ -42,6 +42,11 @@ def comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def rank() -> int:
+    """This process's rank (0 outside a process group; not collective)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -1,9 +1,11 @@
 """The policy under DeepSpeed ZeRO-3: built from a Hugging Face directory, forwarded in
-token-budget micro-batches, updated once per update batch, gathered for the weight push.
+token-budget micro-batches (packed without padding, trapo/packing.py), updated once per
+update batch, gathered for the weight push.
 
 Every method that runs the model is collective: ZeRO-3 gathers each layer's
 parameters from all ranks, so all ranks run the same number of forward and
-backward passes (ranks with less work run empty micro-batches).
+backward passes (ranks with less work run empty micro-batches; `balance` evens
+the work out first).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trapo import dist
+from trapo import dist, packing
 from trapo.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
 from trapo.config import Config, ConfigError
 from trapo.logits import TokenStats, lm_head_token_stats, scatter_to_mask
@@ -132,6 +134,8 @@ class Policy:
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if cfg.train.packing:  # packed rows: attention within each sequence, no [S, S] mask
+            model.set_attn_implementation(packing.register_attention())
         t = cfg.train
         on_gpu = torch.cuda.is_available()
         optimizer = torch.optim.AdamW(
@@ -145,6 +149,8 @@ class Policy:
         if cfg.loss.beta > 0:
             ref = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype).requires_grad_(False)
             ref.config.use_cache = False
+            if cfg.train.packing:
+                ref.set_attn_implementation(packing.ATTENTION)
             ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
             self.ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
             self.ref.eval()
@@ -174,21 +180,23 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _microbatches(self, seqs: list[TrainSequence]):
-        """Yield (indices into seqs, collated batch) per token-budget micro-batch.
+    def _groups(self, seqs: list[TrainSequence]) -> list[list[int]]:
+        """This rank's micro-batches (indices into seqs), padded with empty ones to the busiest rank's count:
+        every rank must run the same number of forward/backward passes."""
+        lengths, budget = [len(s.ids) for s in seqs], self.cfg.train.micro_batch_tokens
+        groups = packing.pack_rows(lengths, budget) if self.cfg.train.packing else pack_by_tokens(lengths, budget)
+        # At least one pass even when nothing is trainable anywhere: DeepSpeed's step needs a backward.
+        return groups + [[] for _ in range(max(dist.all_max(len(groups)), 1) - len(groups))]
 
-        Ranks with fewer micro-batches add empty ones (indices [], a 2-token dummy
-        batch): every rank must run the same number of forward/backward passes.
-        """
-        groups = pack_by_tokens([len(s.ids) for s in seqs], self.cfg.train.micro_batch_tokens)
-        groups += [[] for _ in range(dist.all_max(len(groups)) - len(groups))]
-        pad = self.pad_id
-        for group in groups:
+    def _microbatches(self, seqs: list[TrainSequence], groups: list[list[int]] | None = None):
+        """Yield (indices into seqs, collated batch) per micro-batch; an empty group runs a 2-token dummy."""
+        pad, build = self.pad_id, packing.collate_packed if self.cfg.train.packing else collate
+        for group in self._groups(seqs) if groups is None else groups:
             if group:
-                yield group, collate([seqs[i] for i in group], pad)
+                yield group, build([seqs[i] for i in group], pad)
             else:
                 dummy = TrainSequence(ids=[pad, pad], prompt_len=1, advantage=0.0, weight=0.0, labeled=True)
-                yield group, collate([dummy], pad)
+                yield group, build([dummy], pad)
 
     def _token_stats(self, batch: dict, *, entropy: bool = False, kl_uniform: bool = False, engine=None) -> TokenStats:
         """Log-probs (and entropy, KL(U || p)) of the response tokens, [b, T-1] each, 0 elsewhere.
@@ -201,14 +209,27 @@ class Policy:
         """
         engine = self.engine if engine is None else engine
         mask = batch["response_mask"].to(self.device)  # [b, T-1]: position t predicts token t+1
-        out = engine(
-            input_ids=batch["input_ids"].to(self.device),
-            attention_mask=batch["attention_mask"].to(self.device),
-            output_hidden_states=True,
-            logits_to_keep=torch.empty(0, dtype=torch.long, device=self.device),
-        )
-        hidden = out.hidden_states[-1][:, :-1][mask]  # [N, H], after the final norm: what the head reads
-        targets = batch["input_ids"][:, 1:].to(self.device)[mask]  # [N]
+        no_logits = torch.empty(0, dtype=torch.long, device=self.device)
+        if "packed_ids" in batch:  # one row [1, S]; its response positions come in the padded mask's order
+            ids, rows = batch["packed_ids"].to(self.device), batch["packed_response"].to(self.device)
+            out = engine(
+                input_ids=ids,
+                position_ids=batch["packed_positions"].to(self.device),
+                attention_mask=None,
+                packed_bounds=batch["packed_bounds"],
+                output_hidden_states=True,
+                logits_to_keep=no_logits,
+            )
+        else:
+            ids, rows = batch["input_ids"].to(self.device), mask
+            out = engine(
+                input_ids=ids,
+                attention_mask=batch["attention_mask"].to(self.device),
+                output_hidden_states=True,
+                logits_to_keep=no_logits,
+            )
+        hidden = out.hidden_states[-1][:, :-1][rows]  # [N, H], after the final norm: what the head reads
+        targets = ids[:, 1:][rows]  # [N]
         stats = lm_head_token_stats(
             hidden,
             engine.module.get_output_embeddings(),
@@ -266,25 +287,50 @@ class Policy:
 
     # ------------------------------------------------------------------ the update
 
-    def update(self, seqs: list[TrainSequence], step: int) -> tuple[bool, dict[str, float]]:
-        """One optimizer step on this rank's sequences of an update batch.
+    def skips_zero_advantage(self) -> bool:
+        """Whether sequences with advantage 0 are left out of the update (see train.skip_zero_advantage)."""
+        skip, loss = self.cfg.train.skip_zero_advantage, self.cfg.loss
+        return (loss.entropy_coef == 0.0 and loss.beta == 0.0) if skip is None else skip
 
-        Returns (applied, this rank's UPDATE_SUMS); applied is False when a
-        non-finite loss on any rank made the step be skipped. The sums stay on
-        the device until the end of the update: one host synchronisation.
+    def trainable(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
+        """The sequences worth a forward and backward: gate M != 0 (a gated-out sequence adds nothing), and
+        advantage != 0 where `skips_zero_advantage` (Dr.GRPO: a group whose rewards are all equal)."""
+        skip_zero = self.skips_zero_advantage()
+        return [s for s in seqs if s.weight != 0.0 and not (skip_zero and s.advantage == 0.0)]
+
+    def balance(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
+        """This rank's share of every rank's `seqs`, token counts nearly equal across ranks (collective).
+        The union over ranks is unchanged, so the update's sums and denominators are too."""
+        gathered = dist.all_gather(seqs)  # token ids, advantages, log-probs: small next to the update
+        plan = packing.balance([[len(s.ids) for s in part] for part in gathered])
+        return [gathered[r][i] for r, i in plan[dist.rank()]]
+
+    def update(
+        self, seqs: list[TrainSequence], step: int, batch: dict[str, float]
+    ) -> tuple[bool, dict[str, float], dict[str, int]]:
+        """One optimizer step on this rank's trainable sequences of an update batch.
+
+        batch: the whole update batch's "sequences" and response "tokens" on all ranks (gated and
+        skipped sequences included), for the loss denominators. Returns (applied, this rank's
+        UPDATE_SUMS, the update's work counts over all ranks, `packing.work_counts`); applied is False
+        when a non-finite loss on any rank made the step be skipped. The sums stay on the device until
+        the end of the update: one host synchronisation.
         """
         cfg = self.cfg
-        # Denominators over the whole update batch on all ranks (gated sequences included),
-        # divided by the world size because DeepSpeed averages gradients over ranks.
-        counts = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})
+        # Divided by the world size because DeepSpeed averages gradients over ranks.
         denom = (
-            loss_denominator(cfg.loss.agg, int(counts["sequences"]), int(counts["tokens"]), cfg.rollout.max_tokens)
+            loss_denominator(cfg.loss.agg, int(batch["sequences"]), int(batch["tokens"]), cfg.rollout.max_tokens)
             / self.world
         )
-        active = [s for s in seqs if s.weight != 0.0]  # a gated-out sequence adds nothing: skip its compute
+        groups = self._groups(seqs)
+        # The work done, for update_efficiency: every rank's micro-batch layout and its tokens with signal.
+        signal_always = cfg.loss.entropy_coef != 0.0 or cfg.loss.beta != 0.0
+        signal = sum(len(s.ids) for s in seqs if signal_always or s.advantage != 0.0)
+        layouts = dist.all_gather(([[len(seqs[i].ids) for i in g] for g in groups if g], signal))
+        work = packing.work_counts([lay for lay, _ in layouts], sum(n for _, n in layouts), cfg.train.packing)
         sums = torch.zeros(len(UPDATE_SUMS) + 1, dtype=torch.float64, device=self.device)  # + non-finite count
         self.engine.train()
-        for group, batch in self._microbatches(active):
+        for group, batch in self._microbatches(seqs, groups):
             stats = self._token_stats(batch, entropy=bool(cfg.loss.entropy_coef))  # [b, T-1] each
             mask = batch["response_mask"].to(self.device)  # [b, T-1]
             # One update per rollout batch (the paper's setting) is on-policy: pi_old = pi_theta.
@@ -342,5 +388,5 @@ class Policy:
         applied = self.engine.was_step_applied()
         if not finite and applied:
             raise TrainingError(f"step {step + 1}: non-finite loss but DeepSpeed applied the update")
-        out["trained_sequences"] = float(len(active))
-        return finite and applied, out
+        out["trained_sequences"] = float(len(seqs))
+        return finite and applied, out, work

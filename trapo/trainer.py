@@ -33,6 +33,7 @@ from trapo.data import DataError, epoch_batches, load_questions, select_for_mode
 from trapo.eval import Benchmark, pooled_scores, read_benchmark_file
 from trapo.grading import Grades, grade
 from trapo.loss import group_advantages
+from trapo.packing import update_efficiency
 from trapo.passrate import PassRateTracker
 from trapo.policy import UPDATE_SUMS, Policy, TrainingError, same_model
 from trapo.preemption import Preempted, StopSignals
@@ -159,7 +160,7 @@ class Trainer:
         with timer.time("grading"):
             rewards = self._rewards(question_ids, rollouts, grades)  # [b][G]
         with timer.time("update"):
-            applied, update_sums, n_updates = self._update(question_ids, rollouts, rewards, gate)
+            applied, update_sums, n_updates, work = self._update(question_ids, rollouts, rewards, gate)
 
         # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
         with timer.time("weight_push"):
@@ -174,6 +175,7 @@ class Trainer:
             **metrics.step_values(totals, world=self.world, updates=n_updates, applied=applied, majority=majority),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
             "pushed_gb": pushed_bytes / 2**30,
+            **update_efficiency(work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
         if k == self.steps_per_epoch - 1:
             step_log["selection"] = self._end_epoch()
@@ -247,10 +249,11 @@ class Trainer:
 
     def _update(
         self, question_ids: list[int], rollouts: list[list[Rollout]], rewards: list[list[float]], gate: list[float]
-    ) -> tuple[bool, dict[str, float], int]:
+    ) -> tuple[bool, dict[str, float], int, dict[str, int]]:
         """Group advantages, then optimizer steps over the step's sequences in update batches.
 
-        Returns (every update applied, this rank's UPDATE_SUMS added over updates, number of updates).
+        Returns (every update applied, this rank's UPDATE_SUMS added over updates, number of updates,
+        the updates' work counts over all ranks for `packing.update_efficiency`).
         """
         advantages = group_advantages(torch.tensor(rewards), self.cfg.loss.advantage_scale)  # [b, G]
         seqs = build_sequences(
@@ -262,16 +265,33 @@ class Trainer:
             engine_logprobs=[[r.logprobs for r in group] for group in rollouts],
         )  # [b * G], question-major
         per_update = self.cfg.train.update_batch_size // self.world * self.cfg.rollout.n  # sequences per rank
-        if per_update < len(seqs):  # several updates: the later ones need pi_old from before the first
-            seqs = self.policy.with_logprobs(seqs, "old_logprobs")
+        parts = [seqs[start : start + per_update] for start in range(0, len(seqs), per_update)]  # [updates][...]
+        # Loss denominators count the whole update batch on all ranks, gated and skipped sequences included.
+        batches = [dist.all_sum({"sequences": len(p), "tokens": sum(len(s.ids) - s.prompt_len for s in p)})
+                   for p in parts]  # fmt: skip
+        parts = [self.policy.trainable(p) for p in parts]  # no compute for sequences that add nothing
+        if self.cfg.train.balance_ranks:  # near-equal tokens per rank: no rank waits on a busier one
+            parts = [self.policy.balance(p) for p in parts]
+        if len(parts) > 1:  # several updates: the later ones need pi_old from before the first
+            parts = self._resplit(self.policy.with_logprobs([s for p in parts for s in p], "old_logprobs"), parts)
         if self.cfg.loss.beta > 0:  # the KL term's reference: the initial weights
-            seqs = self.policy.with_logprobs(seqs, "ref_logprobs")
-        applied, sums = True, dict.fromkeys(UPDATE_SUMS, 0.0)
-        for start in range(0, len(seqs), per_update):
-            ok, part = self.policy.update(seqs[start : start + per_update], self.step)
+            parts = self._resplit(self.policy.with_logprobs([s for p in parts for s in p], "ref_logprobs"), parts)
+        applied, sums, work = True, dict.fromkeys(UPDATE_SUMS, 0.0), {}
+        for part, batch in zip(parts, batches):
+            ok, part_sums, part_work = self.policy.update(part, self.step, batch)
             applied &= ok
-            sums = {name: sums[name] + part[name] for name in UPDATE_SUMS}
-        return applied, sums, -(-len(seqs) // per_update)
+            sums = {name: sums[name] + part_sums[name] for name in UPDATE_SUMS}
+            work = {name: work.get(name, 0) + n for name, n in part_work.items()}
+        return applied, sums, len(parts), work
+
+    @staticmethod
+    def _resplit(flat: list, parts: list[list]) -> list[list]:
+        """`flat` cut into lists of the lengths of `parts`."""
+        out, start = [], 0
+        for p in parts:
+            out.append(flat[start : start + len(p)])
+            start += len(p)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -2,6 +2,7 @@
 
 python tests/scripts/scenario.py crash_at_commit STEP key=value ...
 python tests/scripts/scenario.py disk_full STEP FILL_DIR|simulate key=value ...
+python tests/scripts/scenario.py packed_vs_padded key=value ...
 python tests/scripts/scenario.py weight_push key=value ...
 python tests/scripts/scenario.py nan_from STEP key=value ...
 python tests/scripts/scenario.py skip_push key=value ...
@@ -45,6 +46,8 @@ def main() -> None:
         tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "disk_full":
         disk_full(int(args.pop(0)), args.pop(0), args)
+    elif scenario == "packed_vs_padded":
+        packed_vs_padded(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "weight_push":
         weight_push(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "nan_from":
@@ -116,6 +119,59 @@ def disk_full(fail_step: int, fill_dir: str, args: list[str]) -> None:
     import trapo_train
 
     sys.exit(trapo_train.main(args))
+
+
+def packed_vs_padded(cfg) -> None:
+    """Log-probs, entropies, loss and full gradients of one update batch, packed and padded, from two
+    DeepSpeed ZeRO-3 policies built from the same weights; prints the largest differences."""
+    import dataclasses
+    import random
+
+    from deepspeed.utils import safe_get_full_grad
+
+    from trapo import dist
+    from trapo.batch import TrainSequence
+    from trapo.loss import policy_loss
+    from trapo.policy import Policy
+    from trapo.toy import build_assets
+
+    dist.init_distributed()
+    model_dir = str(build_assets(cfg.toy, log=lambda m: None) / "model")
+    rng = random.Random(0)
+    seqs = []
+    for _ in range(24):  # lengths from 3 to ~200 tokens: several micro-batches either way
+        prompt = [rng.randrange(3, 300) for _k in range(rng.randrange(2, 12))]
+        response = [rng.randrange(3, 300) for _k in range(int(rng.lognormvariate(3.0, 0.9)) + 1)]
+        seqs.append(TrainSequence(prompt + response, len(prompt), advantage=rng.choice([-1.0, 0.5, 1.0]),
+                                  weight=1.0, labeled=True))  # fmt: skip
+    results = {}
+    for packed in (False, True):
+        run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed, micro_batch_tokens=256))
+        policy = Policy(run_cfg, model_dir, 1, pad_id=0)
+        logprobs, entropies, losses = [None] * len(seqs), [None] * len(seqs), 0.0
+        for group, batch in policy._microbatches(seqs):
+            stats = policy._token_stats(batch, entropy=True)
+            mask = batch["response_mask"]
+            loss, _ = policy_loss(stats.logprobs, stats.logprobs.detach(), batch["advantages"], mask,
+                                  weights=batch["weights"], entropy=stats.entropy, denom=4096.0)  # fmt: skip
+            policy.engine.backward(loss)
+            losses += float(loss)
+            for row, i in enumerate(group):
+                logprobs[i] = stats.logprobs[row][mask[row]].detach()
+                entropies[i] = stats.entropy[row][mask[row]].detach()
+        grads = {n: safe_get_full_grad(p).clone() for n, p in policy.engine.module.named_parameters()}
+        results[packed] = (torch.cat(logprobs), torch.cat(entropies), losses, grads, len(policy._groups(seqs)))
+    (lp0, h0, l0, g0, mb0), (lp1, h1, l1, g1, mb1) = results[False], results[True]
+    print(json.dumps({
+        "tokens": lp0.numel(),
+        "microbatches": [mb0, mb1],
+        "logprob": float((lp0 - lp1).abs().max()),
+        "entropy": float((h0 - h1).abs().max()),
+        "loss": abs(l0 - l1),
+        "loss_value": l0,
+        "grad": max(float((g0[n] - g1[n]).abs().max()) for n in g0),
+        "grad_scale": max(float(g0[n].abs().max()) for n in g0),
+    }))  # fmt: skip
 
 
 def placement(model_dir) -> None:
