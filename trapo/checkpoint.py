@@ -39,20 +39,18 @@ import re
 import shutil
 import sys
 import traceback
-import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from trapo import dist
+from trapo import checksums, dist
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-COMPLETE = "COMPLETE"
+COMPLETE = checksums.MARKER
 TRAINER_STATE = "trainer_state.pt"
 DEEPSPEED_TAG = "ds"
-_CHUNK = 8 << 20  # bytes read at a time when hashing
 
 
 class CheckpointError(RuntimeError):
@@ -102,7 +100,7 @@ def save(
         failure.attempt(torch.save, trainer_state, tmp / TRAINER_STATE)
     _fail_together(failure, root, step)
     # Read back right after writing: each rank hashes its share, rank 0 records them all.
-    files = failure.attempt(_shared_work, tmp, sorted(_files(tmp)), rank, world, _checksums)
+    files = failure.attempt(checksums.record, tmp, rank, world)
     _fail_together(failure, root, step)
     if rank == 0:
         failure.attempt(commit, root, step, files)
@@ -145,26 +143,36 @@ def describe(err: BaseException, directory: Path) -> str:
         free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
     except OSError:
         free = None
-    if free is not None and free < _CHUNK:
+    if free is not None and free < checksums.CHUNK:  # less than one write's worth left
         return f"the disk is full ({_size(free)} free; the writer said: {text})"
     return f"{type(err).__name__}: {text}"
 
 
 def _fail_together(failure: _Failure, root: Path, step: int) -> None:
     """Collective: if any rank failed, every rank removes the staging directory and raises the same error."""
-    failed = dist.all_gather((describe(failure.error, root), failure.trace) if failure else None)
+    mine = None
+    if failure:
+        cause = describe(failure.error, root)
+        # The disk's advice applies to an OSError or a disk found full; anything else points to the log.
+        mine = (cause, failure.trace, isinstance(failure.error, OSError) or cause.startswith("the disk is full"))
+    failed = dist.all_gather(mine)
     if not any(failed):
         return
     shutil.rmtree(staging_dir(root, step), ignore_errors=True)
     dist.barrier()
-    first_rank, (cause, trace) = next((r, f) for r, f in enumerate(failed) if f)
+    first_rank, (cause, trace, disk) = next((r, f) for r, f in enumerate(failed) if f)
     with contextlib.suppress(OSError):  # log.txt, which may sit on the disk that just filled up
         print(f"checkpoint step-{step}: rank {first_rank} failed:\n{trace}", file=sys.stderr, flush=True)
     done = list_complete(root)
     raise CheckpointError(
         f"checkpoint step-{step} was not saved: {cause}. Removed the partial {staging_dir(root, step)}; "
-        f"every earlier checkpoint is kept (last good: {done[-1][1] if done else 'none'}). Free space there, "
-        "lower keep_checkpoints or set output_dir to a larger disk, then run again with resume_from=latest"
+        f"every earlier checkpoint is kept (last good: {done[-1][1] if done else 'none'}). "
+        + (
+            "Free space there, lower keep_checkpoints or set output_dir to a larger disk, then run again with "
+            "resume_from=latest"
+            if disk
+            else "The traceback is in log.txt; fix the cause, then run again with resume_from=latest"
+        )
     )
 
 
@@ -215,37 +223,6 @@ def space_problem(root: Path, step: int, estimate: int, keep: int | None) -> str
 # ----------------------------------------------------------------------------- integrity
 
 
-def _files(directory: Path) -> list[str]:
-    return [str(f.relative_to(directory)) for f in directory.rglob("*") if f.is_file() and f.name != COMPLETE]
-
-
-def file_checksum(path: Path) -> list[int]:
-    """[bytes, crc32] of one file (zlib's crc32: about 3.7 GB/s on one core here, catches truncation and bit rot)."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            crc, size = zlib.crc32(block, crc), size + len(block)
-    return [size, crc]
-
-
-def _checksums(directory: Path, names: list[str]) -> dict[str, list[int]]:
-    return {name: file_checksum(directory / name) for name in names}
-
-
-def _shared_work(directory: Path, names: list[str], rank: int, world: int, work: Callable) -> dict:
-    """Collective: `work(directory, share)` on this rank's share of `names` (balanced by size), merged."""
-    sizes = sorted(((directory / n).stat().st_size if (directory / n).is_file() else 0, n) for n in names)
-    loads, shares = [0] * world, [[] for _ in range(world)]
-    for size, name in reversed(sizes):  # longest first onto the least-loaded rank: deterministic everywhere
-        r = loads.index(min(loads))
-        loads[r] += size
-        shares[r].append(name)
-    merged = {}
-    for part in dist.all_gather(work(directory, shares[rank])):
-        merged.update(part)
-    return merged
-
-
 def manifest(path: Path) -> dict[str, list[int]] | None:
     """The files recorded in checkpoint `path`'s COMPLETE marker; None for a checkpoint written before
     checksums were kept (its marker holds only the step)."""
@@ -257,29 +234,12 @@ def manifest(path: Path) -> dict[str, list[int]] | None:
     return data.get("files") if isinstance(data, dict) else None
 
 
-def _damage(directory: Path, expected: dict[str, list[int]]):
-    def check(_, names: list[str]) -> dict[str, str]:
-        out = {}
-        for name in names:
-            f = directory / name
-            if not f.is_file():
-                out[name] = "missing"
-            elif f.stat().st_size != expected[name][0]:
-                out[name] = f"{f.stat().st_size} bytes, {expected[name][0]} written"
-            elif file_checksum(f)[1] != expected[name][1]:
-                out[name] = "checksum differs from the one written"
-        return out
-
-    return check
-
-
 def damaged(path: Path, rank: int = 0, world: int = 1) -> str | None:
     """Collective: what is wrong with checkpoint `path` ("ds/...: 812 bytes, 3812928 written"), or None."""
     expected = manifest(path)
     if expected is None:
         return None
-    found = _shared_work(path, sorted(expected), rank, world, _damage(path, expected))
-    return "; ".join(f"{name}: {why}" for name, why in sorted(found.items())) or None
+    return checksums.verify(path, expected, rank, world)
 
 
 def choose(resume_from: str | None, root: Path, rank: int = 0, world: int = 1, warn=print) -> Path | None:
@@ -437,7 +397,7 @@ def commit(root: Path, step: int, files: dict[str, list[int]] | None = None) -> 
     """Rank 0, after all ranks wrote into the staging directory: mark (with each file's size and
     checksum) and rename."""
     tmp, final = staging_dir(root, step), final_dir(root, step)
-    marker = json.dumps({"step": step, "files": files if files is not None else _checksums(tmp, sorted(_files(tmp)))})
+    marker = json.dumps({"step": step, "files": files if files is not None else checksums.record(tmp)})
     (tmp / COMPLETE).write_text(marker + "\n")
     if final.exists():  # re-saving a step after a resume: replace it
         shutil.rmtree(final)

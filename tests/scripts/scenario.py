@@ -37,10 +37,10 @@ def main() -> None:
         crash_step = int(args.pop(0))
         real_commit = ckpt.commit
 
-        def commit(root, step):
+        def commit(root, step, *rest):
             if step == crash_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_commit(root, step)
+            return real_commit(root, step, *rest)
 
         ckpt.commit = commit
         tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
