@@ -55,7 +55,8 @@ class RolloutConfig:
     # its ZeRO-3 partitions: for a 7B model on 8 x 80 GB, fp32 master + Adam moments are ~10.5 GB per
     # GPU (the bf16 partitions and gradient buffers go to host memory, train.offload_during_rollout),
     # so 0.6 (48 GB: 14 GB of weights, the rest KV cache) leaves ~20 GB spare. Arithmetic, not a GPU
-    # measurement; lower it for larger models or smaller GPUs.
+    # measurement (`python -m trapo.doctor --plan` does it for any config and card); lower it for larger
+    # models or smaller GPUs.
     gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gb: float = 0.25  # CPU only: vLLM needs an explicit KV-cache size there
     enable_sleep_mode: bool = True  # GPU only: free vLLM's memory while the policy trains

@@ -1,0 +1,168 @@
+"""The memory plan against figures worked out by hand, its hints, and `python -m trapo.doctor --plan`'s exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trapo.config import ConfigError, load_config
+from trapo.memory_plan import BUILTIN, GiB, memory_plan, model_arch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "trapo_1k_3k.yaml")
+
+
+def plan_for(world, gib, *overrides, config=CONFIG):
+    cfg = load_config(config, list(overrides))
+    with open(os.path.join(ROOT, cfg.train.deepspeed_config)) as f:
+        ds = json.load(f)
+    return memory_plan(cfg, world, gib * GiB, model_arch(cfg.model.path), ds)
+
+
+def figures(plan, phase):
+    return {i.name: (i.bytes, i.counted) for i in plan.phases[phase]}
+
+
+def test_parameter_counts_of_the_built_in_models():
+    # Qwen2.5-Math-7B, per layer: q, o 3584^2 = 12,845,056 each; k, v 3584 x 512 = 1,835,008 each;
+    # q/k/v biases 3584 + 512 + 512 = 4,608 -> attention 29,364,736; MLP 3 x 3584 x 18944 = 203,685,888;
+    # two norms 7,168 -> 233,057,792; x 28 = 6,525,618,176; + embeddings and head 2 x 152064 x 3584
+    # = 1,089,994,752 + final norm 3,584 = 7,615,616,512.
+    assert BUILTIN["Qwen2.5-Math-7B"].params == 7_615_616_512
+    # R1-Distill-Qwen-1.5B: layer 2,360,832 + 786,944 + 2,359,296 + 41,287,680 + 3,072 = 46,797,824; x 28
+    # = 1,310,339,072; + 2 x 151936 x 1536 = 466,747,392 + 1,536 = 1,777,088,000 (tied would be 1.54e9).
+    assert BUILTIN["DeepSeek-R1-Distill-Qwen-1.5B"].params == 1_777_088_000
+    # Llama-3.1-8B: layer 41,943,040 + 176,160,768 + 8,192 = 218,112,000; x 32 + 2 x 128256 x 4096 + 4096.
+    assert BUILTIN["Llama-3.1-8B-Instruct"].params == 8_030_261_248
+
+
+def test_model_arch_from_config_json_table_or_error(tmp_path):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):  # a directory without config.json
+        model_arch(str(model))
+    keys = dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
+    (model / "config.json").write_text(json.dumps(keys))
+    arch = model_arch(str(model))
+    assert (arch.params, arch.head_dim, arch.qkv_bias, arch.source) == (
+        1_777_088_000,
+        128,
+        True,
+        str(model / "config.json"),
+    )
+    assert model_arch("models/Qwen2.5-Math-7B") == BUILTIN["Qwen2.5-Math-7B"]  # absent here: the table
+    with pytest.raises(ConfigError, match="no models/Unknown-7B/config.json"):
+        model_arch("models/Unknown-7B")
+
+
+def test_paper_7b_config_on_8_x_80_gib_by_hand():
+    plan = plan_for(8, 80)
+    # s = P / 8 = 7,615,616,512 / 8 = 951,952,064 parameters per rank.
+    # bf16 params 2s = 1,903,904,128; fp32 gradient partition 4s = 3,807,808,256 (grad_accum_dtype fp32);
+    # fp32 master 4s = 3,807,808,256; Adam moments 8s = 7,615,616,512; IPG bucket 5e8 x 2 B = 1,000,000,000.
+    start = figures(plan, "start-up")
+    assert start["param partition (2 B/param / 8)"] == (1_903_904_128, True)
+    assert start["gradient partition (4 B/param / 8)"] == (3_807_808_256, True)
+    assert start["IPG gradient bucket (500,000,000 x 2 B)"] == (1_000_000_000, True)
+    # vLLM asks for ceil(0.6 x 80 GiB) = 51,539,607,552; start-up = 2s + 4s + 4s + 1e9 + reserve 2 GiB
+    # (2,147,483,648) + 51,539,607,552 = 64,206,611,840 (59.80 GiB).
+    assert plan.peak("start-up") == 64_206_611_840
+    # Rollouts: 4s + 8s = 11,423,424,768 stay (torch AdamW), the 2s + 4s + IPG go to the host;
+    # + 2 GiB + 51,539,607,552 = 65,110,515,968 (60.64 GiB).
+    roll = figures(plan, "rollout")
+    assert roll["param partition (2 B/param / 8): offloaded"] == (1_903_904_128, False)
+    assert plan.peak("rollout") == 65_110_515_968
+    # vLLM: weights 2 x P = 15,231,233,024; profiling peak max(16384 x 2 x (3 x 18944 + 4 x 3584) = 2,332,033,024,
+    # 1024 x 152064 x 4 x 3 = 1,868,562,432) = 2,332,033,024; non-torch 1 GiB; KV cache = 51,539,607,552
+    # - 15,231,233,024 - 2,332,033,024 - 1,073,741,824 = 32,902,599,680 (30.64 GiB).
+    assert roll["  of which KV cache"] == (32_902_599_680, False)
+    # 2 (K, V) x 28 layers x 4 kv heads x 128 x 2 B = 57,344 B per token; a 1024 + 8192 = 9216-token sequence
+    # 528,482,304 B; 32,902,599,680 // 528,482,304 = 62 held; needed 64 / 8 questions x 8 = 64.
+    assert {k: plan.kv[k] for k in ("bytes_per_token", "sequence_bytes", "sequences_held", "sequences_needed")} == {
+        "bytes_per_token": 57_344,
+        "sequence_bytes": 528_482_304,
+        "sequences_held": 62,
+        "sequences_needed": 64,
+    }
+    # Update: 2s + 4s + 4s + 8s + 1e9 = 18,135,137,152; + 2 GiB reserve + 1 GiB vLLM asleep = 21,356,362,624.
+    # Gathered 2 x (1e9 + 152064 x 3584) = 3,089,994,752; checkpoints 29 x 16384 x 3584 x 2 = 3,405,774,848;
+    # one layer 16384 x 2 x (20 x 3584 + 4 x 512 + 6 x 18944) + 16384 x 28 x 4 = 6,142,296,064, more than the
+    # LM head's 4 x 256 x 152064 x 4 + 152064 x 3584 x 6 + 2 x 16384 x 3584 x 2 = 4,127,719,424 and the step's
+    # 4s; peak = 21,356,362,624 + 3,089,994,752 + 3,405,774,848 + 6,142,296,064 = 33,994,428,288 (31.66 GiB).
+    update = figures(plan, "update")
+    assert update["backward: one layer recomputed"] == (6_142_296_064, True)
+    assert update["backward: LM head (chunks of 256, [V, H] fp32 grad)"] == (4_127_719_424, False)
+    assert update["optimizer step: flattened fp32 gradient"] == (3_807_808_256, False)
+    assert plan.peak("update") == 33_994_428_288
+    assert plan.fits and plan.problems == []
+    # (18,637,007,872 + 64 x 528,482,304) / 80 GiB = 0.6107 -> 0.62 holds all 64.
+    (warning,) = plan.warnings
+    assert "62 of the 64" in warning and "raise rollout.gpu_memory_utilization to 0.62" in warning
+    assert plan_for(8, 141).fits and plan_for(8, 141).kv["sequences_held"] == 136
+
+
+def test_7b_on_one_24_gib_card_names_the_settings():
+    plan = plan_for(1, 24)
+    assert not plan.fits
+    # The trainer alone holds 16 B/param at start-up and 12 during rollouts (~85 GiB): more GPUs; at 16 x 24 GiB the
+    # rollouts need 24.1 GiB, so 32 (the next world size dividing the batch sizes).
+    assert plan.problems[0].startswith("start-up:")
+    assert "--gpus 32, rollout.gpu_memory_utilization=0.70" in plan.problems[0]
+    # vLLM's 0.6 x 24 GiB is less than its weights + profiling + non-torch (17,470,991,360) + one sequence
+    # (528,482,304): 17,999,473,664 / 24 GiB = 0.698 -> 0.70.
+    assert any("raise rollout.gpu_memory_utilization to >= 0.70" in p for p in plan.problems)
+
+
+def test_update_hints_name_micro_batch_tokens_and_checkpointing():
+    # Peak(T) = 21,356,362,624 + 3,089,994,752 + T x (29 x 3584 x 2 + 2 x 187,392 + 28 x 4 = 582,768) <= 80 GiB:
+    # T <= 61,452,988,544 / 582,768 = 105,450.6.
+    plan = plan_for(8, 80, "train.micro_batch_tokens=131072")
+    assert [p for p in plan.problems if p.startswith("update:")][0].endswith("train.micro_batch_tokens to <= 105450")
+    assert plan_for(8, 80, "train.micro_batch_tokens=105450").fits
+    plan = plan_for(8, 80, "model.gradient_checkpointing=false")
+    assert plan.problems[-1].endswith("set model.gradient_checkpointing=true")
+
+
+def test_without_offload_the_partitions_stay_during_rollouts():
+    # + 2s + 4s + 1e9 = 6,711,712,384 over the offloaded plan.
+    assert plan_for(8, 80, "train.offload_during_rollout=false").peak("rollout") == 65_110_515_968 + 6_711_712_384
+
+
+def test_other_paper_models_fit_on_8_x_80_gib():
+    for name in ("trapo_1k_3k_r1distill_1p5b.yaml", "trapo_1k_3k_llama31_8b.yaml"):
+        assert plan_for(8, 80, config=os.path.join(ROOT, "configs", name)).fits
+
+
+def doctor(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "trapo.doctor", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+def test_cli_exit_codes():
+    ok = doctor("--plan", "--config", "configs/trapo_1k_3k.yaml", "--gpus", "8", "--gpu-memory-gb", "80")
+    assert ok.returncode == 0, ok.stderr
+    assert "verdict: fits on 8 x 80 GiB" in ok.stdout and "8 x 141 GiB: fits" in ok.stdout
+    bad = doctor("--plan", "--config", "configs/trapo_1k_3k.yaml", "--gpus", "1", "--gpu-memory-gb", "24")
+    assert bad.returncode == 1 and "does NOT fit" in bad.stdout
+    assert bad.stderr.count("\n") == 1 and "--gpus 32" in bad.stderr and "rollout.gpu_memory_utilization" in bad.stderr
+    for args in (
+        ["--config", "configs/nope.yaml", "--gpus", "8"],
+        ["--config", "configs/trapo_1k_3k.yaml", "--gpus", "3"],
+        ["--config", "configs/trapo_1k_3k.yaml", "--gpus", "x"],
+        ["--config", "configs/toy.yaml", "--gpus", "1"],
+    ):
+        run = doctor("--plan", *args, "--gpu-memory-gb", "80")
+        assert run.returncode == 2 and run.stderr.startswith("trapo.doctor: ") and run.stderr.count("\n") == 1, args
