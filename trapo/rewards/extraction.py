@@ -64,13 +64,13 @@ _SEPARATOR = re.compile(r"\b(?:and|or)\b|[,;]")  # what lets two boxes 10-69 cha
 _ANCHOR = re.compile("final answer", re.IGNORECASE)
 _ANCHOR_IS = re.compile("final answer is", re.IGNORECASE)
 _SPACE_IS = re.compile(r"\s+is")
-# Openers of math environments, the width of each, and what ends (or breaks) its content first.
+# Openers of math environments: the text each needs, where it is, the width, what ends (or breaks) its content.
 _OPENERS = (
-    (re.compile(r"(?=\$\$)"), 2, ("$$",)),
-    (re.compile(r"\\\["), 2, ("\\]",)),
-    (re.compile(r"\$"), 1, ("$", "\n")),
-    (re.compile(r"\\\("), 2, ("\\)", "\n")),
-    (re.compile(r"\s(?=\[)"), 2, ("[", "]", "\n")),
+    ("$$", re.compile(r"(?=\$\$)"), 2, ("$$",)),
+    ("\\[", re.compile(r"\\\["), 2, ("\\]",)),
+    ("$", re.compile(r"\$"), 1, ("$", "\n")),
+    ("\\(", re.compile(r"\\\("), 2, ("\\)", "\n")),
+    ("[", re.compile(r"\s(?=\[)"), 2, ("[", "]", "\n")),
 )
 _PERCENT = re.compile(r"\s*(\\?%|[Pp]ercent|[Pp]ct)?")
 _JOIN = re.compile(r"\s*(?:,?and|,?or|,)\s*")
@@ -321,7 +321,8 @@ def _boxed_environments(t: _Text) -> list[tuple]:
     """
     if not t.opens:
         return []
-    starts = {p for kind in _OPENERS for p in _reaching(t, *kind)}
+    last = t.opens[-1]
+    starts = {p for mark, *kind in _OPENERS if t.s.find(mark, 0, last) >= 0 for p in _reaching(t, *kind)}
     found, pos = [], 0
     for p in sorted(starts):
         if p < pos:
