@@ -25,7 +25,7 @@ runtime.configure()  # bounded threads before torch is imported
 import pyarrow.parquet as pq  # noqa: E402
 
 from trapo.data import benchmarks_dir  # noqa: E402
-from trapo.rewards import extract_boxed, majority_votes, math_rewards  # noqa: E402
+from trapo.rewards import extract_answer, majority_votes, math_rewards  # noqa: E402
 from trapo.rewards.verifier import MathVerifier  # noqa: E402
 
 QUESTIONS, G, TARGET_S = 64, 8, 1.0
@@ -61,7 +61,7 @@ def make_batch(seed: int = 0, sample_seed: int | None = None) -> tuple[list[str]
 
 def ours(responses, golds, verifier):
     rewards = math_rewards(responses, golds, verifier=verifier)
-    answers = [extract_boxed(r) for r in responses]
+    answers = [extract_answer(r) for r in responses]
     votes = majority_votes([answers[i : i + G] for i in range(0, len(answers), G)], verifier=verifier)
     return rewards, votes
 

@@ -120,6 +120,10 @@ def test_fast_paths_agree_with_plain_math_verify(benchmarks_dir):
         ("\\frac{1}{x}", "x^{-1}"),
         ("\\infty", "10^{10}"),
         ("\\pi r^2", "r^2\\pi"),
+        # spacing between digits is no one number; a matrix the probe point cannot evaluate
+        ("23", "2 \\quad 3"),
+        ("15", "1  5"),
+        ("\\begin{pmatrix}-3\\\\6\\end{pmatrix}", "3\\begin{pmatrix}-1\\\\2\\end{pmatrix}"),
     ]
     ours = decide_pairs(pairs)
     reference = [verify(parse(f"\\boxed{{{g}}}"), parse(f"\\boxed{{{p}}}")) for g, p in pairs]

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from trapo.data import Question
-from trapo.rewards import Tally, decide_pairs, extract_boxed, majority_votes, math_rewards
+from trapo.rewards import Tally, decide_pairs, extract_answer, majority_votes, math_rewards
 
 
 @dataclass
@@ -75,7 +75,7 @@ def grade(
     unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
     if unlabeled:
         votes = majority_votes(
-            [[extract_boxed(t) for t in texts[i]] for i in unlabeled], timeout, verifier, deadline, tally
+            [[extract_answer(t) for t in texts[i]] for i in unlabeled], timeout, verifier, deadline, tally
         )
         checks = []  # (question position, hidden gold, pseudo-label)
         for i, (label, agree) in zip(unlabeled, votes):

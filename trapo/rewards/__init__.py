@@ -5,6 +5,7 @@ the Math-Verify worker process (which imports this package) starts fast.
 """
 
 from trapo.rewards.answers import extract_boxed
+from trapo.rewards.extraction import extract_answer
 from trapo.rewards.verifiable import (
     Tally,
     decide_pairs,
@@ -22,6 +23,7 @@ __all__ = [
     "Tally",
     "Verdict",
     "decide_pairs",
+    "extract_answer",
     "extract_boxed",
     "judge_pairs",
     "majority_vote",

@@ -11,12 +11,19 @@ import re
 from fractions import Fraction
 
 MAX_ANSWER_CHARS = 2000  # a boxed answer longer than this is not an answer (scores 0)
+# Joins the parts of an answer that Math-Verify reads from several math environments at once
+# (`$a$ and $b$`): it parses each part alone and makes one set of them all, and so do the workers
+# (`verify_worker`). Parsed together, `$10,455$ and $7$` would be {10, 455, 7}.
+PART_MARK = "⟨and⟩"
+PART_JOIN = f" {PART_MARK} "
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_SPACING = re.compile(r"\\[,;:! ]|\\quad|\\qquad|\\displaystyle|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\$")
-# Whitespace is dropped except between two alphanumerics: `1 5` is 1*5 to
-# Math-Verify, and `\pi r` must not become `\pir`.
-_LOOSE_SPACE = re.compile(r"(?<![A-Za-z0-9])\s+|\s+(?![A-Za-z0-9])")
+_SPACING = re.compile(r"\\[,;: ]|\\quad|\\qquad|\\displaystyle|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\$")
+_NEGATIVE_SPACE = re.compile(r"\\!\s*")  # deleted, as Math-Verify deletes it: `1\!000` is 1000
+_SPACE_RUN = re.compile(r"\s+")
+# After runs of spacing are one space, that space is dropped except between two alphanumerics:
+# `1 5`, `1  5` and `1 \quad 5` are all 1+5 to Math-Verify, not 15, and `\pi r` must not become `\pir`.
+_LOOSE_SPACE = re.compile(r"(?<![A-Za-z0-9]) | (?![A-Za-z0-9])")
 _WRAPPER = re.compile(r"^\\(?:text|textbf|mathrm|mathbf|textrm)\{(.*)\}$", re.S)
 _LETTER = re.compile(r"^\(?([A-Ja-j])\)?[.:]?$")
 _INT = re.compile(r"^[+-]?\d+$")
@@ -62,8 +69,8 @@ def extract_boxed(text: str) -> str | None:
 def normalize(answer: str) -> str:
     """Strip what never changes an answer's meaning: spacing (see _LOOSE_SPACE), \\left/\\right, $,
     \\dfrac/\\tfrac spellings, a trailing period, one \\text{} wrapper."""
-    s = _LOOSE_SPACE.sub("", _SPACING.sub(" ", answer).strip())
-    s = re.sub(r"\s+", " ", s)
+    s = _SPACE_RUN.sub(" ", _SPACING.sub(" ", _NEGATIVE_SPACE.sub("", answer))).strip()
+    s = _LOOSE_SPACE.sub("", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.rstrip(".")
     wrapped = _WRAPPER.match(s)

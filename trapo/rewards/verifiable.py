@@ -23,11 +23,11 @@ from itertools import combinations
 from trapo.rewards.answers import (
     MAX_ANSWER_CHARS,
     choice_letter,
-    extract_boxed,
     fast_equal,
     is_choice_gold,
     normalize,
 )
+from trapo.rewards.extraction import extract_answer
 from trapo.rewards.verifier import MathVerifier, Verdict, default_verifier
 
 DEFAULT_TIMEOUT = 5.0
@@ -121,7 +121,7 @@ def math_rewards(
     """Batch form of `math_reward`: one Math-Verify round trip for the whole batch."""
     if len(responses) != len(golds):
         raise ValueError(f"math_rewards: {len(responses)} responses but {len(golds)} golds")
-    preds = [extract_boxed(r) for r in responses]
+    preds = [extract_answer(r) for r in responses]
     idx = [i for i, p in enumerate(preds) if p is not None]
     verdicts = decide_pairs([(golds[i], preds[i]) for i in idx], timeout, verifier, deadline, tally)
     rewards = [0.0] * len(responses)
@@ -131,9 +131,9 @@ def math_rewards(
 
 
 def math_reward(response: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> float:
-    """1.0 if the answer in the response's last \\boxed{} equals gold under Math-Verify, else 0.0.
+    """1.0 if the response's answer (`extract_answer`: what Math-Verify reads in it) equals gold, else 0.0.
 
-    Multiple-choice golds (one letter A-J) compare letters. No box: 0.0.
+    Multiple-choice golds (one letter A-J) compare letters. No answer (no box, no stated final answer): 0.0.
     Never raises on any input, and a comparison that takes longer than
     `timeout` seconds scores 0.0, from any thread.
     """

@@ -56,7 +56,10 @@ class _SupervisorProcess:
     """The verify_worker process, as the parent sees it."""
 
     def __init__(self, num_workers: int, max_workers: int):
-        env = runtime.subprocess_env(OMP_NUM_THREADS="1")
+        # A fixed hash seed: Math-Verify's verdict on degenerate answers (`0` vs `4 0/0`) follows set and dict
+        # order, which would otherwise change from run to run. Executors fork from the supervisor: same seed.
+        # (sympy's own random order is reset before each item: verify_worker._run_item.)
+        env = runtime.subprocess_env(OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trapo.rewards.verify_worker", str(num_workers), str(max_workers)],
             stdin=subprocess.PIPE,

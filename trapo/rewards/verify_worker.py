@@ -44,7 +44,9 @@ compares numbers after rounding to 6 decimals) and the slow symbolic path
 beyond float range (9^{9^9}) are compared as mpmath numbers, which spares
 Math-Verify evaluating them exactly. Answers with text or units that change
 the value on parsing (percent, degrees) are never pre-filtered; neither are
-multi-letter symbols, sets, tuples or relations.
+multi-letter symbols, sets, tuples, relations or matrices. The filter can
+only say "not equal": where it cannot compute or compare values (any
+exception, a recursion limit, a type it does not know), Math-Verify decides.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trapo.rewards.answers import exact_number
+from trapo.rewards.answers import PART_MARK, exact_number
 
 _CACHE_LIMIT = 50_000  # parsed answers an executor keeps before starting afresh
 _MEMORY_LIMIT = 10_000  # remembered slow answers and pairs
@@ -107,9 +109,13 @@ class _Checker:
     def __init__(self):
         import mpmath
         import sympy
+        from latex2sympy2_extended.sets import FiniteSet
         from math_verify import parse, verify
+        from sympy.core.random import seed
 
         self._mpmath, self._sympy, self._parse, self._verify = mpmath, sympy, parse, verify
+        self._set = FiniteSet  # the set class Math-Verify builds and flattens
+        self.reseed = lambda: seed(0)
         self.parsed: dict[str, list] = {}
         self.values: dict[str, object] = {}
 
@@ -119,9 +125,22 @@ class _Checker:
 
     def parse(self, answer: str) -> list:
         if answer not in self.parsed:
-            # Math-Verify's own timeouts are off: they would re-arm SIGALRM over our soft alarm.
-            self.parsed[answer] = self._parse("\\boxed{" + answer + "}", parsing_timeout=None)
+            parts = answer.split(PART_MARK)
+            if len(parts) > 1:
+                self.parsed[answer] = self._joined([self.parse(p.strip()) for p in parts])
+            else:
+                # Math-Verify's own timeouts are off: they would re-arm SIGALRM over our soft alarm.
+                self.parsed[answer] = self._parse("\\boxed{" + answer + "}", parsing_timeout=None)
         return self.parsed[answer]
+
+    def _joined(self, parts: list[list]) -> list:
+        """Math-Verify's reading of several environments in one match (`$a$ and $b$`): one set of all their
+        elements (sets flattened) when every one parses, else the first alone."""
+        exprs = [p[0] if p and not isinstance(p[0], str) else None for p in parts]
+        if any(e is None for e in exprs):
+            return parts[0]
+        elements = [x for e in exprs for x in (e.args if isinstance(e, self._set) else (e,))]
+        return [self._set(*elements), " and ".join(str(p[-1]) for p in parts)]
 
     def prepare(self, answer: str) -> None:
         """Everything done per answer (parse, probe value), once: a comparison then only verifies."""
@@ -130,48 +149,62 @@ class _Checker:
 
     def value(self, answer: str):
         """The answer's value at the probe point (complex, or mpmath beyond float range); None where
-        the filter does not apply."""
-        if answer in self.values:
-            return self.values[answer]
-        out = None
-        if not any(tag in answer for tag in _NO_FILTER):
-            exact = exact_number(answer)
-            if exact is not None:
-                out = complex(float(exact))
-            else:
-                items = self.parse(answer)
-                expr = items[0] if items else None
-                if isinstance(expr, self._sympy.Expr) and all(
-                    isinstance(x, self._sympy.Symbol) and len(x.name) == 1 for x in expr.free_symbols
-                ):
-                    out = self._evaluate(expr)
-        self.values[answer] = out
-        return out
+        the filter does not apply, or fails."""
+        if answer not in self.values:
+            parsed = self.parse(answer)  # outside the try: its time is the item's, its failures Math-Verify's
+            try:
+                self.values[answer] = self._value(answer, parsed[0] if parsed else None)
+            except Exception:  # noqa: BLE001 - a RecursionError on a matrix product, say: no value, Math-Verify decides
+                self.values[answer] = None
+        return self.values[answer]
 
-    def _evaluate(self, expr):
+    def _value(self, answer: str, expr):
+        if any(tag in answer for tag in _NO_FILTER):
+            return None
+        exact = exact_number(answer)
+        if exact is not None:
+            return complex(float(exact))
+        sympy = self._sympy
+        if not (
+            isinstance(expr, sympy.Expr)
+            and not isinstance(expr, sympy.MatrixExpr)  # `3\begin{pmatrix}..` recurses in evalf until the limit
+            and all(isinstance(x, sympy.Symbol) and len(x.name) == 1 for x in expr.free_symbols)
+        ):
+            return None
         try:
             number = expr.evalf(15, subs={x: _probe(x.name) for x in expr.free_symbols})
             out = complex(number)
-            if not cmath.isfinite(out):
-                # Past float range, but maybe a finite number still (9^{9^9}): keep it in mpmath,
-                # whose exponents are unbounded, rather than give up and leave it to Math-Verify.
-                big = self._mpmath.mpmathify(number._to_mpmath(53))
-                out = big if self._mpmath.isfinite(big) else None
         except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError):
-            out = None
-        return out
+            return None  # no number at the probe point (a pole, a non-numeric atom)
+        if cmath.isfinite(out):
+            return out
+        # Past float range, but maybe a finite number still (9^{9^9}): keep it in mpmath,
+        # whose exponents are unbounded, rather than give up and leave it to Math-Verify.
+        big = self._mpmath.mpmathify(number._to_mpmath(53))
+        return big if self._mpmath.isfinite(big) else None
+
+    def differ(self, gold: str, pred: str) -> bool:
+        """True when the probe-point values prove gold != pred; False when they do not, or cannot be compared."""
+        vg, vp = self.value(gold), self.value(pred)
+        if vg is None or vp is None:
+            return False
+        try:
+            return bool(abs(vg - vp) > 1e-4 * max(1.0, abs(vg), abs(vp)))
+        except Exception:  # noqa: BLE001 - values it cannot compare prove nothing
+            return False
 
     def equal(self, gold: str, pred: str) -> bool:
-        vg, vp = self.value(gold), self.value(pred)
-        if vg is not None and vp is not None:
-            scale = max(1.0, abs(vg), abs(vp))
-            if abs(vg - vp) > 1e-4 * scale:
-                return False
+        if self.differ(gold, pred):
+            return False
         return bool(self._verify(self.parse(gold), self.parse(pred), timeout_seconds=None))
 
 
 def _run_item(checker: _Checker, gold: str, pred: str | None, alarm_s: float, phase: mmap.mmap) -> bytes:
     """One item under the soft alarm, marking its progress in `phase` (the supervisor set it to g)."""
+    # sympy's assumption system tries its rules in an order shuffled by its own random generator (seeded
+    # from the OS at import): on degenerate answers (`0` vs `4 0/0`, nan either way) that order decides the
+    # verdict. The same state for every item makes a verdict not depend on the run or on the items before.
+    checker.reseed()
     signal.setitimer(signal.ITIMER_REAL, max(alarm_s, 1e-3))
     try:
         checker.prepare(gold)
@@ -183,7 +216,7 @@ def _run_item(checker: _Checker, gold: str, pred: str | None, alarm_s: float, ph
         return b"1\n" if checker.equal(gold, pred) else b"0\n"
     except _Overtime:
         return b"t\n"
-    except Exception:  # noqa: BLE001 - any failure to compare is "not equal"
+    except Exception:  # noqa: BLE001 - Math-Verify catches its own errors; anything else is "not equal"
         return b"0\n"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
