@@ -97,6 +97,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_loss_memory.py
 	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_step.py
+	$(PY) bench/bench_update.py
 
 clean-venv:
 	rm -rf $(VENV)

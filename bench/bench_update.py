@@ -11,9 +11,9 @@ sequence cannot change the gradient. Paths, all through `Policy.update` as the t
 - packed+balanced: packed, zero-advantage sequences skipped, tokens balanced across ranks (the defaults).
 
 Prints computed tokens, update_efficiency (signal tokens / tokens computed by all ranks) with its
-parts, and the median wall time of an update (3 after a warm-up), then the efficiency a paper-scale
-run would get (8 ranks, the same distribution scaled to 8,192 tokens, micro_batch_tokens 16,384)
-from the pure function alone. Targets: efficiency >= 0.95, update >= 1.3x faster than today's.
+parts, and the median wall time of an update (7 per path, taking turns, after a warm-up), then the
+efficiency a paper-scale run would get (8 ranks, the same distribution scaled to 8,192 tokens,
+micro_batch_tokens 16,384) from the pure function alone. Targets: efficiency >= 0.95, update >= 1.3x faster than today's.
 Run: make bench (or .venv/bin/python bench/bench_update.py).
 """
 
@@ -32,7 +32,7 @@ from trapo import runtime  # noqa: E402
 
 runtime.configure()  # bounded threads before torch is imported
 
-WORLD, QUESTIONS, G, BUDGET, REPEATS = 2, 8, 8, 2048, 3
+WORLD, QUESTIONS, G, BUDGET, REPEATS = 2, 8, 8, 2048, 7
 PATHS = {
     "today": dict(packing=False, balance_ranks=False, skip_zero_advantage=False),
     "packed": dict(packing=True, balance_ranks=False, skip_zero_advantage=False),
@@ -79,22 +79,24 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["loss.entropy_coef=0.0"])
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=BUDGET))
     policy = Policy(cfg, model_dir, WORLD, pad_id=0)
-    results = {}
-    for name, switches in PATHS.items():
-        policy.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **switches))
-        policy.model.set_attn_implementation(ATTENTION if switches["packing"] else "sdpa")
-        batch = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})
-        times = []
-        for _ in range(REPEATS + 1):  # the first is a warm-up
+    batch = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})
+    times: dict[str, list[float]] = {name: [] for name in PATHS}
+    works = {}
+    for _ in range(REPEATS + 1):  # the paths take turns, so a slow spell of the machine hits all; first: warm-up
+        for name, switches in PATHS.items():
+            policy.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **switches))
+            policy.model.set_attn_implementation(ATTENTION if switches["packing"] else "sdpa")
             dist.barrier()
             start = time.perf_counter()
             part = policy.trainable(seqs)
             if switches["balance_ranks"]:
                 part = policy.balance(part)
-            _, _, work = policy.update(part, 0, batch)
+            _, _, works[name] = policy.update(part, 0, batch)
             dist.barrier()
-            times.append(time.perf_counter() - start)
-        results[name] = (statistics.median(times[1:]), work, update_efficiency(work))
+            times[name].append(time.perf_counter() - start)
+    results = {
+        name: (statistics.median(times[name][1:]), works[name], update_efficiency(works[name])) for name in PATHS
+    }
     if rank == 0:
         queue.put(results)
 
