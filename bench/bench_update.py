@@ -13,7 +13,8 @@ sequence cannot change the gradient. Paths, all through `Policy.update` as the t
 Prints computed tokens, update_efficiency (signal tokens / tokens computed by all ranks) with its
 parts, and the median wall time of an update (7 per path, taking turns, after a warm-up), then the
 efficiency a paper-scale run would get (8 ranks, the same distribution scaled to 8,192 tokens,
-micro_batch_tokens 16,384) from the pure function alone. Targets: efficiency >= 0.95, update >= 1.3x faster than today's.
+micro_batch_tokens 16,384) from the pure function alone.
+Targets: efficiency >= 0.95, update >= 1.3x faster than today's.
 Run: make bench (or .venv/bin/python bench/bench_update.py).
 """
 
