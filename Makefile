@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test eval data report readme-figures reproduce-toy lint bench clean-venv
+.PHONY: setup train test eval data doctor report readme-figures reproduce-toy lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -61,6 +61,13 @@ ifeq ($(strip $(SOURCES)),)
 else
 	$(PY) -m trapo.prepare --paper $(SOURCES) $(if $(TOKENIZER),--tokenizer $(TOKENIZER) --max-prompt-tokens 1024)
 endif
+
+# Preflight: versions, devices, collectives, a two-step run of CONFIG (default: the toy) on a shrunken
+# model, the checkpoint read back, and on GPU the memory plan. Under the launcher it checks every local GPU:
+#   deepspeed --module trapo.doctor --config configs/trapo_1k_3k.yaml
+CONFIG ?=
+doctor: $(STAMP)
+	$(PY) -m trapo.doctor $(if $(CONFIG),--config $(CONFIG))
 
 # The README's generated blocks (the make train summary) from a fresh run.
 readme-figures: $(STAMP)

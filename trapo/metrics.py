@@ -18,15 +18,24 @@ from pathlib import Path
 
 @dataclass
 class StepTimer:
-    """Seconds per phase of one step; a phase timed twice adds up."""
+    """Seconds per phase of one step; a phase timed twice adds up. On a GPU also each phase's peak
+    allocated device memory (bytes), for `trapo.doctor` and `metrics.jsonl` (`peak_gb`)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
 
     @contextmanager
     def time(self, name: str):
+        import torch
+
+        gpu = torch.cuda.is_available()
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        if gpu:
+            self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), torch.cuda.max_memory_allocated())
 
 
 def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float]:

