@@ -62,7 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         console.say(str(err))
         return 3
-    except Exception:  # a crash: its traceback belongs on the terminal, not only in the log
+    except Exception as err:
+        from trapo.dist import timeout_message
+
+        message = timeout_message(err, cfg.dist_timeout_minutes)
+        if message is not None:  # another rank died or hangs: one line here, the traceback in log.txt
+            if log is not None:
+                with contextlib.suppress(OSError):
+                    traceback.print_exc(file=sys.stderr)
+            console.say(message)
+            return 3
+        # A crash: its traceback belongs on the terminal, not only in the log.
         traceback.print_exc(file=console.terminal())
         if log is not None:
             print(f"trapo_train: the libraries' output before the error is in {log}", file=console.terminal())

@@ -61,3 +61,57 @@ def test_no_code_path_reaches_outside_the_repository():
                     if m.group(1) is None or int(m.group(1)) > depth:
                         offenders.append(f"{rel}:{n}: {line.strip()}")
     assert not offenders, "paths outside the repository:\n" + "\n".join(offenders)
+
+
+def test_torchdynamo_disable_is_unset_on_gpu_and_kept_on_cpu(monkeypatch):
+    """A TORCHDYNAMO_DISABLE inherited from a CPU shell would turn vLLM's compiled model off on GPU."""
+    from trapo import runtime
+
+    monkeypatch.setattr(runtime, "NOTICES", [])
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    runtime.configure(gpu=True)
+    assert "TORCHDYNAMO_DISABLE" not in os.environ
+    assert "unset on GPU" in runtime.NOTICES[0]
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    runtime.configure(gpu=False)
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "1" and len(runtime.NOTICES) == 1
+
+
+HANG = """
+import os, sys, time
+from trapo import runtime
+runtime.configure()
+from trapo import dist
+rank = int(os.environ["RANK"])
+dist.init_distributed(timeout_minutes=0.05)  # 3 s
+if rank == 1:
+    time.sleep(25)  # a rank that hangs
+    sys.exit(0)
+start = time.time()
+try:
+    dist.all_max(1)
+except Exception as err:
+    print(dist.timeout_message(err, 0.05), round(time.time() - start, 1))
+"""
+
+
+def test_a_hung_rank_stops_the_others_after_dist_timeout_minutes(tmp_path):
+    import socket
+    import time
+
+    from trapo import runtime
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = runtime.subprocess_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                                     MASTER_PORT=str(port))  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", HANG], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    start = time.time()
+    out, err = procs[0].communicate(timeout=120)
+    procs[1].kill()
+    assert "a collective waited longer than dist_timeout_minutes=0.05" in out, out + err[-2000:]
+    assert time.time() - start < 60  # not torch's default 30 minutes

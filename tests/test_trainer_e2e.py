@@ -397,6 +397,9 @@ def test_engine_placement_check(toy_dir):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["device"] == "cpu" and res["config"]["vocab_size"] > 0
     assert "sits on cpu, expected cuda:0" in res["error"]
+    # vLLM reseeds Python's, NumPy's and torch's RNGs while it builds: the trainer's streams are kept
+    assert res["rng_kept"] == [True, True, True]
+    assert res["max_num_seqs"] == 24  # sized from the config, not vLLM's serving default
 
 
 def test_tensor_parallel_rollouts_two_ranks(toy_dir, tmp_path):

@@ -194,6 +194,10 @@ class Config:
     keep_checkpoints: int | None = None  # None keeps all
     resume_from: str | None = None  # "latest" or a checkpoint directory
     progress_bar: bool = True
+    # How long a collective may wait for the other ranks before the run stops with a message (a rank
+    # that died or hangs on another node): the longest a healthy rank waits is a checkpoint save or
+    # a validation pass of the others; torch's default would be 30 minutes (10 under NCCL).
+    dist_timeout_minutes: float = 20.0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -314,6 +318,7 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
     need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", f"must be >= 1 or null, got {cfg.max_steps}")
     need(cfg.save_steps >= 0, "save_steps", f"must be >= 0, got {cfg.save_steps}")
+    need(cfg.dist_timeout_minutes > 0, "dist_timeout_minutes", f"must be > 0, got {cfg.dist_timeout_minutes}")
     need(cfg.keep_checkpoints is None or cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 or null")
     r, t, s = cfg.rollout, cfg.train, cfg.selection
     need(r.n >= 2, "rollout.n", f"GRPO needs at least 2 rollouts per question, got {r.n}")

@@ -18,8 +18,13 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank), initialising the process group once (nccl on GPU, gloo on CPU)."""
+def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank), initialising the process group once (nccl on GPU, gloo on CPU).
+
+    timeout_minutes: how long any collective waits for the other ranks before it raises (see
+    `timeout_message`); None keeps torch's default."""
+    import datetime
+
     import deepspeed
 
     if "RANK" not in os.environ:
@@ -33,8 +38,22 @@ def init_distributed() -> tuple[int, int, int]:
         # DeepSpeed would JIT-compile a shared-memory op (about a minute) that gloo does not need.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", **timeout)
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+
+
+def timeout_message(err: BaseException, timeout_minutes: float) -> str | None:
+    """The one line for a collective that timed out (torch raises a RuntimeError, or its DistBackendError
+    subclass, whose text says so), or None for any other error."""
+    text = str(err).lower()
+    if not isinstance(err, RuntimeError) or not ("timed out" in text or "timeout" in text):
+        return None
+    return (
+        f"a collective waited longer than dist_timeout_minutes={timeout_minutes:g}: another rank died or hangs "
+        "(see its log.rank-R.txt); run again with resume_from=latest, or raise dist_timeout_minutes if a rank "
+        "was only slow"
+    )
 
 
 def comm_device() -> torch.device:

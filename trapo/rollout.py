@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -64,9 +65,11 @@ class RolloutEngine:
         hf_overrides: dict | None = None,
         stop_token_ids: list[int] | None = None,
         sampled_logprobs: bool = False,
+        max_num_seqs: int | None = None,
     ):
         # The process environment (an in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0) is set
         # by the entry point, see trapo/runtime.py.
+        import numpy as np
         import torch
         import torch.distributed as torch_dist
         from vllm import LLM
@@ -95,6 +98,12 @@ class RolloutEngine:
             raise ValueError("tensor_parallel_size > 1 needs a launcher (torch.distributed) with that many ranks")
         if hf_overrides:
             kwargs["hf_overrides"] = hf_overrides  # rope_parameters etc., as the policy uses
+        if max_num_seqs:
+            # The engine's batch is the config's (questions per engine x G), not vLLM's serving default of
+            # 1,024 sequences; CUDA graphs are captured up to that size, not to 512, so their pool is smaller.
+            kwargs["max_num_seqs"] = max_num_seqs
+            if self.on_gpu:
+                kwargs["compilation_config"] = {"max_cudagraph_capture_size": max_num_seqs}
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         else:
@@ -104,9 +113,14 @@ class RolloutEngine:
             # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill,
             # which CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-        # vLLM's in-process engine seeds the global RNGs; keep the trainer's streams untouched.
-        with torch.random.fork_rng(devices=[]):
+        # vLLM's workers reseed Python's, NumPy's, torch's and every CUDA generator while the engine is
+        # built (vllm/utils/torch_utils.py set_random_seed, called from v1/worker/cpu_worker.py and
+        # gpu_worker.py): keep all of the trainer's streams as they were.
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if self.on_gpu else []):
             self.llm = LLM(**kwargs)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
         self.sleeping = False
         self.sleep_enabled = self.on_gpu and enable_sleep_mode
         self.check_placement()

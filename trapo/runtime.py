@@ -44,8 +44,18 @@ def settings(gpu: bool | None = None) -> dict[str, str]:
     return dict(ALWAYS) if gpu else {**ALWAYS, **CPU_ONLY}
 
 
+NOTICES: list[str] = []  # what `configure` changed against the user's environment, said at start-up
+
+
 def configure(gpu: bool | None = None) -> None:
-    """Set the device's variables in this process, keeping any the user set. Call before importing torch."""
+    """Set the device's variables in this process, keeping any the user set (but one, below). Call
+    before importing torch."""
+    gpu = has_gpu() if gpu is None else gpu
+    # A TORCHDYNAMO_DISABLE inherited from a shell that ran CPU work would turn vLLM's compiled
+    # model and CUDA graphs off on GPU, silently and slowly.
+    if gpu and os.environ.pop("TORCHDYNAMO_DISABLE", None) is not None:
+        NOTICES.append("TORCHDYNAMO_DISABLE was set in the environment: unset on GPU, where it turns off "
+                       "vLLM's compiled model and CUDA graphs")  # fmt: skip
     for key, value in settings(gpu).items():
         os.environ.setdefault(key, value)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from trapo import checkpoint as ckpt
-from trapo import console, dist, metrics
+from trapo import console, dist, metrics, runtime
 from trapo.batch import build_sequences
 from trapo.config import Config, ConfigError, dump_config
 from trapo.data import DataError, epoch_batches, load_questions, select_for_mode, stop_token_ids, tokenize_prompts
@@ -45,11 +45,13 @@ from trapo.runtime import dtype_name
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.rank, self.world, self.local_rank = dist.init_distributed()
+        self.rank, self.world, self.local_rank = dist.init_distributed(cfg.dist_timeout_minutes)
         self.is_main = self.rank == 0
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         ckpt.check_run_dir(self.run_dir, cfg.resume_from)  # another run's logs: stop before any model loads
+        for notice in runtime.NOTICES:  # what the environment set-up changed, e.g. TORCHDYNAMO_DISABLE on GPU
+            console.say(notice)
         if self.is_main:  # a killed save's staging directory holds disk space the engines will want
             for partial in ckpt.remove_partials(self.ckpt_root):
                 console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
@@ -71,6 +73,9 @@ class Trainer:
             hf_overrides=self.policy.overrides,
             stop_token_ids=stop_token_ids(self.tokenizer, generation and generation.eos_token_id),
             sampled_logprobs=True,  # for logprob_diff_rollout_vs_policy
+            # The most sequences an engine runs at once in training: its questions (a tensor-parallel
+            # group pools its ranks') x G. Validation queues beyond it.
+            max_num_seqs=cfg.train.rollout_batch_size // self.world * r.tensor_parallel_size * r.n,
         )
         console.say(same_model(self.policy.effective_config(), self.rollout.effective_config()))
         engines = ", ".join(f"rank {i} {d}" for i, d in enumerate(dist.all_gather(self.rollout.device())))

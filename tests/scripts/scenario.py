@@ -176,10 +176,23 @@ def packed_vs_padded(cfg) -> None:
 
 def placement(model_dir) -> None:
     """The engine reports where it sits, and the check fails loudly when that is not the rank's device."""
+    import random
+
+    import numpy as np
+
     from trapo.rollout import RolloutEngine
 
-    engine = RolloutEngine(model_dir, dtype="float32", max_model_len=64, seed=0, cpu_kv_cache_gb=0.05)
-    result = {"device": engine.device(), "config": engine.effective_config()}
+    random.seed(12345), np.random.seed(12345), torch.manual_seed(12345)  # the trainer's streams
+    before = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(12345), np.random.seed(12345), torch.manual_seed(12345)
+    engine = RolloutEngine(model_dir, dtype="float32", max_model_len=64, seed=0, cpu_kv_cache_gb=0.05, max_num_seqs=24)
+    after = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    result = {
+        "device": engine.device(),
+        "config": engine.effective_config(),
+        "rng_kept": [a == b for a, b in zip(before, after)],
+        "max_num_seqs": engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
+    }
     engine.on_gpu = True  # as if on a GPU machine: the engine should then sit on cuda:LOCAL_RANK
     try:
         engine.check_placement()
