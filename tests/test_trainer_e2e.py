@@ -391,6 +391,16 @@ def test_skipped_weight_push_shows_in_the_health_metric(toy_dir, tmp_path):
     assert second > 1e-3 and second > 100 * first, (first, second)  # step 2: stale weights
 
 
+def test_a_push_that_misses_a_parameter_fails_naming_it(toy_dir, tmp_path):
+    """vLLM only logs a parameter a reload left untouched; after a level-2 sleep it would hold garbage."""
+    out = run(
+        [sys.executable, SCENARIO, "partial_push", *overrides(toy_dir, tmp_path, run_name="partial", max_steps=1)]
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
+    assert "1 engine parameter(s) received no tensor, e.g. model.layers.1.mlp.gate_up_proj.weight" in error
+
+
 def test_engine_placement_check(toy_dir):
     out = run([sys.executable, SCENARIO, "placement", os.path.join(toy_dir, "seed-0", "model")])
     assert out.returncode == 0, out.stderr[-3000:]

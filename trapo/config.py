@@ -51,12 +51,13 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 3000  # response budget; also the Dr.GRPO loss denominator's length
-    # Share of each GPU's memory vLLM may take (weights + KV cache). During rollouts the trainer keeps
-    # its ZeRO-3 partitions: for a 7B model on 8 x 80 GB, fp32 master + Adam moments are ~10.5 GB per
-    # GPU (the bf16 partitions and gradient buffers go to host memory, train.offload_during_rollout),
-    # so 0.6 (48 GB: 14 GB of weights, the rest KV cache) leaves ~20 GB spare. Arithmetic, not a GPU
-    # measurement (`python -m trapo.doctor --plan` does it for any config and card); lower it for larger
-    # models or smaller GPUs.
+    # Share of each GPU's memory vLLM may take (weights + KV cache). vLLM sizes its KV cache once, when
+    # the engine is built, from this share (sleep and wake map the same pool again: it never grows).
+    # During rollouts the trainer keeps its fp32 master weights and Adam moments (~10.5 GB per GPU for
+    # 7B on 8 ranks); the bf16 partitions and gradient buffers go to host memory
+    # (train.offload_during_rollout), so 0.6 of 80 GB (48 GB: 14 GB of weights, the rest KV cache) fits
+    # beside them. Arithmetic, not a GPU measurement: `python -m trapo.doctor --plan` works it out for
+    # any config and card; lower it for larger models or smaller GPUs.
     gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gb: float = 0.25  # CPU only: vLLM needs an explicit KV-cache size there
     enable_sleep_mode: bool = True  # GPU only: free vLLM's memory while the policy trains
@@ -74,9 +75,10 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     micro_batch_tokens: int = 16384  # tokens (padded ones too without packing) per forward/backward on one rank
     loss_chunk_tokens: int = 256  # response tokens per chunk of the LM head (trapo.logits.lm_head_token_stats)
-    # GPU: move the optimizer's states to host memory while vLLM generates, so its KV cache can grow;
-    # None: on with a GPU. (DeepSpeed 0.19 moves the fp32 master and Adam moments only for its own
-    # FusedAdam; with our torch AdamW they stay on the GPU.)
+    # GPU: move the bf16 partitions and gradient buffers to host memory while vLLM generates, so that
+    # its KV cache (sized at engine build) can be mapped again beside what stays; None: on with a GPU.
+    # (DeepSpeed 0.19 moves the fp32 master and Adam moments only for its own FusedAdam; with our
+    # torch AdamW they stay on the GPU.)
     offload_during_rollout: bool | None = None
     deepspeed_config: str = "configs/deepspeed_zero3.json"
     max_bad_steps: int = 3  # consecutive non-finite losses before the run stops

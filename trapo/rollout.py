@@ -10,6 +10,7 @@ extra memory at one layer. On GPU the engine sleeps while the policy trains.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import time
@@ -37,6 +38,24 @@ def request_seed(*parts) -> int:
     """
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def unpushed(engine_params: str, pushed: set[str]) -> list[str]:
+    """The engine parameters none of whose checkpoint tensors were pushed (pure).
+
+    engine_params: JSON of [engine parameter names, vLLM's packed_modules_mapping], e.g.
+    "model.layers.0.self_attn.qkv_proj.weight" is filled from the q_proj, k_proj and v_proj tensors.
+    """
+    names, packed = json.loads(engine_params)
+    missing = []
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        owner, _, short = module.rpartition(".")
+        parts = packed.get(short, [short])
+        needed = [".".join(p for p in (owner, part, leaf) if p) for part in parts]
+        if not all(n in pushed for n in needed):
+            missing.append(name)
+    return missing
 
 
 class RolloutEngine:
@@ -121,9 +140,17 @@ class RolloutEngine:
             self.llm = LLM(**kwargs)
         random.setstate(python_state)
         np.random.set_state(numpy_state)
-        self.sleeping = False
+        self.weights_asleep = self.kv_asleep = False
         self.sleep_enabled = self.on_gpu and enable_sleep_mode
         self.check_placement()
+        # Every engine parameter and vLLM's fused modules (q/k/v -> qkv_proj, gate/up -> gate_up_proj),
+        # to check that a push reaches them all (the names are the same on every tensor-parallel rank).
+        (self._engine_params,) = {
+            json.dumps(names)
+            for names in self.llm.apply_model(
+                lambda model: [[n for n, _ in model.named_parameters()], getattr(model, "packed_modules_mapping", {})]
+            )
+        }
 
     # ------------------------------------------------------------------ what the engine runs
 
@@ -180,8 +207,11 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.sleeping:
+        if self.weights_asleep:
             raise RuntimeError("generate: the engine is asleep (its weights were released); push weights first")
+        if self.kv_asleep:  # woken only now: until here the trainer's states had the memory
+            self.llm.wake_up(tags=["kv_cache"])
+            self.kv_asleep = False
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         requests, mine = self._group_requests(prompts, seeds)
@@ -224,26 +254,35 @@ class RolloutEngine:
     # ------------------------------------------------------------------ weights and memory
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, float]:
-        """Load Hugging Face-named tensors into the engine in place; wakes a sleeping engine.
+        """Load Hugging Face-named tensors into the engine in place; wakes a sleeping engine's weights.
 
         Returns (bytes pushed, seconds). The iterator may gather lazily; vLLM
         fuses q/k/v and gate/up itself (`is_checkpoint_format=True`). Every
-        parameter must come: after a level-2 sleep the engine holds no weights.
+        parameter must come: after a level-2 sleep the engine holds no weights,
+        and vLLM only logs a parameter that received nothing
+        (model_executor/model_loader/reload/inplace.py, "were not loaded"), so
+        a missing one is an error here. The KV cache stays asleep until the
+        next `generate`: the trainer's states are back on the device meanwhile.
         """
-        pushed = [0]
+        pushed, names = [0], set()
 
         def counted():
             for name, tensor in named_tensors:
                 pushed[0] += tensor.numel() * tensor.element_size()
+                names.add(name)
                 yield name, tensor
 
         start = time.perf_counter()
-        if self.sleeping:  # weights first: the KV cache is allocated only once the push is done
+        if self.weights_asleep:
             self.llm.wake_up(tags=["weights"])
+            self.weights_asleep = False
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=counted(), is_checkpoint_format=True))
-        if self.sleeping:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.sleeping = False
+        missing = unpushed(self._engine_params, names)
+        if missing:
+            raise RuntimeError(
+                f"weight push: {len(missing)} engine parameter(s) received no tensor, e.g. {missing[0]}; the engine "
+                "would sample from stale or released weights (the policy's parameter names do not match the engine's)"
+            )
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         return pushed[0], time.perf_counter() - start
@@ -253,8 +292,12 @@ class RolloutEngine:
 
         Level 1 would copy every weight to host memory and back only for the push
         to overwrite them; level 2 drops them (vLLM keeps the model's buffers, such
-        as the rotary tables) and the next `push_weights` refills them.
+        as the rotary tables) and the next `push_weights` refills them. The KV
+        cache comes back at the next `generate`, at the size vLLM gave it when the
+        engine was built (v1/worker/gpu_worker.py sizes it once; `wake_up` maps
+        the same pool again, device_allocator/cumem.py): sleeping frees memory for
+        the update, it never makes the cache larger.
         """
-        if self.sleep_enabled and not self.sleeping:
+        if self.sleep_enabled and not (self.weights_asleep and self.kv_asleep):
             self.llm.sleep(level=2)
-            self.sleeping = True
+            self.weights_asleep = self.kv_asleep = True

@@ -18,6 +18,7 @@ The components do the work: `Policy` (trapo/policy.py), `RolloutEngine`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -195,18 +196,27 @@ class Trainer:
     def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
         """G rollouts per question; on GPU the optimizer's states wait in host memory meanwhile."""
         r = self.cfg.rollout
-        self.policy.offload()  # GPU: the optimizer's memory is the KV cache's while vLLM generates
-        rollouts = self.rollout.generate(
-            [self.prompts[i] for i in question_ids],
-            n=r.n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_tokens=r.max_tokens,
-            seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
-        )
-        self.rollout.sleep()  # GPU: vLLM's memory is released before the optimizer's comes back
-        self.policy.reload()
-        return rollouts
+        with self._engine_turn():
+            return self.rollout.generate(
+                [self.prompts[i] for i in question_ids],
+                n=r.n,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_tokens,
+                seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
+            )
+
+    @contextlib.contextmanager
+    def _engine_turn(self):
+        """GPU: the device's memory is vLLM's for a while. The trainer's movable states go to host memory
+        first, so that the KV cache, woken by `generate`, fits beside what stays; then vLLM sleeps (its
+        weights and KV cache released) before they come back."""
+        self.policy.offload()
+        try:
+            yield
+        finally:
+            self.rollout.sleep()
+            self.policy.reload()
 
     def _end_epoch(self) -> dict:
         """Extend every trajectory with the epoch's pass rates, select for the next epoch, dump the selection."""
@@ -375,22 +385,28 @@ class Trainer:
 
     def benchmark_scores(self, benchmarks: list[Benchmark], n: int, temperature: float, max_tokens: int) -> dict | None:
         """avg@n per benchmark and their mean, pooled over all engines (each evaluates every k-th question)."""
+        if not benchmarks:
+            return None
         tp = self.cfg.rollout.tensor_parallel_size  # the ranks of a tensor-parallel group share an engine
-        return pooled_scores(
-            self.rollout,
-            self.tokenizer,
-            benchmarks,
-            shard=self.rank // tp,
-            shards=self.world // tp,
-            gather=lambda grades: dist.all_gather(grades)[::tp],
-            n_for=lambda _: n,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            template=self.cfg.data.prompt_template,
-            max_prompt_tokens=self.cfg.data.max_prompt_tokens,
-            seed=self.cfg.seed,
-            verifier=self.verifier,
-        )
+        with self._engine_turn():
+            scores = pooled_scores(
+                self.rollout,
+                self.tokenizer,
+                benchmarks,
+                shard=self.rank // tp,
+                shards=self.world // tp,
+                gather=lambda grades: dist.all_gather(grades)[::tp],
+                n_for=lambda _: n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                template=self.cfg.data.prompt_template,
+                max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+                seed=self.cfg.seed,
+                verifier=self.verifier,
+            )
+        if self.rollout.weights_asleep:  # GPU: the turn ended in a level-2 sleep; the next rollouts need weights
+            self.rollout.push_weights(self.policy.full_weights())
+        return scores
 
     def heldout_scores(self) -> dict | None:
         """pass@1 per test benchmark (data.test_files) and their mean, at rollout.eval_temperature (greedy)."""

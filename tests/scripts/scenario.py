@@ -3,6 +3,7 @@
 python tests/scripts/scenario.py crash_at_commit STEP key=value ...
 python tests/scripts/scenario.py disk_full STEP FILL_DIR|simulate key=value ...
 python tests/scripts/scenario.py packed_vs_padded key=value ...
+python tests/scripts/scenario.py partial_push key=value ...
 python tests/scripts/scenario.py weight_push key=value ...
 python tests/scripts/scenario.py nan_from STEP key=value ...
 python tests/scripts/scenario.py skip_push key=value ...
@@ -85,6 +86,22 @@ def main() -> None:
 
         RolloutEngine.push_weights = push
         tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+    elif scenario == "partial_push":
+        # A push whose iterator leaves out one tensor (a name the engine does not know, as a renamed
+        # parameter would): the push must fail naming the engine parameter that got nothing.
+        from trapo.rollout import RolloutEngine
+
+        real_push = RolloutEngine.push_weights
+
+        def push(self, named_tensors):
+            return real_push(self, ((n, t) for n, t in named_tensors if not n.endswith("layers.1.mlp.up_proj.weight")))
+
+        RolloutEngine.push_weights = push
+        try:
+            tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+            print(json.dumps({"error": None}))
+        except RuntimeError as err:
+            print(json.dumps({"error": str(err)}))
     elif scenario == "placement":
         placement(args[0])
     else:
