@@ -1,0 +1,128 @@
+"""The policy update alone on one GPU: tokens/s, MFU and peak memory, our chunked LM head vs full logits.
+
+DeepSpeed ZeRO-3 on one GPU, bf16, gradient checkpointing, packed micro-batches of
+`--tokens` tokens, on a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 with random weights (no download,
+no vLLM: it runs on a machine with torch, transformers, accelerate and a DeepSpeed wheel plus pydantic).
+Each path runs `Policy.update` on the same sequences (`--seqs` of `--length` tokens, a quarter of them
+prompt): "ours" is the trainer's path (chunked LM head, no [T, V] logits); "full logits" swaps in a
+head that builds the [T, V] logits and their fp32 log-softmax, as a plain implementation does.
+
+    python bench/bench_update_gpu.py                  # on a GPU node
+    python bench/bench_update_gpu.py --cpu-smoke      # a tiny shape on CPU: the script runs (no figures)
+
+MFU counts 6 x parameters x tokens per update (the matmuls of forward and backward; attention and the
+recomputation of checkpointed layers are not counted) against the GPU's dense bf16 peak (`--peak-tflops`,
+989 for an H100/H200 SXM).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from trapo import runtime  # noqa: E402
+
+runtime.configure()  # before torch is imported
+
+import torch  # noqa: E402
+
+R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=16384,
+                       tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
+TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=320, max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+
+
+def full_logits_stats(policy):
+    """Policy._token_stats with the [T, V] logits built in full (the path our chunked head replaces)."""
+    from trapo.logits import TokenStats, scatter_to_mask, token_entropy
+
+    def stats(batch, *, entropy=False, kl_uniform=False, engine=None):
+        mask = batch["response_mask"].to(policy.device)
+        ids, rows = batch["packed_ids"].to(policy.device), batch["packed_response"].to(policy.device)
+        out = policy.engine(input_ids=ids, position_ids=batch["packed_positions"].to(policy.device),
+                            attention_mask=None, packed_bounds=batch["packed_bounds"])  # fmt: skip
+        logits = out.logits[:, :-1][rows].float() / policy.cfg.rollout.temperature  # [N, V] in fp32
+        logp = logits.log_softmax(-1)
+        lp = logp.gather(-1, ids[:, 1:][rows][:, None])[:, 0]
+        ent = token_entropy(logits) if entropy else None
+        return TokenStats(scatter_to_mask(lp, mask), None if ent is None else scatter_to_mask(ent, mask), None)
+
+    return stats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384, help="train.micro_batch_tokens")
+    p.add_argument("--seqs", type=int, default=32, help="sequences per update")
+    p.add_argument("--length", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=3, help="timed updates per path, after one warm-up")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, to check the script runs")
+    args = p.parse_args()
+    gpu = torch.cuda.is_available()
+    if not gpu and not args.cpu_smoke:
+        raise SystemExit("bench_update_gpu: no CUDA GPU here (use --cpu-smoke to check the script on CPU)")
+    if args.cpu_smoke:
+        args.tokens, args.seqs, args.length, args.steps = 512, 4, 128, 1
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trapo import dist
+    from trapo.batch import TrainSequence
+    from trapo.config import load_config
+    from trapo.policy import Policy
+
+    dist.init_distributed()
+    shape = TINY if args.cpu_smoke else R1_DISTILL_1P5B
+    model_dir = tempfile.mkdtemp(prefix="bench-update-gpu-")
+    Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).save_pretrained(model_dir)
+    overrides = ["model.dtype=bfloat16", "model.gradient_checkpointing=true", "loss.entropy_coef=0.01",
+                 f"train.micro_batch_tokens={args.tokens}", f"rollout.max_tokens={args.length}"]  # fmt: skip
+    cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
+    policy = Policy(cfg, model_dir, 1, pad_id=0)
+    params = sum(getattr(q, "ds_numel", q.numel()) for q in policy.model.parameters())
+    g = torch.Generator().manual_seed(0)
+    prompt = args.length // 4
+    draw = [torch.randint(3, shape["vocab_size"], (args.length,), generator=g).tolist() for _ in range(args.seqs)]
+    seqs = [TrainSequence(ids, prompt, advantage=1.0 if i % 2 else -1.0, weight=1.0, labeled=True)
+            for i, ids in enumerate(draw)]  # fmt: skip
+    batch = {"sequences": len(seqs), "tokens": len(seqs) * (args.length - prompt)}
+    tokens = sum(len(s.ids) for s in seqs)
+    ours = policy._token_stats
+    rows = []
+    for name, stats in (("ours (chunked head)", ours), ("full logits", full_logits_stats(policy))):
+        policy._token_stats = stats
+        times = []
+        if gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.steps + 1):
+            if gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            policy.update(seqs, 0, batch)
+            if gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        sec = statistics.median(times[1:])
+        peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
+        mfu = 6 * params * tokens / sec / (args.peak_tflops * 1e12)
+        rows.append((name, tokens / sec, mfu, peak, sec))
+    device = torch.cuda.get_device_name(0) if gpu else "CPU (smoke run: not a measurement)"
+    print(f"{device}; {params / 1e9:.2f}B parameters; {args.seqs} x {args.length} tokens per update, "
+          f"micro_batch_tokens {args.tokens}, bf16, ZeRO-3, gradient checkpointing")  # fmt: skip
+    print(f"{'path':22s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'s/update':>9s}")
+    for name, tps, mfu, peak, sec in rows:
+        print(f"{name:22s} {tps:10.0f} {mfu:6.1%} {peak:9.2f} {sec:9.3f}")
+    print(f"peak memory ours/full logits: {rows[0][3] / rows[1][3]:.2f}; time ours/full logits: "
+          f"{rows[0][4] / rows[1][4]:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

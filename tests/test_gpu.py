@@ -1,0 +1,58 @@
+"""The trainer on CUDA: bf16, vLLM sleep mode, offload, the health metric after every wake, resume.
+
+Skipped without a CUDA GPU (CI has none). On a GPU node: `pytest -m gpu tests/test_gpu.py`
+(two-rank and tensor-parallel cases need two GPUs). Tolerances are bf16's, not bit equality:
+vLLM's and the trainer's kernels differ on GPU, and the rollouts are not bit-reproducible there.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from test_trainer_e2e import metrics, overrides, run, train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU node: pytest -m gpu)"),
+]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPU_RUN = {"model.dtype": "bfloat16", "rollout.enable_sleep_mode": "true", "train.offload_during_rollout": "true",
+           "rollout.gpu_memory_utilization": 0.3}  # fmt: skip
+BF16_HEALTH = 5e-2  # engine vs policy log-prob difference per token; stale weights after a wake jump far above
+
+
+def test_bf16_sleep_offload_health_after_every_wake_and_resume(toy_dir, tmp_path):
+    common = dict(mode="trapo", max_steps=4, save_steps=2, **GPU_RUN)
+    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
+    straight = metrics(tmp_path / "straight")
+    for r in straight:  # every step's rollouts came after a level-2 sleep, a push and a wake
+        assert r["logprob_diff_rollout_vs_policy"] < BF16_HEALTH, r
+        assert r["peak_gb"]["update"] > 0 and r["peak_gb"]["rollout"] > 0
+    train(overrides(toy_dir, tmp_path, run_name="resumed", **{**common, "max_steps": 2}))
+    train(overrides(toy_dir, tmp_path, run_name="resumed", resume_from="latest", **common))
+    resumed = metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.1, abs=1e-3), (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_two_ranks_and_tensor_parallel_rollouts_on_gpu(toy_dir, tmp_path):
+    for tp in (1, 2):
+        name = f"tp{tp}"
+        train(overrides(toy_dir, tmp_path, run_name=name, max_steps=2, **GPU_RUN,
+                        **{"rollout.tensor_parallel_size": tp}), nproc=2)  # fmt: skip
+        assert all(r["logprob_diff_rollout_vs_policy"] < BF16_HEALTH for r in metrics(tmp_path / name))
+
+
+def test_doctor_passes_on_this_gpu():
+    out = run([sys.executable, "-m", "trapo.doctor"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "bus" in out.stdout and "peak" in out.stdout
+
+
+def test_update_benchmark_runs_on_this_gpu():
+    out = run([sys.executable, os.path.join("bench", "bench_update_gpu.py"), "--steps", "1", "--seqs", "8"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ours (chunked head)" in out.stdout and "full logits" in out.stdout
