@@ -67,14 +67,21 @@ def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path):
 
 
 def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
-    """loss.rollout_is and train.offload_during_rollout (GPU defaults) forced on, on CPU: weights ~1."""
-    args = {"loss.rollout_is": "true", "train.offload_during_rollout": "true", "max_steps": 2, "run_name": "is"}
+    """loss.rollout_is and train.offload_during_rollout (GPU defaults) forced on, on CPU: weights ~1; the
+    optimizer's fp32 master weights and Adam moments go to host buffers and come back exactly."""
+    args = {"loss.rollout_is": "true", "train.offload_during_rollout": "true", "max_steps": 3, "run_name": "is"}
     train(overrides(toy_dir, tmp_path, **args))
-    for row in metrics(tmp_path / "is"):
+    train(overrides(toy_dir, tmp_path, **{**args, "train.offload_during_rollout": "false", "run_name": "plain"}))
+    rows, plain = metrics(tmp_path / "is"), metrics(tmp_path / "plain")
+    for row, ref in zip(rows, plain):
         # CPU fp32: vLLM and the trainer compute the same distribution, so pi_old / pi_engine ~ 1
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert row["rollout_is_capped_frac"] == 0.0
-        assert not row["skipped"] and row["loss"] == row["loss"]
+        assert not row["skipped"] and row["loss"] == ref["loss"] and row["pg_loss"] == ref["pg_loss"]
+        assert "offload" not in ref
+    # 12 bytes per parameter once Adam's moments exist (step 2 on), only the fp32 master (4) before
+    assert rows[1]["offload"]["bytes"] == 3 * rows[0]["offload"]["bytes"] == rows[2]["offload"]["bytes"] > 0
+    assert all(r["offload"]["offload_s"] > 0 and r["offload"]["reload_s"] > 0 for r in rows)
 
 
 def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir, tmp_path):

@@ -38,3 +38,11 @@ def test_reproduce_block_rewrites_links_from_the_readme(tmp_path):
     text = target.read_text()
     assert "old 0.602" not in text and "took 33.3 min" in text
     assert "![fig](docs/reproduce-toy/figure4.png)" in text and "(https://x.org/a.png)" in text
+
+
+def test_memory_plan_block_comes_from_the_doctor():
+    body = readme.plan_block()
+    assert body.count("memory plan: configs/trapo_1k_3k.yaml on 8 x") == 2
+    assert "`python -m trapo.doctor --plan --config configs/trapo_1k_3k.yaml --gpus 8 --gpu-memory-gb 141`" in body
+    text = readme.README.read_text()
+    assert readme.replace_block(text, "memory-plan", body) == text  # the README holds the current output

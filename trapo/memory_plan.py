@@ -15,9 +15,10 @@ the gathered-params term below replaces with DeepSpeed's own limit on gathered p
   torch/optim/adam.py:178), b*reduce_bucket_size IPG bucket (contiguous_gradients, stage3.py:782).
 Start-up: vLLM is built after the policy, before any step: the trainer holds b*s + g*s + 4*s + IPG; vLLM
   requests ceil(util * card) (vllm/v1/worker/utils.py:724) and refuses to start when less is free (:761).
-Rollout (steady state, from step 2): the trainer keeps 4*s + 8*s (offload_states asserts DeepSpeed's
-  FusedAdam for master and moments, stage3.py:3868-3869); train.offload_during_rollout moves b*s, g*s and
-  the IPG bucket to the host (stage3.py:3889, 3908, 3925). vLLM takes ceil(util * card) in all. Its KV
+Rollout (steady state, from step 2): train.offload_during_rollout moves b*s, g*s and the IPG bucket to
+  the host through DeepSpeed (stage3.py:3889, 3908, 3925), and the 4*s master + 8*s moments through
+  `Policy.offload` (DeepSpeed's offload_states asserts its own FusedAdam for those, stage3.py:3868-3869);
+  without it all of them stay. vLLM takes ceil(util * card) in all. Its KV
   cache is sized once at build: util * card - weights - profile activation peak - non-torch/CUDA graphs
   (v1/worker/gpu_worker.py:740, utils/mem_utils.py:312-321); sleep releases and re-maps it, never grows it.
   Weights b*P/tp. Profile peak: the larger of a forward of max_num_batched_tokens, N * b * (3 I/tp + 4 H)
@@ -218,10 +219,9 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
     adam = [Item(f"Adam moments (8 B/param / {world})", moments)]
     bucket = [Item(f"IPG gradient bucket ({z.bucket:,} x {b} B)", ipg)]
     startup = ddp + fp32 + bucket + ref + [reserve, vllm]
+    trainer = fp32 + adam + ddp + bucket
     rollout = (
-        fp32
-        + adam
-        + ([replace(i, name=i.name + ": offloaded", counted=False) for i in ddp + bucket] if offload else ddp + bucket)
+        ([replace(i, name=i.name + ": offloaded", counted=False) for i in trainer] if offload else trainer)
         + ref
         + [reserve, vllm]
     )

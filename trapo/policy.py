@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -88,8 +89,9 @@ def _offloadable_states(wanted: bool) -> list | None:
     """What DeepSpeed 0.19's `offload_states` can move with our torch optimizer (None: nothing).
 
     Under ZeRO-3 it moves the fp32 master weights and Adam moments only for its
-    own FusedAdam (it asserts so); with a torch optimizer the low-precision
-    parameter partitions and the gradient buffers move.
+    own FusedAdam (it asserts so, runtime/zero/stage3.py 3868-3869); with a torch
+    optimizer the low-precision parameter partitions and the gradient buffers
+    move. `Policy.offload` moves the fp32 master weights and Adam moments itself.
     """
     if not wanted:
         return None
@@ -158,6 +160,8 @@ class Policy:
         self.offload_states = _offloadable_states(on_gpu if t.offload_during_rollout is None else
                                                   t.offload_during_rollout)  # fmt: skip
         self.offloaded = False
+        self._host: dict[int, torch.Tensor] = {}  # host copies of the fp32 master and Adam moments, by tensor
+        self.moved = {"offload_s": 0.0, "reload_s": 0.0, "bytes": 0}  # the last offload's figures (metrics.jsonl)
 
     def effective_config(self) -> dict:
         """What the policy's model uses: RoPE theta (read back from its rotary inverse frequencies),
@@ -272,17 +276,51 @@ class Policy:
 
     # ------------------------------------------------------------------ memory while vLLM generates
 
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The fp32 master partitions and the torch optimizer's Adam moments: 12 bytes per parameter over the
+        world size, which DeepSpeed will not move for a torch optimizer (the moments exist after step 1)."""
+        zero = self.engine.optimizer
+        out = list(getattr(zero, "fp32_partitioned_groups_flat", []))
+        for state in zero.optimizer.state.values():
+            out += [state[key] for key in ("exp_avg", "exp_avg_sq") if key in state]
+        return out
+
     def offload(self) -> None:
-        """Move optimizer states (and the gradient buffers) to host memory while the engine generates."""
+        """Move the optimizer's states and the partitions to host memory while the engine generates.
+
+        DeepSpeed moves the bf16 partitions and gradient buffers; the fp32 master weights and Adam moments
+        are copied here into pinned host buffers kept outside `optimizer.state` (so its state_dict and the
+        checkpoints are unchanged) and the device tensors point at them (`.data`, as DeepSpeed does for
+        its own FusedAdam), until `reload` copies them back before the update.
+        """
         if self.offload_states:
+            start = time.perf_counter()
             self.engine.offload_states(include=self.offload_states)
+            pin, moved = torch.cuda.is_available(), 0
+            for tensor in self._optimizer_tensors():
+                host = self._host.get(id(tensor))
+                if host is None or host.shape != tensor.shape:
+                    host = self._host[id(tensor)] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+                if host.data_ptr() != tensor.data_ptr():
+                    host.copy_(tensor, non_blocking=pin)
+                tensor.data = host
+                moved += tensor.numel() * tensor.element_size()
+            if pin:
+                torch.cuda.synchronize()
+            self.moved = {"offload_s": time.perf_counter() - start, "reload_s": 0.0, "bytes": moved}
             self.offloaded = True
         if torch.cuda.is_available():  # the update's freed activations: back to the device, for vLLM
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
         if self.offloaded:
+            start = time.perf_counter()
             self.engine.reload_states()
+            for tensor in self._optimizer_tensors():
+                tensor.data = tensor.data.to(self.device, non_blocking=True)  # on CPU: the host copy itself
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.moved["reload_s"] = time.perf_counter() - start
             self.offloaded = False
 
     # ------------------------------------------------------------------ the update

@@ -3,12 +3,15 @@
     python -m trapo.readme --train outputs/toy      # after `make train`
     make readme-figures                             # both steps
     python -m trapo.readme --reproduce docs/reproduce-toy   # after `make reproduce-toy` (it runs this)
+    python -m trapo.readme --plan                   # the memory plans of the paper's 7B config
 
 A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`
 lines; everything between them is replaced, so the README never quotes a
 figure no code printed. Blocks: `make-train` (the summary `make train` prints,
 from its run's summary.json) and `reproduce-toy` (the reproduction's results.md,
-its image links made relative to the README).
+its image links made relative to the README) and `memory-plan` (what
+`python -m trapo.doctor --plan` prints for configs/trapo_1k_3k.yaml on 8 x 80 and
+8 x 141 GiB).
 """
 
 from __future__ import annotations
@@ -47,10 +50,28 @@ def reproduce_block(docs: Path, readme: Path = README) -> str:
     return f"`make reproduce-toy` took {minutes} min for this run.\n\n{body}"
 
 
+def plan_block(config: str = "configs/trapo_1k_3k.yaml", cards: tuple[int, ...] = (80, 141)) -> str:
+    """The doctor's memory plan of `config` on 8 GPUs of each size, with the command that printed it."""
+    import contextlib
+    import io
+
+    from trapo import doctor
+
+    parts = []
+    for gb in cards:
+        argv = ["--plan", "--config", config, "--gpus", "8", "--gpu-memory-gb", str(gb)]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            doctor.main(argv)
+        parts.append(f"`python -m trapo.doctor {' '.join(argv)}`:\n\n```\n{out.getvalue().rstrip()}\n```")
+    return "\n\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
     parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
+    parser.add_argument("--plan", action="store_true", help="the memory-plan block (trapo.doctor --plan)")
     parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args(argv)
     text = args.readme.read_text()
@@ -59,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             text = replace_block(text, "make-train", train_block(args.train))
         if args.reproduce:
             text = replace_block(text, "reproduce-toy", reproduce_block(args.reproduce, args.readme))
+        if args.plan:
+            text = replace_block(text, "memory-plan", plan_block())
     except (OSError, ValueError) as err:
         print(f"trapo.readme: {err}", file=sys.stderr)
         return 2

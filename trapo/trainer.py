@@ -188,6 +188,12 @@ class Trainer:
         self.step += 1
         timer.seconds["step"] = time.perf_counter() - step_start
         step_log["timing"] = {name: round(sec, 4) for name, sec in timer.seconds.items()}
+        if self.policy.offload_states:  # what moved to host memory for the rollouts, and the copies' time
+            moved = self.policy.moved
+            step_log["offload"] = {
+                "bytes": moved["bytes"],
+                **{k: round(moved[k], 5) for k in ("offload_s", "reload_s")},
+            }
         if timer.peak_bytes:  # GPU: each phase's peak allocated memory on this rank
             step_log["peak_gb"] = {name: round(b / 2**30, 3) for name, b in timer.peak_bytes.items()}
         step_log["tokens_per_s"] = totals["response_tokens"] / max(timer.seconds["rollout"], 1e-9)
