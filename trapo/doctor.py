@@ -188,6 +188,12 @@ def collectives(checks: Checks, gpu: bool) -> None:
     checks.add("all-reduce", ok, figure, "NCCL/gloo: check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME and the network")
     parts = dist.all_gather(rank)
     checks.add("all-gather", parts == list(range(world)), f"ranks {parts}", "the launcher's ranks disagree")
+    # vLLM's engines talk over a gloo group of their own (across nodes too): the CPU path must work as well.
+    group = torch.distributed.new_group(backend="gloo")
+    y = torch.full((1024,), float(rank + 1))
+    torch.distributed.all_reduce(y, group=group)
+    checks.add("gloo all-reduce", bool(torch.all(y == world * (world + 1) / 2)), f"{world} ranks over gloo",
+               "set GLOO_SOCKET_IFNAME to the interface the nodes share (and list it in .deepspeed_env)")  # fmt: skip
 
 
 def shrunken_model(model_dir: str, out: Path) -> str:

@@ -15,6 +15,7 @@ Two entry points compute the same per-row math (`_row_stats`):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -107,6 +108,23 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a[:, None, :], b[:, :, None])[:, 0, 0]
 
 
+@contextlib.contextmanager
+def _tensor_cores(weight: Tensor):
+    """GPU, low-precision weight: its fp32 gradient GEMM ([V, c] x [c, H], the head's largest) may use
+    TF32 tensor cores. vLLM sets float32_matmul_precision("highest") for the whole process, which would
+    run it on the plain fp32 units at a fraction of the speed; TF32 keeps 10 mantissa bits, more than
+    the bf16 weight the gradient updates. Restored on exit; CPU and fp32 weights are left as they are."""
+    if not (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)):
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 class _LeanHead(torch.autograd.Function):
     """Per-token statistics of p = softmax((hidden W^T + b) / tau), a chunk of rows at a time.
 
@@ -158,7 +176,8 @@ class _LeanHead(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[rows] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight.addmm_(dz.t().to(acc), h.to(acc))
+                with _tensor_cores(weight):
+                    grad_weight.addmm_(dz.t().to(acc), h.to(acc))
             if grad_bias is not None:
                 grad_bias += dz.sum(0).to(acc)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)

@@ -64,7 +64,35 @@ def plan_block(config: str = "configs/trapo_1k_3k.yaml", cards: tuple[int, ...] 
         with contextlib.redirect_stdout(out):
             doctor.main(argv)
         parts.append(f"`python -m trapo.doctor {' '.join(argv)}`:\n\n```\n{out.getvalue().rstrip()}\n```")
-    return "\n\n".join(parts)
+    return "\n\n".join([verdicts_table(cards), *parts])
+
+
+def verdicts_table(cards: tuple[int, ...]) -> str:
+    """Peak GiB per phase and the verdict of every paper config on 8 GPUs of each size (the doctor's plan)."""
+    import json as _json
+
+    from trapo.config import load_config
+    from trapo.memory_plan import GiB, memory_plan, model_arch
+
+    rows = [
+        "| config | GPUs | start-up | rollouts | update | KV sequences held / needed | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted(Path(README.parent / "configs").glob("*.yaml")):
+        cfg = load_config(str(path))
+        if cfg.toy.enabled:
+            continue
+        ds = _json.loads((README.parent / cfg.train.deepspeed_config).read_text())
+        arch = model_arch(cfg.model.path)
+        for gb in cards:
+            plan = memory_plan(cfg, 8, gb * GiB, arch, ds)
+            peaks = " | ".join(f"{plan.peak(p) / GiB:.1f}" for p in ("start-up", "rollout", "update"))
+            held = f"{plan.kv['sequences_held']} / {plan.kv['sequences_needed']}"
+            verdict = "fits" if plan.fits else "does not fit"
+            rows.append(
+                f"| {path.name} | 8 x {gb} GiB | {peaks} | {held} | {verdict}{' (warning)' if plan.warnings else ''} |"
+            )
+    return "Per-GPU peak GiB by phase for every paper config:\n\n" + "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
