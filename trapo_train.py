@@ -23,6 +23,14 @@ DEFAULT_CONFIG = ROOT / "configs" / "toy.yaml"
 runtime.configure()  # before vLLM or torch is imported: see trapo/runtime.py
 
 
+def _traceback_to_log(log: Path | None) -> None:
+    """The current exception's traceback into log.txt (stderr once captured); the terminal gets one line.
+    Not when nothing is captured (debug): stderr is the terminal then. The log's disk may be the full one."""
+    if log is not None:
+        with contextlib.suppress(OSError):
+            traceback.print_exc(file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML experiment config (default: the toy task)")
@@ -51,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         console.say(f"input error: {err}")
         return 2
     except CheckpointError as err:  # a full or failing disk, a damaged checkpoint: the cause and the fix
-        if log is not None:
-            with contextlib.suppress(OSError):  # into log.txt (its disk may be the full one)
-                traceback.print_exc(file=sys.stderr)
+        _traceback_to_log(log)
         console.say(str(err))
         return CheckpointError.EXIT_CODE
     except Preempted as err:
@@ -67,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
         message = timeout_message(err, cfg.dist_timeout_minutes)
         if message is not None:  # another rank died or hangs: one line here, the traceback in log.txt
-            if log is not None:
-                with contextlib.suppress(OSError):
-                    traceback.print_exc(file=sys.stderr)
+            _traceback_to_log(log)
             console.say(message)
             return 3
         # A crash: its traceback belongs on the terminal, not only in the log.

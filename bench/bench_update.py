@@ -125,17 +125,10 @@ def main() -> None:
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from trapo.toy import MODEL_SHAPE
+
     model_dir = tempfile.mkdtemp(prefix="bench-update-")
-    config = Qwen2Config(
-        vocab_size=320,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    )  # fmt: skip  (the toy's shape, trapo/toy.py)
+    config = Qwen2Config(vocab_size=320, **MODEL_SHAPE)  # the toy's shape
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -31,11 +31,12 @@ runtime.configure()  # before torch is imported
 
 import torch  # noqa: E402
 
+from trapo.toy import MODEL_SHAPE  # noqa: E402
+
 R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=16384,
                        tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
-TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=320, max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+TINY = dict(vocab_size=320, **MODEL_SHAPE)  # the toy's shape
 
 
 def full_logits_stats(policy):

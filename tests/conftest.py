@@ -28,3 +28,21 @@ def benchmarks_dir():
     if not os.path.isfile(os.path.join(path, "math.parquet")):
         pytest.fail(f"benchmark files not found at {path}; they ship in data/benchmarks (TRAPO_BENCHMARKS overrides)")
     return path
+
+
+@pytest.fixture
+def small_disk(tmp_path, request):
+    """A real small filesystem (tmpfs; mounting needs root, which CI has), else None. Its size comes from
+    `@pytest.mark.parametrize("small_disk", ["2m"], indirect=True)`; default 64m."""
+    import subprocess
+
+    size = getattr(request, "param", "64m")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        yield None
+        return
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -129,20 +129,7 @@ def test_partials_are_removed_and_reported(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-2"]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 2 MB filesystem (tmpfs; needs root, which CI has), else None."""
-    import subprocess
-
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        yield None
-        return
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
-
-
+@pytest.mark.parametrize("small_disk", ["2m"], indirect=True)  # a real 2 MB filesystem (conftest)
 def test_a_save_that_will_not_fit_is_refused_before_writing(tmp_path, small_disk):
     import shutil
 

@@ -254,18 +254,6 @@ def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path):
             assert a.get(key) == b.get(key), (a["step"], key)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 64 MB filesystem (tmpfs; needs root, which CI has) for the run directory, else None."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        yield None
-        return
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def test_full_disk_stops_cleanly_and_a_damaged_latest_falls_back_both_resuming_exactly(toy_dir, tmp_path, small_disk):
     """The disk fills during the step-4 save: one line naming the cause and step-2, status 74, no partial
     left, the traceback in log.txt; with space back, resume_from=latest equals an uninterrupted run. Then a

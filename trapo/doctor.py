@@ -168,12 +168,11 @@ def environment(checks: Checks, gpu: bool) -> None:
                "one rank per GPU: deepspeed --num_gpus N, N <= the GPUs seen")  # fmt: skip
 
 
-def collectives(checks: Checks, gpu: bool) -> None:
+def collectives(checks: Checks, gpu: bool, rank: int, world: int) -> None:
     import torch
 
     from trapo import dist
 
-    rank, world, _ = dist.init_distributed()
     numel = (256 << 20) // 4 if gpu else (4 << 20) // 4  # fp32 elements: 256 MB on GPU, 4 MB on CPU
     x = torch.full((numel,), float(rank + 1), device=dist.comm_device())
     dist.barrier()
@@ -291,10 +290,10 @@ def preflight(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     with tempfile.TemporaryDirectory(prefix="trapo-doctor-") as tmp:
         console.capture(Path(tmp), int(os.environ.get("RANK", "0")), debug=False)  # libraries' output: log.txt
-        collectives(checks, gpu)
         from trapo import dist
 
-        rank, world, _ = dist.init_distributed()
+        rank, world, _ = dist.init_distributed(cfg.dist_timeout_minutes)
+        collectives(checks, gpu, rank, world)
         try:
             trial_run(checks, cfg, world, gpu, Path(tmp))
         except Exception as err:  # noqa: BLE001 - any failure of the run is this check's finding

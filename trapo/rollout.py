@@ -40,13 +40,12 @@ def request_seed(*parts) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def unpushed(engine_params: str, pushed: set[str]) -> list[str]:
+def unpushed(names: list[str], packed: dict[str, list[str]], pushed: set[str]) -> list[str]:
     """The engine parameters none of whose checkpoint tensors were pushed (pure).
 
-    engine_params: JSON of [engine parameter names, vLLM's packed_modules_mapping], e.g.
+    names: the engine's parameter names; packed: vLLM's packed_modules_mapping, e.g.
     "model.layers.0.self_attn.qkv_proj.weight" is filled from the q_proj, k_proj and v_proj tensors.
     """
-    names, packed = json.loads(engine_params)
     missing = []
     for name in names:
         module, _, leaf = name.rpartition(".")
@@ -145,12 +144,13 @@ class RolloutEngine:
         self.check_placement()
         # Every engine parameter and vLLM's fused modules (q/k/v -> qkv_proj, gate/up -> gate_up_proj),
         # to check that a push reaches them all (the names are the same on every tensor-parallel rank).
-        (self._engine_params,) = {
-            json.dumps(names)
+        (engine_params,) = {
+            json.dumps(names)  # hashable, so the set checks every tensor-parallel rank reports the same
             for names in self.llm.apply_model(
                 lambda model: [[n for n, _ in model.named_parameters()], getattr(model, "packed_modules_mapping", {})]
             )
         }
+        self._engine_names, self._engine_packed = json.loads(engine_params)
 
     # ------------------------------------------------------------------ what the engine runs
 
@@ -277,7 +277,7 @@ class RolloutEngine:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=counted(), is_checkpoint_format=True))
-        missing = unpushed(self._engine_params, names)
+        missing = unpushed(self._engine_names, self._engine_packed, names)
         if missing:
             raise RuntimeError(
                 f"weight push: {len(missing)} engine parameter(s) received no tensor, e.g. {missing[0]}; the engine "

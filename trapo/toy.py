@@ -84,20 +84,27 @@ def _tokenizer(corpus: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
 
 
+# The toy model's shape (a Qwen2): hidden 128 in 4 heads of 32 (vLLM's CPU kernels need head size >= 32),
+# 2 layers; positions for real benchmark prompts in `make eval`. The benches build models of this shape too.
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
 def _model(tokenizer, seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=(len(tokenizer) + 63) // 64 * 64,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,  # room for real benchmark prompts in `make eval`
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
+        **MODEL_SHAPE,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
