@@ -75,6 +75,12 @@ def test_overrides_are_typed_and_dotted():
         ("rollout.tensor_parallel_size=0", "key 'rollout.tensor_parallel_size': must be >= 1"),
         ("train.loss_chunk_tokens=0", "key 'train.loss_chunk_tokens': must be >= 1"),
         ("loss.rollout_is_cap=0", "key 'loss.rollout_is_cap': must be > 0"),
+        ("loss.rollout_is=seq", "key 'loss.rollout_is': got 'seq' (str); expected one of 'truncate', 'token_mask'"),
+        ("loss.rollout_is_lower=0.5", "key 'loss.rollout_is_lower': only the mask modes use a lower bound"),
+        ("loss.objective=ppo", "key 'loss.objective': got 'ppo' (str); expected one of 'grpo', 'gspo', 'cispo'"),
+        ("loss.gspo_clip_eps=0", "key 'loss.gspo_clip_eps': must be > 0"),
+        ("loss.overlong=cut", "expected one of 'none', 'mask', 'soft_penalty'"),
+        ("loss.overlong_buffer=4", "key 'loss.overlong_buffer': only loss.overlong=soft_penalty uses it"),
         ("logging.level=loud", "key 'logging.level'"),
     ],
 )
@@ -91,3 +97,38 @@ def test_bad_yaml_file_names_the_file(tmp_path):
         load_config(str(bad))
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["loss.rollout_is=token_mask", "loss.rollout_is_lower=2.0"], "must be in [0, loss.rollout_is_cap=2.0)"),
+        (["loss.overlong=soft_penalty", "loss.overlong_buffer=12"], "must be in [1, rollout.max_tokens=12)"),
+        (["loss.overlong=soft_penalty", "rollout.max_tokens=4"], "for soft_penalty, got 0"),  # None: 4 // 5
+        (["loss.overlong=soft_penalty", "loss.overlong_penalty=0"], "key 'loss.overlong_penalty': must be > 0"),
+    ],
+)
+def test_loss_option_cross_checks(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
+    assert needle in str(err.value)
+
+
+def test_loss_options_defaults_keep_todays_loss():
+    """Every shipped config runs GRPO with the automatic rollout IS and no overlong shaping; the new keys load."""
+    for path in CONFIGS:
+        lo = load_config(path).loss
+        assert (lo.objective, lo.rollout_is, lo.rollout_is_lower, lo.overlong) == ("grpo", None, None, "none")
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "toy.yaml"),
+        ["loss.objective=gspo", "loss.rollout_is=sequence_mask", "loss.rollout_is_lower=0.25",
+         "loss.overlong=soft_penalty", "loss.overlong_buffer=4"],
+    )  # fmt: skip
+    lo = cfg.loss
+    assert (lo.objective, lo.rollout_is, lo.rollout_is_lower, lo.overlong) == ("gspo", "sequence_mask", 0.25,
+                                                                              "soft_penalty")  # fmt: skip
+    assert (lo.gspo_clip_eps, lo.gspo_clip_eps_high) == (3e-4, 4e-4)  # the GSPO paper's range
+    # YAML 1.1 reads a bare `off` as false: accepted (trapo.importance.resolve_mode: false is off, true truncate)
+    assert load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["loss.rollout_is=off"]).loss.rollout_is is False
+    assert lo.overlong_buffer_tokens(cfg.rollout.max_tokens) == 4
+    assert cfg.loss.__class__().overlong_buffer_tokens(20480) == 4096  # DAPO's L_cache of L_max

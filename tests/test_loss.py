@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trapo.logits import kl_uniform_to_policy, token_entropy, token_logprobs
-from trapo.loss import group_advantages, policy_loss, rollout_is_weights
+from trapo.loss import group_advantages, overlong_penalty, policy_loss
 
 
 def test_group_advantages_dr_grpo_is_centered_reward():
@@ -143,36 +143,6 @@ def test_logit_statistics_hand_values():
     )
 
 
-def test_rollout_is_weights_hand_values():
-    # log(pi_old / pi_engine) per token; the third of row 0 exceeds the cap C = 2.
-    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]])
-    engine = old - torch.tensor([[0.0, math.log(1.5), math.log(3.0)], [math.log(0.5), 0.0, 0.0]])
-    engine[1, 2] = float("-inf")  # padding may hold garbage
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    w, m = rollout_is_weights(old, engine, mask, cap=2.0)
-    assert torch.allclose(w, torch.tensor([[1.0, 1.5, 2.0], [0.5, 1.0, 0.0]]), atol=1e-6)
-    assert not w.requires_grad
-    assert m["is_weight_mean"].item() == pytest.approx((1.0 + 1.5 + 2.0 + 0.5 + 1.0) / 5, abs=1e-6)
-    assert m["is_capped_frac"].item() == pytest.approx(1 / 5)
-    w, m = rollout_is_weights(old, engine, mask, cap=5.0)
-    assert w[0, 2].item() == pytest.approx(3.0, abs=1e-5)
-    assert m["is_capped_frac"].item() == 0.0
-
-
-def test_rollout_is_weights_carry_no_gradient_and_reject_bad_input():
-    old = torch.zeros(2, 3, requires_grad=True)
-    w, _ = rollout_is_weights(old, torch.zeros(2, 3), torch.ones(2, 3))
-    assert w.grad_fn is None and not w.requires_grad
-    with pytest.raises(ValueError, match="engine_logprobs"):
-        rollout_is_weights(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
-    with pytest.raises(ValueError, match="mask"):
-        rollout_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3, 3))
-    with pytest.raises(ValueError, match="old_logprobs"):
-        rollout_is_weights(torch.zeros(6), torch.zeros(6), torch.ones(6))
-    with pytest.raises(ValueError, match="cap"):
-        rollout_is_weights(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), cap=0.0)
-
-
 def test_token_weights_scale_pg_terms_only():
     logprobs, old, adv, mask = _example()
     tw = torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.0, float("nan")]])  # NaN at padding is ignored
@@ -211,3 +181,148 @@ def test_token_weights_shape_error():
         policy_loss(logprobs, old, adv, mask, token_weights=torch.ones(2))
     with pytest.raises(ValueError, match="token_weights"):
         policy_loss(logprobs, old, adv, mask, token_weights=torch.ones(3, 2))
+
+
+# ----------------------------------------------------------------------------- objectives
+
+# _example under each objective (clip_eps 0.2), per-token terms and d term / d logprob:
+#   grpo  above.
+#   cispo -sg(min(r, 1.2)) A: weights [1, 1.2, 0.5], [1.1, 0.7] (no lower bound: 0.7 stays 0.7)
+#         terms [-1, -1.2, -0.5], [2.2, 1.4]; gradient = the terms (clipped tokens keep theirs).
+#   gspo  s_0 = (1 * 1.5 * 0.5)^(1/3) = 0.75^(1/3) in [0.8, 1.2], s_1 = (1.1 * 0.7)^(1/2) = 0.77^(1/2) also:
+#         terms -s_0 (x3), 2 s_1 (x2); gradient -s_i A at every token of sequence i.
+S0, S1 = 0.75 ** (1 / 3), 0.77**0.5
+TERMS = {
+    "grpo": ([[-1.0, -1.2, -0.5], [2.2, 1.6, 0.0]], [[-1.0, 0.0, -0.5], [2.2, 0.0, 0.0]]),
+    "cispo": ([[-1.0, -1.2, -0.5], [2.2, 1.4, 0.0]], [[-1.0, -1.2, -0.5], [2.2, 1.4, 0.0]]),
+    "gspo": ([[-S0] * 3, [2 * S1, 2 * S1, 0.0]], [[-S0] * 3, [2 * S1, 2 * S1, 0.0]]),
+}
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo", "cispo"])
+def test_objectives_compose_with_gate_token_weights_and_denominators(objective):
+    """Each objective's hand terms, times the IS token weights and the gate, over the aggregation's denominator."""
+    terms, grads = (torch.tensor(x) for x in TERMS[objective])
+    tw = torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.0, float("nan")]])
+    gate = torch.tensor([1.0, 0.5])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    tw_clean = torch.where(mask.bool(), tw, 0.0)
+    for agg, denom in (("dr_grpo", None), ("token_mean", None), ("seq_mean", None), ("token_mean", 8.0)):
+        logprobs, old, adv, m = _example()
+        loss, metrics = policy_loss(logprobs, old, adv, m, objective=objective, agg=agg, denom=denom,
+                                    weights=gate, token_weights=tw, entropy_coef=0.0)  # fmt: skip
+        loss.backward()
+        per_token = gate[:, None] * tw_clean  # the factor on each token's term and gradient
+        if agg == "seq_mean":
+            per_token = per_token / mask.sum(dim=1, keepdim=True) / 2
+        else:
+            per_token = per_token / (denom or (6.0 if agg == "dr_grpo" else 5.0))
+        assert loss.item() == pytest.approx((terms * per_token).sum().item(), abs=1e-6), (agg, denom)
+        assert metrics["pg_loss"].item() == pytest.approx(loss.item(), abs=1e-6)
+        assert torch.allclose(logprobs.grad, grads * per_token, atol=1e-6), (agg, denom)
+
+
+def test_gspo_clips_the_whole_sequence_on_its_geometric_mean_ratio():
+    # seq 0 (A=+1): token ratios [1, 1.1025]: s = 1.05 inside [0.9, 1.1], unclipped: terms -1.05, gradient -1.05
+    # seq 1 (A=+2): [0.9, 1.2, 1.6]: s = 1.728^(1/3) = 1.2 > 1.1, clipped: terms -2.2, no gradient, even for
+    #               the 0.9 token that GRPO's token clip would leave alone
+    # seq 2 (A=-1): [0.8, 0.8]: s = 0.8 < 0.9 with A < 0, clipped: terms 0.9, no gradient
+    ratios = torch.tensor([[1.0, 1.1025, 1.0], [0.9, 1.2, 1.6], [0.8, 0.8, 1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]])
+    logprobs = ratios.log().requires_grad_(True)
+    adv = torch.tensor([1.0, 2.0, -1.0])
+    loss, m = policy_loss(logprobs, torch.zeros(3, 3), adv, mask, objective="gspo", clip_eps=0.1, agg="seq_mean")
+    assert loss.item() == pytest.approx((-1.05 - 2.2 + 0.9) / 3, abs=1e-6)
+    loss.backward()
+    expected = torch.tensor([[-1.05 / 2 / 3] * 2 + [0.0], [0.0] * 3, [0.0] * 3])
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+    assert m["clip_frac"].item() == pytest.approx(5 / 7)  # every token of sequences 1 and 2
+    assert m["ratio_mean"].item() == pytest.approx((2 * 1.05 + 3 * 1.2 + 2 * 0.8) / 7, abs=1e-6)
+    # the token form equals the paper's sequence-level objective -1/N sum_i min(s_i A_i, clip(s_i) A_i)
+    lp = ratios.log().requires_grad_(True)
+    s = ((lp * mask).sum(1) / mask.sum(1)).exp()
+    paper = -torch.minimum(s * adv, s.clamp(0.9, 1.1) * adv).mean()
+    paper.backward()
+    assert paper.item() == pytest.approx(loss.item(), abs=1e-6)
+    assert torch.allclose(lp.grad * mask, logprobs.grad, atol=1e-6)
+
+
+def test_cispo_gradient_is_the_clipped_is_weighted_reinforce_gradient():
+    """-sg(clip(r)) A pi / sg(pi) (ours, value -w A) and the paper's -sg(clip(r)) A log pi: the same gradient."""
+    logprobs, old, adv, mask = _example()
+    loss, m = policy_loss(logprobs, old, adv, mask, objective="cispo", clip_eps_high=0.3)
+    loss.backward()
+    lp = logprobs.detach().clone().requires_grad_(True)
+    w = (lp - old).exp().clamp(max=1.3).detach()
+    paper = (-(w * adv[:, None] * lp) * mask).sum() / 6
+    paper.backward()
+    assert torch.allclose(logprobs.grad, lp.grad, atol=1e-6)
+    assert loss.item() == pytest.approx((-1.0 - 1.3 - 0.5 + 2.2 + 1.4) / 6, abs=1e-6)
+    assert m["clip_frac"].item() == pytest.approx(1 / 5)  # the 1.5: its weight is capped at 1.3
+    with pytest.raises(ValueError, match="objective"):
+        policy_loss(logprobs, old, adv, mask, objective="ppo")
+
+
+@pytest.mark.parametrize("objective", ["gspo", "cispo"])
+def test_objectives_on_policy_equal_grpo_values(objective):
+    """pi_theta = pi_old: every ratio is 1, nothing clips, and all three objectives give GRPO's loss and gradient
+    (-A per token) -- the paper's one-update-per-batch setting."""
+    results = []
+    for obj in ("grpo", objective):
+        lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 5.0]], requires_grad=True)
+        loss, m = policy_loss(lp, lp.detach(), torch.tensor([1.0, -2.0]), torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                              objective=obj, agg="token_mean")  # fmt: skip
+        loss.backward()
+        results.append((loss.item(), lp.grad, m["clip_frac"].item()))
+    assert results[0][0] == pytest.approx(results[1][0], abs=1e-7) and results[1][2] == 0.0
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- overlong (DAPO)
+
+
+def test_overlong_penalty_hand_values():
+    # L_max = 10, L_cache = 4: free up to 6, then a ramp (6 - |y|) / 4, -1 at 10 and beyond
+    lengths = torch.tensor([[3, 6, 7], [9, 10, 12]])
+    assert torch.allclose(overlong_penalty(lengths, 10, 4), torch.tensor([[0.0, 0.0, -0.25], [-0.75, -1.0, -1.0]]))
+    assert torch.allclose(overlong_penalty(lengths, 10, 4, factor=0.5)[1], torch.tensor([-0.375, -0.5, -0.5]))
+    assert overlong_penalty(torch.tensor([5]), 5, 5).item() == -1.0  # buffer = L_max: the ramp starts at 0
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="buffer"):
+            overlong_penalty(lengths, 10, bad)
+
+
+def test_overlong_penalty_shifts_group_advantages():
+    """Added to the rewards before the group advantages: a correct but long response earns less than a short one."""
+    rewards = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    lengths = torch.tensor([[4, 9, 4, 10]])
+    adv = group_advantages(rewards + overlong_penalty(lengths, 10, 4))
+    # rewards + R_len = [1, 0.25, 0, -1], mean 0.0625
+    assert torch.allclose(adv, torch.tensor([[0.9375, 0.1875, -0.0625, -1.0625]]))
+
+
+def test_overlong_mask_leaves_the_denominators():
+    from trapo.batch import build_sequences, loss_counts
+
+    seqs = build_sequences(
+        prompts=[[1, 2], [3]],
+        responses=[[[5, 6, 7], [8]], [[9, 9], [4, 4, 4, 4]]],
+        advantages=[[0.5, -0.5], [0.0, 0.0]],
+        gate=[1.0, 0.0],
+        labeled=[True, False],
+        truncated=[[True, False], [False, True]],
+    )
+    assert [s.truncated for s in seqs] == [True, False, False, True]
+    assert loss_counts(seqs) == {"sequences": 4, "tokens": 3 + 1 + 2 + 4}  # gated ones count, as before
+    assert loss_counts(seqs, drop_truncated=True) == {"sequences": 2, "tokens": 1 + 2}
+    assert [s.truncated for s in build_sequences([[1]], [[[2]]], [[0.0]], [1.0], [True])] == [False]
+    # ... and the update itself (Policy.trainable)
+    from trapo.config import Config
+    from trapo.policy import Policy
+
+    policy = object.__new__(Policy)  # the real method on a config alone: no model needed to filter
+    policy.cfg = Config()
+    policy.cfg.train.skip_zero_advantage = False
+    assert policy.trainable(seqs) == seqs[:2]  # the gated question's two leave
+    policy.cfg.loss.overlong = "mask"
+    assert policy.trainable(seqs) == seqs[1:2]  # and the truncated response

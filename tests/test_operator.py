@@ -67,18 +67,34 @@ def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path):
 
 
 def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
-    """loss.rollout_is and train.offload_during_rollout (GPU defaults) forced on, on CPU: weights ~1; the
-    optimizer's fp32 master weights and Adam moments go to host buffers and come back exactly."""
-    args = {"loss.rollout_is": "true", "train.offload_during_rollout": "true", "max_steps": 3, "run_name": "is"}
+    """loss.rollout_is (GPU default) and train.offload_during_rollout forced on, on CPU: weights ~1; the
+    optimizer's fp32 master weights and Adam moments go to host buffers and come back exactly. Both runs
+    also train GSPO with DAPO's soft overlong penalty; the first drops sequences by their geometric-mean
+    ratio (sequence_mask), which on CPU fp32 is ~1 and drops none."""
+    loss_options = {"loss.objective": "gspo", "loss.overlong": "soft_penalty", "rollout.max_tokens": 12,
+                    "loss.overlong_buffer": 11}  # fmt: skip
+    args = {"loss.rollout_is": "sequence_mask", "train.offload_during_rollout": "true", "max_steps": 3,
+            "run_name": "is", **loss_options}  # fmt: skip
     train(overrides(toy_dir, tmp_path, **args))
-    train(overrides(toy_dir, tmp_path, **{**args, "train.offload_during_rollout": "false", "run_name": "plain"}))
+    plain = {**args, "loss.rollout_is": "off", "train.offload_during_rollout": "false", "run_name": "plain"}
+    train(overrides(toy_dir, tmp_path, **plain))
     rows, plain = metrics(tmp_path / "is"), metrics(tmp_path / "plain")
     for row, ref in zip(rows, plain):
         # CPU fp32: vLLM and the trainer compute the same distribution, so pi_old / pi_engine ~ 1
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert row["rollout_is_capped_frac"] == 0.0
-        assert not row["skipped"] and row["loss"] == ref["loss"] and row["pg_loss"] == ref["pg_loss"]
+        assert row["rollout_is_masked_frac"] == 0.0 and row["rollout_is_masked_seq_frac"] == 0.0
+        assert ref["rollout_is_masked_frac"] is None  # off: not computed
+        # the sequence weights s_i are 1 to ~1e-7 (|log pi_old - log pi_engine| ~ 4e-7 per token): the runs agree
+        # to float rounding, which an optimizer state that came back wrong would not
+        assert not row["skipped"] and row["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert row["pg_loss"] == pytest.approx(ref["pg_loss"], rel=1e-5)
         assert "offload" not in ref
+        # buffer 11 of 12: the penalty ramps from length 1, R_len = (1 - |y|) / 11, so its mean is
+        # (1 - mean length) / 11
+        mean_len = row["response_tokens"] / row["responses"]
+        assert row["overlong_penalty_mean"] == pytest.approx((1 - mean_len) / 11, abs=1e-6)
+        assert row["overlong_penalty_mean"] < 0 and row["clip_frac"] == 0.0  # on-policy: GSPO's s_i = 1
     # 12 bytes per parameter once Adam's moments exist (step 2 on), only the fp32 master (4) before
     assert rows[1]["offload"]["bytes"] == 3 * rows[0]["offload"]["bytes"] == rows[2]["offload"]["bytes"] > 0
     assert all(r["offload"]["offload_s"] > 0 and r["offload"]["reload_s"] > 0 for r in rows)

@@ -21,6 +21,7 @@ class TrainSequence:
     old_logprobs: list[float] | None = None  # per response token; only when several updates share a rollout batch
     engine_logprobs: list[float] | None = None  # per response token, as the rollout engine sampled it
     ref_logprobs: list[float] | None = None  # per response token, the reference model's (loss.beta > 0)
+    truncated: bool = False  # the response was cut at rollout.max_tokens (loss.overlong=mask leaves it out)
 
 
 def build_sequences(
@@ -30,16 +31,20 @@ def build_sequences(
     gate: list[float],
     labeled: list[bool],
     engine_logprobs: list[list[list[float] | None]] | None = None,
+    truncated: list[list[bool]] | None = None,
 ) -> list[TrainSequence]:
     """One step's training sequences, question-major: [b * G].
 
     prompts: [b] prompt token ids; responses: [b][G] response token ids;
     advantages: [b][G] (paper eq. "advantage", `trapo.loss.group_advantages`);
     gate: [b] M per question; labeled: [b]; engine_logprobs: [b][G] per-token
-    log-probs from the rollout engine, or None.
+    log-probs from the rollout engine, or None; truncated: [b][G] whether each
+    response hit rollout.max_tokens, or None (none did).
     """
     if engine_logprobs is None:
         engine_logprobs = [[None] * len(group) for group in responses]
+    if truncated is None:
+        truncated = [[False] * len(group) for group in responses]
     return [
         TrainSequence(
             ids=prompt + response,
@@ -48,12 +53,22 @@ def build_sequences(
             weight=m,
             labeled=is_labeled,
             engine_logprobs=lp,
+            truncated=cut,
         )
-        for prompt, group, group_adv, m, is_labeled, group_lp in zip(
-            prompts, responses, advantages, gate, labeled, engine_logprobs
+        for prompt, group, group_adv, m, is_labeled, group_lp, group_cut in zip(
+            prompts, responses, advantages, gate, labeled, engine_logprobs, truncated
         )
-        for response, adv, lp in zip(group, group_adv, group_lp)
+        for response, adv, lp, cut in zip(group, group_adv, group_lp, group_cut)
     ]
+
+
+def loss_counts(seqs: list[TrainSequence], drop_truncated: bool = False) -> dict[str, int]:
+    """The sequences and response tokens an update batch's loss denominators count (`loss_denominator`):
+    all of them, gated ones included, except truncated ones when `drop_truncated` (loss.overlong=mask,
+    DAPO's overlong filtering: a cut response is treated as never sampled, so it leaves the token_mean
+    denominator, the seq_mean count and dr_grpo's N alike, not only the numerator)."""
+    kept = [s for s in seqs if not (drop_truncated and s.truncated)]
+    return {"sequences": len(kept), "tokens": sum(len(s.ids) - s.prompt_len for s in kept)}
 
 
 def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:

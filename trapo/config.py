@@ -104,11 +104,30 @@ class LossConfig:
     # no reference model is loaded), the authors' public veRL script 0.001 (configs/trapo_1k_3k_verl.yaml)
     beta: float = 0.0
     entropy_coef: float = 0.01
-    # Truncated importance weight min(pi_old / pi_engine, cap) on each token's policy-gradient term,
-    # for the small mismatch between vLLM's and the trainer's kernels. None: on with a GPU (where they
-    # differ), off on CPU (where both run the same fp32 math and the weight is 1 to ~1e-6).
-    rollout_is: bool | None = None
-    rollout_is_cap: float = 2.0  # TRL's default
+    # The policy loss (trapo/loss.py policy_loss): GRPO's clipped token surrogate; GSPO's sequence-level
+    # ratio (geometric mean) clipped to its own small range; CISPO's REINFORCE term weighted by the
+    # detached IS ratio clipped at 1 + (clip_eps_high or clip_eps), no lower bound.
+    objective: Literal["grpo", "gspo", "cispo"] = "grpo"
+    gspo_clip_eps: float = 3e-4  # GSPO's clip below 1 (the paper's 3e-4)
+    gspo_clip_eps_high: float = 4e-4  # and above 1 (the paper's 4e-4)
+    # Rollout importance correction of each token's policy-gradient term for the small mismatch between
+    # vLLM's and the trainer's kernels, ratio pi_old / pi_engine (trapo/importance.py): truncate
+    # min(ratio, cap); token_mask: tokens whose ratio leaves [lower, cap] drop out; sequence_mask:
+    # sequences whose geometric-mean ratio leaves it drop out. None: truncate with a GPU (where the
+    # kernels differ), off on CPU (both run the same fp32 math and the ratio is 1 to ~1e-6). YAML reads a
+    # bare `off` as false, so false means off, and true the earlier boolean's truncate.
+    rollout_is: Literal["truncate", "token_mask", "sequence_mask", "off"] | bool | None = None
+    rollout_is_cap: float = 2.0  # the upper bound; TRL's default cap
+    rollout_is_lower: float | None = None  # the mask modes' lower bound; None: 1 / rollout_is_cap (veRL)
+    # DAPO's overlong handling: mask drops responses cut at rollout.max_tokens from the loss (and its
+    # denominators); soft_penalty adds R_len (0 up to max_tokens - buffer, then a ramp to -penalty)
+    # to every response's reward before the group advantages (pass rates are untouched).
+    overlong: Literal["none", "mask", "soft_penalty"] = "none"
+    overlong_buffer: int | None = None  # DAPO's L_cache in tokens; None: rollout.max_tokens // 5 (DAPO's 4K of 20K)
+    overlong_penalty: float = 1.0  # the penalty at and beyond max_tokens (DAPO: 1)
+
+    def overlong_buffer_tokens(self, max_tokens: int) -> int:
+        return max_tokens // 5 if self.overlong_buffer is None else self.overlong_buffer
 
 
 @dataclass
@@ -339,7 +358,32 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(len(t.adam_betas) == 2, "train.adam_betas", f"must be [beta1, beta2], got {t.adam_betas}")
     need(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
     need(t.loss_chunk_tokens >= 1, "train.loss_chunk_tokens", "must be >= 1")
-    need(cfg.loss.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {cfg.loss.rollout_is_cap}")
+    lo = cfg.loss
+    need(lo.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {lo.rollout_is_cap}")
+    if lo.rollout_is_lower is not None:
+        need(
+            lo.rollout_is in ("token_mask", "sequence_mask"),
+            "loss.rollout_is_lower",
+            f"only the mask modes use a lower bound; loss.rollout_is is {lo.rollout_is!r}",
+        )
+        need(
+            0 <= lo.rollout_is_lower < lo.rollout_is_cap,
+            "loss.rollout_is_lower",
+            f"must be in [0, loss.rollout_is_cap={lo.rollout_is_cap}), got {lo.rollout_is_lower}",
+        )
+    need(lo.gspo_clip_eps > 0, "loss.gspo_clip_eps", f"must be > 0, got {lo.gspo_clip_eps}")
+    need(lo.gspo_clip_eps_high > 0, "loss.gspo_clip_eps_high", f"must be > 0, got {lo.gspo_clip_eps_high}")
+    need(lo.clip_eps_high is None or lo.clip_eps_high > 0, "loss.clip_eps_high", "must be > 0 or null")
+    if lo.overlong == "soft_penalty":
+        buffer = lo.overlong_buffer_tokens(r.max_tokens)
+        need(
+            0 < buffer < r.max_tokens,
+            "loss.overlong_buffer",
+            f"must be in [1, rollout.max_tokens={r.max_tokens}) for soft_penalty, got {buffer}",
+        )
+        need(lo.overlong_penalty > 0, "loss.overlong_penalty", f"must be > 0, got {lo.overlong_penalty}")
+    else:
+        need(lo.overlong_buffer is None, "loss.overlong_buffer", "only loss.overlong=soft_penalty uses it")
     need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     need(cfg.loss.clip_eps > 0, "loss.clip_eps", "must be > 0")
     need(cfg.loss.beta >= 0.0, "loss.beta", f"must be >= 0, got {cfg.loss.beta}")

@@ -1,6 +1,7 @@
-"""GRPO / Dr.GRPO advantages, the clipped policy loss (paper eq. "grpo") and
-the truncated importance weights that correct for the rollout engine's
-sampling distribution.
+"""GRPO / Dr.GRPO advantages, DAPO's overlong reward shaping, and the policy
+loss: the clipped GRPO surrogate (paper eq. "grpo"), GSPO's sequence-level
+variant or CISPO's clipped-IS-weight REINFORCE (`loss.objective`). The rollout
+importance weights that multiply it live in `trapo.importance`.
 
 Pure functions on tensors: no I/O, no distributed calls. Shapes use
 B questions, G rollouts per question, N = B * G sequences, L response
@@ -18,7 +19,8 @@ from torch import Tensor
 
 ADVANTAGE_SCALES = ("none", "std")
 AGGREGATIONS = ("dr_grpo", "token_mean", "seq_mean")
-ROLLOUT_IS_CAP = 2.0  # TRL's default cap for the truncated rollout importance weight
+OBJECTIVES = ("grpo", "gspo", "cispo")
+OVERLONG = ("none", "mask", "soft_penalty")
 
 
 def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
@@ -42,43 +44,22 @@ def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
     return centered / (std + 1e-6)
 
 
-def rollout_is_weights(
-    old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, *, cap: float = ROLLOUT_IS_CAP
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance weights w = min(pi_old / pi_engine, C) = min(exp(old - engine), C), per token.
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment R_len (arXiv 2503.14476, eq. 13), added to each response's reward.
 
-    The rollout engine (vLLM) samples with log-probs that differ slightly from
-    the trainer's for the same weights, so its tokens are slightly off-policy
-    for pi_old; weighting each token's policy-gradient term by w corrects for
-    that, and the cap C bounds the variance (truncated IS, "TIS").
-
-    old_logprobs (trainer's pi_old), engine_logprobs (the sampler's), mask:
-    [N, L]. Returns (weights [N, L] float32, detached, 0 at padding; metrics
-    with detached scalars is_weight_mean (mean w over masked tokens) and
-    is_capped_frac (fraction of masked tokens where the cap applied)).
+    With L_max = max_tokens and L_cache = buffer, for a response of |y| tokens:
+        R_len = 0                                         if |y| <= L_max - L_cache
+        R_len = ((L_max - L_cache) - |y|) / L_cache * f   if L_max - L_cache < |y| <= L_max
+        R_len = -f                                        if |y| > L_max
+    (f = factor; DAPO uses 1). lengths: any shape, response token counts -> the same shape, float32, <= 0.
+    A response cut at max_tokens has |y| = L_max and gets -f.
     """
-    if not cap > 0.0:
-        raise ValueError(f"rollout_is_weights: cap must be > 0, got {cap}")
-    if old_logprobs.dim() != 2:
-        raise ValueError(f"rollout_is_weights: old_logprobs must be [N, L], got shape {tuple(old_logprobs.shape)}")
-    for name, t in (("engine_logprobs", engine_logprobs), ("mask", mask)):
-        if t.shape != old_logprobs.shape:
-            raise ValueError(
-                f"rollout_is_weights: {name} must be [N, L]={list(old_logprobs.shape)} like old_logprobs, "
-                f"got {tuple(t.shape)}"
-            )
-    with torch.no_grad():  # weights are constants of the loss: no gradient flows through pi_old or pi_engine
-        mask = mask.bool()
-        # Padding may hold anything (even -inf); zero its log-ratio so exp() stays finite.
-        log_ratio = torch.where(mask, old_logprobs.float() - engine_logprobs.float(), 0.0)  # [N, L]
-        raw = log_ratio.exp()
-        weights = torch.where(mask, raw.clamp(max=cap), 0.0)  # [N, L]
-        count = mask.sum().clamp_min(1)
-        metrics = {
-            "is_weight_mean": weights.sum() / count,
-            "is_capped_frac": (mask & (raw > cap)).sum() / count,
-        }
-    return weights, metrics
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"overlong_penalty: buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
+    lengths = lengths.float()
+    expected = max_tokens - buffer  # L_max - L_cache: the length that is still free of penalty
+    ramp = (expected - lengths) / buffer * factor
+    return torch.where(lengths <= expected, 0.0, torch.where(lengths <= max_tokens, ramp, -factor))
 
 
 def _aggregate(terms: Tensor, mask: Tensor, weights: Tensor, agg: str, denom: float | None) -> Tensor:
@@ -119,11 +100,26 @@ def policy_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.01,
     token_weights: Tensor | None = None,
+    objective: str = "grpo",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss of GRPO (paper eq. "grpo"), to be minimised.
+    """The policy loss, to be minimised; per-token terms, then `agg`.
 
-    Per token: -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A),
-    ratio = exp(logprobs - old_logprobs).
+    objective (r_t = exp(logprobs - old_logprobs), eps_low = clip_eps, eps_high = clip_eps_high or clip_eps):
+      "grpo"  GRPO's clipped surrogate (paper eq. "grpo"), per token
+              -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A).
+      "gspo"  GSPO (arXiv 2507.18071): the same clipped surrogate on the sequence ratio
+              s_i = exp(mean_t (logprobs - old_logprobs)) (the geometric mean of the token ratios),
+              in its token form s_i,t = sg[s_i] * pi_t / sg[pi_t]: every token's value is s_i, its
+              gradient flows through its own log pi_t; the clip (and a zero gradient) applies to the
+              whole sequence. Pass GSPO's own small range as clip_eps / clip_eps_high (paper 3e-4 / 4e-4).
+              The paper's objective is the mean over sequences of the token mean: agg="seq_mean".
+      "cispo" CISPO (MiniMax-M1, arXiv 2506.13585), per token -sg(min(r_t, 1 + eps_high)) A log pi_t:
+              a REINFORCE term weighted by the clipped, detached IS ratio, so no token loses its
+              gradient. No lower bound (the paper's choice: eps_low "set to a large value"). Computed as
+              -sg(min(r_t, 1 + eps_high)) A pi_t / sg[pi_t]: the same gradient, and a value (-w A) that
+              does not depend on log pi, comparable with the other objectives' pg_loss.
+    For every objective the gate weights, token_weights and denominators below apply the same way:
+    token_weights multiply each token's term, weights each sequence's, and agg / denom reduce.
 
     logprobs, old_logprobs, mask: [N, L]; advantages: [N];
     weights: [N] or None (the paper's gate M: 0 drops a sequence's terms and
@@ -134,7 +130,7 @@ def policy_loss(
     the bonus -entropy_coef * H when given.
     token_weights: [N, L] or None, per-token constants multiplying the
     policy-gradient term only (not the KL or entropy terms), e.g. the rollout
-    importance weights of `rollout_is_weights`; treated as detached.
+    importance weights of `trapo.importance.rollout_is_weights`; treated as detached.
     agg: "dr_grpo" (sum / (N * L)), "token_mean" (sum / number of masked
     tokens) or "seq_mean" (mean over sequences of each one's token mean).
     denom: the denominator to use instead of this batch's (N * L, token count
@@ -142,12 +138,15 @@ def policy_loss(
     micro-batches so that their gradients add up to the full batch's.
 
     Returns (loss scalar, metrics) with detached scalar metrics: pg_loss,
-    clip_frac, ratio_mean, approx_kl_old (k3 estimate of KL(old || new)),
+    clip_frac (grpo: tokens whose clip is active; gspo: tokens of sequences whose clip is active;
+    cispo: tokens whose IS weight hit 1 + eps_high), ratio_mean, approx_kl_old (k3 estimate of KL(old || new)),
     and kl_ref / entropy when used. Metrics average over masked tokens of
     sequences with non-zero weight.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"policy_loss: agg must be one of {AGGREGATIONS}, got {agg!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"policy_loss: objective must be one of {OBJECTIVES}, got {objective!r}")
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
         raise ValueError(
             "policy_loss: logprobs, old_logprobs and mask must share one [N, L] shape, got "
@@ -172,11 +171,23 @@ def policy_loss(
     adv = advantages.float()[:, None]  # [N, 1]
     # Padding may hold anything (even inf); zero the log-ratio there so that
     # exp() stays finite and no NaN leaks into the gradient.
-    log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # [N, L]
-    ratio = log_ratio.exp()  # [N, L]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + eps_high) * adv
-    pg_terms = -torch.minimum(unclipped, clipped)  # [N, L]
+    lp = torch.where(mask, logprobs.float(), 0.0)  # [N, L]
+    log_ratio = torch.where(mask, lp - old_logprobs.float(), 0.0)  # [N, L], token log-ratios
+    if objective == "gspo":
+        # log s_i,t = sg[log s_i] + log pi_t - sg[log pi_t]; the mean, not the sum, over the sequence.
+        seq_log_ratio = log_ratio.sum(dim=1) / maskf.sum(dim=1).clamp_min(1.0)  # [N]
+        ratio = torch.where(mask, (seq_log_ratio.detach()[:, None] + lp - lp.detach()), 0.0).exp()  # [N, L]
+    else:
+        ratio = log_ratio.exp()  # [N, L]
+    if objective == "cispo":
+        is_weight = ratio.detach().clamp(max=1.0 + eps_high)  # sg(clip(r_t)), upper bound only
+        pg_terms = -is_weight * adv * (lp - lp.detach()).exp()  # [N, L]; d/d lp = -w A, value -w A
+        clip_hit = ratio > 1.0 + eps_high
+    else:
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1.0 - clip_eps, 1.0 + eps_high) * adv
+        pg_terms = -torch.minimum(unclipped, clipped)  # [N, L]
+        clip_hit = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - clip_eps))
     if token_weights is not None:
         # Off-policy correction of the sampled tokens: w * pg term. Detached because w is a
         # ratio of fixed behaviour policies; padding garbage becomes a neutral 1 (masked later).
@@ -205,12 +216,11 @@ def policy_loss(
         def token_avg(x: Tensor) -> Tensor:
             return (x.detach() * active).sum() / count
 
-        clip_hit = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - clip_eps))
         out = {
             "pg_loss": pg_loss.detach(),
             "clip_frac": token_avg(clip_hit.float()),
-            "ratio_mean": token_avg(ratio),
-            "approx_kl_old": token_avg(ratio - 1.0 - log_ratio),
+            "ratio_mean": token_avg(ratio),  # gspo: the sequence ratios s_i, token-weighted
+            "approx_kl_old": token_avg(log_ratio.exp() - 1.0 - log_ratio),
         }
         out.update({k: token_avg(v) for k, v in metrics.items()})
     return loss, out

@@ -93,9 +93,17 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "logprob_diff_rollout_vs_policy": (
             totals["logprob_diff"] / totals["logprob_tokens"] if totals["logprob_tokens"] else None
         ),
-        # loss.rollout_is: mean truncated importance weight min(pi_old / pi_engine, cap), share at the cap
+        # loss.rollout_is: mean importance weight (0 for dropped tokens), share of ratios above the cap
         "rollout_is_weight_mean": totals["is_weight"] / totals["is_tokens"] if totals["is_tokens"] else None,
         "rollout_is_capped_frac": totals["is_capped"] / totals["is_tokens"] if totals["is_tokens"] else None,
+        # token_mask / sequence_mask: share of tokens dropped from the loss, share of sequences with a dropped
+        # token (sequence_mask: the sequences dropped); 0 under truncate
+        "rollout_is_masked_frac": totals["is_masked"] / totals["is_tokens"] if totals["is_tokens"] else None,
+        "rollout_is_masked_seq_frac": totals["is_masked_seqs"] / totals["is_seqs"] if totals["is_seqs"] else None,
+        # loss.overlong=soft_penalty: mean DAPO length penalty R_len (<= 0) added to a response's reward
+        "overlong_penalty_mean": (
+            totals["overlong_penalty"] / totals["overlong_responses"] if totals["overlong_responses"] else None
+        ),
         # loss.beta > 0: mean k3 estimate of KL(pi_theta || pi_ref) per trained token
         "kl_ref": totals["kl_ref"] / totals["kl_tokens"] if totals["kl_tokens"] else None,
         "labeled_questions": int(n_lab),

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from trapo import dist, packing
+from trapo import console, dist, packing
 from trapo.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
 from trapo.config import Config, ConfigError
+from trapo.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
 from trapo.logits import TokenStats, lm_head_token_stats, scatter_to_mask
-from trapo.loss import policy_loss, rollout_is_weights
+from trapo.loss import policy_loss
 from trapo.runtime import torch_dtype
 
 # The update statistics one `update` call returns, summed over its micro-batches (this rank only).
@@ -39,8 +40,13 @@ UPDATE_SUMS = (
     "is_weight",  # token-weighted sum of the rollout importance weights (loss.rollout_is)
     "is_capped",  # token-weighted sum of the fraction of weights at the cap
     "is_tokens",  # tokens that had importance weights
+    "is_masked",  # token-weighted sum of the fraction of tokens a mask mode dropped (loss.rollout_is)
+    "is_masked_seqs",  # sequences with at least one dropped token (sequence_mask: the dropped sequences)
+    "is_seqs",  # sequences that had importance weights
     "kl_ref",  # token-weighted sum of the k3 estimate of KL(pi_theta || pi_ref) (loss.beta > 0)
     "kl_tokens",  # tokens that had reference log-probs
+    "overlong_penalty",  # sum of DAPO's R_len over the step's responses (loss.overlong=soft_penalty; the trainer's)
+    "overlong_responses",  # responses that R_len was computed for
 )
 
 
@@ -156,7 +162,10 @@ class Policy:
             ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
             self.ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
             self.ref.eval()
-        self.rollout_is = on_gpu if cfg.loss.rollout_is is None else cfg.loss.rollout_is
+        self.rollout_is = resolve_mode(cfg.loss.rollout_is, on_gpu)  # "off" or the mode that runs
+        bias = top_p_bias_warning(self.rollout_is, cfg.rollout.top_p)
+        if bias:
+            console.warn_once("rollout_is_top_p", bias)
         self.offload_states = _offloadable_states(on_gpu if t.offload_during_rollout is None else
                                                   t.offload_during_rollout)  # fmt: skip
         self.offloaded = False
@@ -331,10 +340,17 @@ class Policy:
         return (loss.entropy_coef == 0.0 and loss.beta == 0.0) if skip is None else skip
 
     def trainable(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
-        """The sequences worth a forward and backward: gate M != 0 (a gated-out sequence adds nothing), and
-        advantage != 0 where `skips_zero_advantage` (Dr.GRPO: a group whose rewards are all equal)."""
+        """The sequences worth a forward and backward: gate M != 0 (a gated-out sequence adds nothing),
+        advantage != 0 where `skips_zero_advantage` (Dr.GRPO: a group whose rewards are all equal), and
+        not truncated under loss.overlong=mask (DAPO's overlong filtering; `batch.loss_counts` drops them
+        from the denominators too)."""
         skip_zero = self.skips_zero_advantage()
-        return [s for s in seqs if s.weight != 0.0 and not (skip_zero and s.advantage == 0.0)]
+        drop_cut = self.cfg.loss.overlong == "mask"
+        return [
+            s
+            for s in seqs
+            if s.weight != 0.0 and not (skip_zero and s.advantage == 0.0) and not (drop_cut and s.truncated)
+        ]
 
     def balance(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
         """This rank's share of every rank's `seqs`, token counts nearly equal across ranks (collective).
@@ -367,6 +383,11 @@ class Policy:
         layouts = dist.all_gather(([[len(seqs[i].ids) for i in g] for g in groups if g], signal))
         work = packing.work_counts([lay for lay, _ in layouts], sum(n for _, n in layouts), cfg.train.packing)
         sums = torch.zeros(len(UPDATE_SUMS) + 1, dtype=torch.float64, device=self.device)  # + non-finite count
+        lo = cfg.loss
+        # GSPO clips a sequence ratio near 1 with its own small range; GRPO and CISPO use clip_eps(_high).
+        gspo = lo.objective == "gspo"
+        clip_eps = lo.gspo_clip_eps if gspo else lo.clip_eps
+        clip_eps_high = lo.gspo_clip_eps_high if gspo else lo.clip_eps_high
         self.engine.train()
         for group, batch in self._microbatches(seqs, groups):
             stats = self._token_stats(batch, entropy=bool(cfg.loss.entropy_coef))  # [b, T-1] each
@@ -376,15 +397,18 @@ class Policy:
             engine_lp = batch["engine_logprobs"].to(self.device) if "engine_logprobs" in batch else None
             ref_lp = batch["ref_logprobs"].to(self.device) if "ref_logprobs" in batch else None
             is_weights, is_metrics = None, {}
-            if engine_lp is not None and self.rollout_is:
-                is_weights, is_metrics = rollout_is_weights(old, engine_lp, mask, cap=cfg.loss.rollout_is_cap)
+            if engine_lp is not None and self.rollout_is != "off":
+                is_weights, is_metrics = rollout_is_weights(
+                    old, engine_lp, mask, mode=self.rollout_is, cap=lo.rollout_is_cap, lower=lo.rollout_is_lower
+                )
             loss, metrics = policy_loss(
                 stats.logprobs,
                 old,
                 batch["advantages"].to(self.device),
                 mask,
-                clip_eps=cfg.loss.clip_eps,
-                clip_eps_high=cfg.loss.clip_eps_high,
+                clip_eps=clip_eps,
+                clip_eps_high=clip_eps_high,
+                objective=lo.objective,
                 weights=batch["weights"].to(self.device),
                 agg=cfg.loss.agg,
                 denom=denom,
@@ -413,6 +437,9 @@ class Policy:
                     "is_weight": is_metrics.get("is_weight_mean", 0.0) * tokens,
                     "is_capped": is_metrics.get("is_capped_frac", 0.0) * tokens,
                     "is_tokens": tokens if is_weights is not None else 0.0,
+                    "is_masked": is_metrics.get("is_masked_frac", 0.0) * tokens,
+                    "is_masked_seqs": is_metrics.get("is_masked_seqs", 0.0),
+                    "is_seqs": is_metrics.get("is_seqs", 0.0),
                     "kl_ref": metrics.get("kl_ref", 0.0) * tokens,
                     "kl_tokens": tokens if "kl_ref" in metrics else 0.0,
                 }

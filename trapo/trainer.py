@@ -28,12 +28,12 @@ import torch
 
 from trapo import checkpoint as ckpt
 from trapo import console, dist, metrics, runtime
-from trapo.batch import build_sequences
+from trapo.batch import build_sequences, loss_counts
 from trapo.config import Config, ConfigError, dump_config
 from trapo.data import DataError, epoch_batches, load_questions, select_for_mode, stop_token_ids, tokenize_prompts
 from trapo.eval import Benchmark, pooled_scores, read_benchmark_file
 from trapo.grading import Grades, grade
-from trapo.loss import group_advantages
+from trapo.loss import group_advantages, overlong_penalty
 from trapo.packing import update_efficiency
 from trapo.passrate import PassRateTracker
 from trapo.policy import UPDATE_SUMS, Policy, TrainingError, same_model
@@ -278,7 +278,12 @@ class Trainer:
         Returns (every update applied, this rank's UPDATE_SUMS added over updates, number of updates,
         the updates' work counts over all ranks for `packing.update_efficiency`).
         """
-        advantages = group_advantages(torch.tensor(rewards), self.cfg.loss.advantage_scale)  # [b, G]
+        lo, max_tokens = self.cfg.loss, self.cfg.rollout.max_tokens
+        lengths = torch.tensor([[len(r.token_ids) for r in group] for group in rollouts])  # [b, G]
+        penalty = torch.zeros(lengths.shape)  # DAPO's soft overlong punishment, on rewards only (not pass rates)
+        if lo.overlong == "soft_penalty":
+            penalty = overlong_penalty(lengths, max_tokens, lo.overlong_buffer_tokens(max_tokens), lo.overlong_penalty)
+        advantages = group_advantages(torch.tensor(rewards) + penalty, lo.advantage_scale)  # [b, G]
         seqs = build_sequences(
             prompts=[self.prompts[i] for i in question_ids],
             responses=[[r.token_ids for r in group] for group in rollouts],
@@ -286,12 +291,12 @@ class Trainer:
             gate=gate,
             labeled=[self.questions[i].labeled for i in question_ids],
             engine_logprobs=[[r.logprobs for r in group] for group in rollouts],
+            truncated=[[r.truncated for r in group] for group in rollouts],
         )  # [b * G], question-major
         per_update = self.cfg.train.update_batch_size // self.world * self.cfg.rollout.n  # sequences per rank
         parts = [seqs[start : start + per_update] for start in range(0, len(seqs), per_update)]  # [updates][...]
         # Loss denominators count the whole update batch on all ranks, gated and skipped sequences included.
-        batches = [dist.all_sum({"sequences": len(p), "tokens": sum(len(s.ids) - s.prompt_len for s in p)})
-                   for p in parts]  # fmt: skip
+        batches = [dist.all_sum(loss_counts(p, drop_truncated=lo.overlong == "mask")) for p in parts]
         parts = [self.policy.trainable(p) for p in parts]  # no compute for sequences that add nothing
         if self.cfg.train.balance_ranks:  # near-equal tokens per rank: no rank waits on a busier one
             parts = [self.policy.balance(p) for p in parts]
@@ -300,6 +305,8 @@ class Trainer:
         if self.cfg.loss.beta > 0:  # the KL term's reference: the initial weights
             parts = self._resplit(self.policy.with_logprobs([s for p in parts for s in p], "ref_logprobs"), parts)
         applied, sums, work = True, dict.fromkeys(UPDATE_SUMS, 0.0), {}
+        if lo.overlong == "soft_penalty":
+            sums.update(overlong_penalty=float(penalty.sum()), overlong_responses=float(penalty.numel()))
         for part, batch in zip(parts, batches):
             ok, part_sums, part_work = self.policy.update(part, self.step, batch)
             applied &= ok
