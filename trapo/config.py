@@ -106,14 +106,16 @@ class LossConfig:
     entropy_coef: float = 0.01
     # The policy loss (trapo/loss.py policy_loss): GRPO's clipped token surrogate; GSPO's sequence-level
     # ratio (geometric mean) clipped to its own small range; CISPO's REINFORCE term weighted by the
-    # detached IS ratio clipped at 1 + (clip_eps_high or clip_eps), no lower bound.
+    # detached IS ratio clipped at 1 + (clip_eps_high or clip_eps), no lower bound. GSPO's paper
+    # objective averages each sequence's tokens, then the sequences: pair it with agg seq_mean.
     objective: Literal["grpo", "gspo", "cispo"] = "grpo"
     gspo_clip_eps: float = 3e-4  # GSPO's clip below 1 (the paper's 3e-4)
     gspo_clip_eps_high: float = 4e-4  # and above 1 (the paper's 4e-4)
     # Rollout importance correction of each token's policy-gradient term for the small mismatch between
     # vLLM's and the trainer's kernels, ratio pi_old / pi_engine (trapo/importance.py): truncate
-    # min(ratio, cap); token_mask: tokens whose ratio leaves [lower, cap] drop out; sequence_mask:
-    # sequences whose geometric-mean ratio leaves it drop out. None: truncate with a GPU (where the
+    # min(ratio, cap); token_mask: the ratio, 0 for tokens whose ratio leaves [lower, cap]; sequence_mask:
+    # the sequence's geometric-mean ratio, 0 for all its tokens when that leaves [lower, cap]. The
+    # objective's terms are multiplied by it. None: truncate with a GPU (where the
     # kernels differ), off on CPU (both run the same fp32 math and the ratio is 1 to ~1e-6). YAML reads a
     # bare `off` as false, so false means off, and true the earlier boolean's truncate.
     rollout_is: Literal["truncate", "token_mask", "sequence_mask", "off"] | bool | None = None
