@@ -25,6 +25,7 @@ def test_there_is_a_config_per_paper_experiment():
         "naive_semi_1k_3k.yaml",
         "trapo_1k_3k_r1distill_1p5b.yaml",  # appendix "Extend TraPO to More Models"
         "trapo_1k_3k_llama31_8b.yaml",
+        "trapo_1k_3k_select30.yaml",  # tables "select_method" / "random_select": fixed 30%, four strategies
     ):
         assert expected in names
 
@@ -51,6 +52,30 @@ def test_shipped_configs_validate(path):
             assert {**vars(cfg), "loss": None, "run_name": None} == {**vars(paper), "loss": None, "run_name": None}
         else:
             assert loss == ("dr_grpo", "none", 0.0, 0.01)
+    if not path.endswith("_select30.yaml"):  # the paper's rule, TCS: what every run did before the strategies
+        assert (cfg.selection.strategy, cfg.selection.fixed_ratio) == ("tcs", None)
+
+
+def test_selection_strategy_config_differs_from_the_table_1_run_only_in_selection():
+    """configs/trapo_1k_3k_select30.yaml is configs/trapo_1k_3k.yaml at a fixed 30%; its header's overrides
+    give the four strategies of the paper's table "select_method"."""
+    path = os.path.join(ROOT, "configs", "trapo_1k_3k_select30.yaml")
+    paper = load_config(os.path.join(ROOT, "configs", "trapo_1k_3k.yaml"))
+    header = open(path).read().split("\nrun_name:")[0]
+    for strategy in ("tcs", "random", "entropy", "self_certainty"):
+        over = (
+            [] if strategy == "tcs" else [f"selection.strategy={strategy}", f"run_name=trapo_1k_3k_select30_{strategy}"]
+        )
+        assert all(o in header for o in over)
+        cfg = load_config(path, over)
+        assert (cfg.selection.strategy, cfg.selection.fixed_ratio) == (strategy, 0.3)
+        assert {**vars(cfg), "run_name": None, "selection": None} == {
+            **vars(paper),
+            "run_name": None,
+            "selection": None,
+        }
+        assert {**vars(cfg.selection), "strategy": "tcs", "fixed_ratio": None} == vars(paper.selection)
+        assert cfg.run_name != paper.run_name
 
 
 def test_overrides_are_typed_and_dotted():
@@ -82,6 +107,9 @@ def test_overrides_are_typed_and_dotted():
         ("loss.overlong=cut", "expected one of 'none', 'mask', 'soft_penalty'"),
         ("loss.overlong_buffer=4", "key 'loss.overlong_buffer': only loss.overlong=soft_penalty uses it"),
         ("logging.level=loud", "key 'logging.level'"),
+        ("selection.random=true", "key 'selection.random' was removed: replaced by selection.strategy=random"),
+        ("selection.strategy=entropie", "key 'selection.strategy': got 'entropie' (str); expected one of 'tcs'"),
+        ("selection.fixed_ratio=1.5", "key 'selection.fixed_ratio': must be in [0, 1] or null, got 1.5"),
     ],
 )
 def test_bad_settings_name_the_key(override, needle):

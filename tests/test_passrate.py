@@ -182,8 +182,9 @@ def test_random_control_selects_as_many_but_at_random():
     labeled = torch.tensor([True] * 4 + [False] * 40)
 
     def run(random, seed=0):
+        strategy = "random" if random else "tcs"
         tr = PassRateTracker(
-            labeled, SelectionConfig(warmup_epochs=1, top_p=0.1, threshold=0.9, random=random, random_seed=seed)
+            labeled, SelectionConfig(warmup_epochs=1, top_p=0.1, threshold=0.9, strategy=strategy, random_seed=seed)
         )
         rates = torch.linspace(0, 1, 44)
         tr.record(torch.arange(44), rates, torch.ones(44))

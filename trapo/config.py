@@ -141,6 +141,9 @@ class RewardConfig:
 
 
 REFERENCES = ("mean_trajectory", "mean_cosine", "max_cosine")
+STRATEGIES = ("tcs", "random", "entropy", "self_certainty")
+# Keys that no longer exist -> what replaces them (a clearer error than a did-you-mean guess).
+REMOVED_KEYS = {"selection.random": "replaced by selection.strategy=random"}
 
 
 @dataclass
@@ -152,9 +155,18 @@ class SelectionConfig:
     threshold: float = 0.4  # Gamma
     reference: Literal["mean_trajectory", "mean_cosine", "max_cosine"] = "mean_trajectory"
     standardize: bool = False  # z-score trajectories first (paper's public code)
-    # Control of the paper's "random_select" table: pick as many unlabeled questions as the
-    # rule would, but uniformly at random (seeded by random_seed and the epoch).
-    random: bool = False
+    # Which score ranks the unlabeled questions (paper section "Different Selection Strategies"):
+    # "tcs" (TraPO), "random" (the "random_select" control, seeded by random_seed and the epoch),
+    # "entropy" (mean sentence log-likelihood of the G responses: lower sentence entropy = more
+    # reliable) or "self_certainty" (mean self-certainty of the G responses). The last two need a
+    # forward pass of the policy over the unlabeled questions' responses (reused from the reward
+    # when reward.unlabeled is the same measure).
+    strategy: Literal["tcs", "random", "entropy", "self_certainty"] = "tcs"
+    # None: select as many as the paper's rule (top-p OR TCS >= Gamma) picks -- by that rule for
+    # "tcs", by the strategy's own ranking (a count-matched control) for the others. A number r:
+    # exactly the top floor(r * U) of the U unlabeled questions by the strategy's score (the
+    # paper's fixed-ratio tables use 0.1, 0.3, 0.5).
+    fixed_ratio: float | None = None
     random_seed: int | None = None  # None: the run's seed
 
     def __post_init__(self) -> None:
@@ -169,6 +181,12 @@ class SelectionConfig:
         if self.reference not in REFERENCES:
             raise ConfigError(
                 f"{source}: key 'selection.reference': must be one of {REFERENCES}, got {self.reference!r}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"{source}: key 'selection.strategy': must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.fixed_ratio is not None and not 0.0 <= self.fixed_ratio <= 1.0:
+            raise ConfigError(
+                f"{source}: key 'selection.fixed_ratio': must be in [0, 1] or null, got {self.fixed_ratio}"
             )
 
 
@@ -302,6 +320,8 @@ def _apply(obj: Any, values: dict, source: str, prefix: str = "") -> None:
     for key, value in values.items():
         where = f"{source}: key '{prefix}{key}'"
         if key not in names:
+            if f"{prefix}{key}" in REMOVED_KEYS:
+                raise ConfigError(f"{where} was removed: {REMOVED_KEYS[f'{prefix}{key}']}")
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
             raise ConfigError(f"{where} is not a known setting{hint}")

@@ -10,6 +10,10 @@ Paper section "Progressive Trajectory Guidance" and the pseudo code:
 - TCS = cosine of a trajectory and the reference             eq. "cos_similarity"
 - M(u) = u in top-p(TCS) OR TCS >= Gamma                    eq. "reliable_mask"
 
+The other selection strategies (random, sentence entropy, self-certainty;
+section "Different Selection Strategies") and a fixed selection ratio are in
+`trapo.selection`; the tracker records the confidence scores they rank by.
+
 The functions are pure and vectorised (no Python loop over questions).
 `PassRateTracker` owns the per-question state across epochs.
 
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trapo.config import REFERENCES, SelectionConfig  # noqa: F401  (SelectionConfig: the tracker's config type)
+from trapo.selection import confidence_kind, random_seed_for, select
 
 
 def pass_rates(correct: Tensor) -> Tensor:
@@ -135,7 +140,8 @@ class PassRateTracker:
     """Per-question pass-rate trajectories, the reliable database and the gate.
 
     Questions are indexed 0..Q-1; `labeled` [Q] says which carry a gold answer.
-    Per batch the trainer calls `record(indices, pass_rates, pseudo_correct)`;
+    Per batch the trainer calls `record(indices, pass_rates, pseudo_correct,
+    confidence)` (confidence: only for the strategies that rank by it);
     per epoch `end_epoch()`, which appends the epoch's column to every
     trajectory and recomputes the selection; `gate(indices)` then gives the
     loss weight M for each question (1 for labeled ones).
@@ -143,6 +149,7 @@ class PassRateTracker:
     A question not recorded in an epoch (a dropped last batch, say) keeps its
     previous pass rate for that epoch (0 in the first), so every trajectory
     has one entry per epoch; `end_epoch` reports how many were filled so.
+    Confidence scores carry over the same way (NaN before the first).
     """
 
     def __init__(self, labeled: Tensor, config: SelectionConfig | None = None):
@@ -155,6 +162,9 @@ class PassRateTracker:
         self.in_database = self.labeled.clone()  # [Q]; eq. "db_init"
         self.selected = torch.zeros(q, dtype=torch.bool)  # [Q]; gate for the current epoch
         self.scores = torch.zeros(q)  # [Q]; latest TCS (0 for labeled)
+        self.ranking = torch.full((q,), float("nan"))  # [Q]; latest strategy score (NaN: labeled or none)
+        self.confidence = torch.full((q, 0), float("nan"))  # [Q, t]; per-epoch mean confidence, NaN unscored
+        self._current_confidence = torch.full((q,), float("nan"))  # [Q]; this epoch's, NaN = not yet seen
         self._current = torch.full((q,), float("nan"))  # [Q]; this epoch's P_q, NaN = not yet seen
         self._correct = torch.full((q,), float("nan"))  # [Q]; pseudo-label == hidden gold, NaN unknown
         self.last_correct = self._correct.clone()  # [Q]; the last closed epoch's
@@ -168,12 +178,17 @@ class PassRateTracker:
         """Number of completed epochs (the trajectories' length t)."""
         return self.trajectories.shape[1]
 
-    def record(self, indices: Tensor, rates: Tensor, pseudo_correct: Tensor | None = None) -> None:
+    def record(
+        self, indices: Tensor, rates: Tensor, pseudo_correct: Tensor | None = None, confidence: Tensor | None = None
+    ) -> None:
         """Store this epoch's pass rates for some questions.
 
         indices: [B] int, rates: [B] in [0, 1]; pseudo_correct: [B] bool, or
         float with NaN for unknown, saying whether an unlabeled question's
-        majority-vote label equals its hidden gold (diagnostics only).
+        majority-vote label equals its hidden gold (diagnostics only);
+        confidence: [B] float, the mean confidence score of each question's G
+        responses (NaN: not scored, e.g. labeled), for the "entropy" and
+        "self_certainty" strategies.
         """
         indices = indices.long().cpu()
         rates = rates.float().cpu()
@@ -188,6 +203,11 @@ class PassRateTracker:
         self._current[indices] = rates
         if pseudo_correct is not None:
             self._correct[indices] = pseudo_correct.float().cpu()
+        if confidence is not None:
+            confidence = confidence.float().cpu()
+            if confidence.shape != indices.shape:
+                raise ValueError(f"record: confidence must be [B] like indices, got {tuple(confidence.shape)}")
+            self._current_confidence[indices] = confidence
 
     def gate(self, indices: Tensor) -> Tensor:
         """Loss weight M per question: 1 for labeled, the selection for unlabeled. [B] -> [B] float."""
@@ -201,15 +221,23 @@ class PassRateTracker:
     def end_epoch(self) -> dict:
         """Close the epoch: extend trajectories, select, grow the database.
 
-        Returns diagnostics: epoch, unrecorded (filled) count, selected count,
-        database size, mean TCS of selected vs rejected unlabeled questions,
-        and pseudo-label precision of selected vs rejected among those with a
-        hidden gold (the paper's Figure 4 analysis).
+        Returns diagnostics: epoch, strategy, unrecorded (filled) count,
+        selected count, database size, mean TCS and mean strategy score
+        (`score_*`: TCS, the confidence, None for random) of selected vs
+        rejected unlabeled questions, unscored (unlabeled questions without a
+        confidence score, for the strategies that need one), and pseudo-label
+        precision of selected vs rejected among those with a hidden gold (the
+        paper's Figure 4 analysis).
         """
         unseen = torch.isnan(self._current)
         previous = self.trajectories[:, -1] if self.epoch else torch.zeros(self.num_questions)
         column = torch.where(unseen, previous, self._current)  # [Q]
         self.trajectories = torch.cat([self.trajectories, column[:, None]], dim=1)  # [Q, t]
+        fresh = self._current_confidence
+        last_conf = self.confidence[:, -1] if self.confidence.shape[1] else torch.full_like(fresh, float("nan"))
+        conf = torch.where(torch.isnan(fresh), last_conf, fresh)  # [Q]
+        self.confidence = torch.cat([self.confidence, conf[:, None]], dim=1)  # [Q, t]
+        self._current_confidence = torch.full_like(fresh, float("nan"))
         correct = self._correct
         self.last_correct = correct  # [Q]: this epoch's pseudo-label == hidden gold (NaN unknown)
         self._current = torch.full_like(self._current, float("nan"))
@@ -219,6 +247,7 @@ class PassRateTracker:
         unlabeled = ~self.labeled
         self.selected = torch.zeros_like(self.selected)
         self.scores = torch.zeros_like(self.scores)
+        self.ranking = torch.full_like(self.ranking, float("nan"))
         ran = self.epoch >= max(cfg.warmup_epochs, 1) and bool(unlabeled.any()) and bool(self.in_database.any())
         if ran:
             u_idx = unlabeled.nonzero().squeeze(1)  # [U]
@@ -228,27 +257,37 @@ class PassRateTracker:
                 reference=cfg.reference,
                 standardize=cfg.standardize,
             )  # [U]
-            chosen = reliable_mask(scores, cfg.top_p, cfg.threshold)  # [U]
-            if cfg.random:
-                gen = torch.Generator().manual_seed((cfg.random_seed or 0) * 100_003 + self.epoch)
-                picked = torch.randperm(len(u_idx), generator=gen)[: int(chosen.sum())]
-                chosen = torch.zeros_like(chosen)
-                chosen[picked] = True
+            rule = reliable_mask(scores, cfg.top_p, cfg.threshold)  # [U]
+            chosen, ranking = select(
+                cfg.strategy,
+                scores,
+                conf[u_idx],
+                rule,
+                fixed_ratio=cfg.fixed_ratio,
+                seed=random_seed_for(cfg.random_seed, self.epoch),
+            )  # [U], [U]
             self.scores[u_idx] = scores
+            self.ranking[u_idx] = ranking
             self.selected[u_idx[chosen]] = True
             self.in_database |= self.selected
 
         sel = self.selected
         rej = unlabeled & ~sel
         known = ~torch.isnan(correct)
+        ranked = ~torch.isnan(self.ranking)
+        needs_confidence = confidence_kind(cfg.strategy) is not None
         return {
             "epoch": self.epoch,
+            "strategy": cfg.strategy,
             "unrecorded": int(unseen.sum()),
             "selected": int(sel.sum()),
             "unlabeled": int(unlabeled.sum()),
             "database": int(self.in_database.sum()),
             "tcs_selected": _mean_or_none(self.scores[sel]) if ran else None,
             "tcs_rejected": _mean_or_none(self.scores[rej]) if ran else None,
+            "score_selected": _mean_or_none(self.ranking[sel & ranked]) if ran else None,
+            "score_rejected": _mean_or_none(self.ranking[rej & ranked]) if ran else None,
+            "unscored": int((unlabeled & torch.isnan(conf)).sum()) if needs_confidence else None,
             "precision_selected": _mean_or_none(correct[sel & known]),
             "precision_rejected": _mean_or_none(correct[rej & known]),
         }
@@ -256,7 +295,9 @@ class PassRateTracker:
     def selection_row(self, history: bool = False) -> dict:
         """The last epoch end's per-question view of the unlabeled questions (a selection.jsonl row).
 
-        epoch; question: [U] indices; tcs: [U] scores; pseudo_correct: [U] the
+        epoch; strategy; question: [U] indices; tcs: [U] TCS; score: [U] the
+        strategy's ranking score (TCS, the mean confidence; None for random or
+        an unscored question); pseudo_correct: [U] the
         pseudo-label matched the hidden gold (None unknown); selected: [U] gate;
         pass_rate: [U] this epoch's pass rates; reference: [t] the reliable
         database's mean trajectory (after this epoch's selection grew it);
@@ -269,7 +310,9 @@ class PassRateTracker:
         row = {
             "epoch": self.epoch,
             "question": idx.tolist(),
+            "strategy": self.config.strategy,
             "tcs": [round(x, 5) for x in self.scores[idx].tolist()],
+            "score": [None if math.isnan(x) else round(x, 5) for x in self.ranking[idx].tolist()],
             "pseudo_correct": [None if math.isnan(c) else bool(c) for c in self.last_correct[idx].tolist()],
             "selected": self.selected[idx].tolist(),
             "pass_rate": [round(x, 4) for x in traj[:, -1].tolist()],
@@ -289,10 +332,17 @@ class PassRateTracker:
             "scores": self.scores.clone(),
             "current": self._current.clone(),
             "correct": self._correct.clone(),
+            "ranking": self.ranking.clone(),
+            "confidence": self.confidence.clone(),
+            "current_confidence": self._current_confidence.clone(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore exactly; the dataset must be the same (same Q, same labeled set)."""
+        """Restore exactly; the dataset must be the same (same Q, same labeled set).
+
+        A checkpoint from before the selection strategies (no confidence keys)
+        loads with no confidence recorded.
+        """
         labeled = state["labeled"].bool()
         if labeled.shape != self.labeled.shape or not torch.equal(labeled, self.labeled):
             raise ValueError(
@@ -306,3 +356,12 @@ class PassRateTracker:
         self.scores = state["scores"].float().clone()
         self._current = state["current"].float().clone()
         self._correct = state["correct"].float().clone()
+        # A checkpoint from before the strategies: no confidence recorded; the ranking is read only
+        # right after an epoch end, which recomputes it.
+        q, t = self.trajectories.shape
+        nan = float("nan")
+        self.ranking = state["ranking"].float().clone() if "ranking" in state else torch.full((q,), nan)
+        self.confidence = state["confidence"].float().clone() if "confidence" in state else torch.full((q, t), nan)
+        self._current_confidence = (
+            state["current_confidence"].float().clone() if "current_confidence" in state else torch.full((q,), nan)
+        )

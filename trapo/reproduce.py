@@ -82,7 +82,7 @@ METHODS = {
     "unsupervised": ("id", ["mode=unsupervised"]),
     "naive_semi": ("id", ["mode=naive_semi"]),
     "trapo": ("id", ["mode=trapo"]),
-    "trapo_random": ("id", ["mode=trapo", "selection.random=true"]),
+    "trapo_random": ("id", ["mode=trapo", "selection.strategy=random"]),
     "naive_semi_ood": ("ood", ["mode=naive_semi"]),
     "trapo_ood": ("ood", ["mode=trapo"]),
 }

@@ -86,7 +86,8 @@ def _mean(values: list[float]) -> float | None:
 
 
 def selection_scalars(row: Mapping) -> dict[str, float]:
-    """Per-epoch diagnostics of a selection.jsonl row: size, share, precision and mean TCS of selected vs rejected.
+    """Per-epoch diagnostics of a selection.jsonl row: size, share, precision, mean TCS and mean strategy score
+    (`score_*`, rows that carry one) of selected vs rejected.
 
     Precision counts only questions with a known pseudo-label correctness (a
     hidden gold); a value with no question to average over is left out.
@@ -107,6 +108,10 @@ def selection_scalars(row: Mapping) -> dict[str, float]:
         "tcs_rejected": _mean([tcs[i] for i in rejected if i < len(tcs)]),
         "tcs_cut": min((tcs[i] for i in chosen if i < len(tcs)), default=None),
     }
+    score = list(row.get("score") or [])  # the strategy's ranking score (trapo.selection); None: unscored
+    if any(scalar_value(x) is not None for x in score):
+        values["score_selected"] = _mean([score[i] for i in chosen if i < len(score) and score[i] is not None])
+        values["score_rejected"] = _mean([score[i] for i in rejected if i < len(score) and score[i] is not None])
     reference = row.get("reference")  # optional field, see trapo.report
     if isinstance(reference, list) and reference:
         values["reference_pass_rate"] = reference[-1]

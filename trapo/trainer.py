@@ -41,6 +41,7 @@ from trapo.preemption import Preempted, StopSignals
 from trapo.rewards.verifier import MathVerifier
 from trapo.rollout import Rollout, RolloutEngine, request_seed
 from trapo.runtime import dtype_name
+from trapo.selection import confidence_kind
 
 
 class Trainer:
@@ -86,6 +87,7 @@ class Trainer:
         if selection.random_seed is None:  # the random-selection control follows the run's seed
             selection = dataclasses.replace(selection, random_seed=cfg.seed)
         self.tracker = PassRateTracker(torch.tensor([q.labeled for q in self.questions]), selection)
+        self._scored: tuple | None = None  # (rollouts, kind, scores): the step's confidence scores, see _confidence
         self.step = 0
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
@@ -160,7 +162,7 @@ class Trainer:
             grades = grade(questions, texts, cfg.reward.timeout, self.verifier, budget=cfg.reward.step_budget)
 
         # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
-        gate = self._record_pass_rates(question_ids, grades)  # [b]
+        gate = self._record_pass_rates(question_ids, grades, rollouts)  # [b]
 
         # 4. advantages and the update(s)
         with timer.time("grading"):
@@ -235,26 +237,43 @@ class Trainer:
                 self.board.log_selection(row)
         return self.last_selection
 
-    def _record_pass_rates(self, question_ids: list[int], grades: Grades) -> list[float]:
-        """Gather every rank's pass rates into the tracker; return the gate M of this rank's questions."""
-        gathered = dist.all_gather((question_ids, grades.pass_rates, grades.pseudo_correct))
+    def _record_pass_rates(self, question_ids: list[int], grades: Grades, rollouts: list[list[Rollout]]) -> list[float]:
+        """Gather every rank's pass rates (and the selection strategy's confidence scores, a collective
+        forward) into the tracker; return the gate M of this rank's questions."""
+        kind = confidence_kind(self.cfg.selection.strategy)
+        confidence = [float("nan")] * len(question_ids)  # [b]: mean over the G responses, unlabeled only
+        if kind is not None and self.tracker.labeled.any() and not self.tracker.labeled.all():
+            for pos, scores in self._confidence(question_ids, rollouts, kind).items():
+                confidence[pos] = sum(scores) / len(scores)
+        gathered = dist.all_gather((question_ids, grades.pass_rates, grades.pseudo_correct, confidence))
         self.tracker.record(
-            torch.tensor([i for ids, _, _ in gathered for i in ids]),
-            torch.tensor([p for _, rates, _ in gathered for p in rates]),
-            torch.tensor([c for _, _, correct in gathered for c in correct]),
+            torch.tensor([i for ids, *_ in gathered for i in ids]),
+            torch.tensor([p for _, rates, *_ in gathered for p in rates]),
+            torch.tensor([c for _, _, correct, _ in gathered for c in correct]),
+            torch.tensor([c for *_, conf in gathered for c in conf]),
         )
         if self.cfg.mode != "trapo":
             return [1.0] * len(question_ids)
         return self.tracker.gate(torch.tensor(question_ids)).tolist()
 
     def _rewards(self, question_ids: list[int], rollouts: list[list[Rollout]], grades: Grades) -> list[list[float]]:
-        """[b][G] rewards: the graded ones, or for unlabeled questions a confidence reward when configured.
-
-        Confidence rewards forward the policy, which is collective: every rank scores, maybe nothing.
-        """
+        """[b][G] rewards: the graded ones, or for unlabeled questions a confidence reward when configured."""
         kind = self.cfg.reward.unlabeled
         if kind == "majority":
             return grades.rewards
+        rewards = list(grades.rewards)
+        for pos, scores in self._confidence(question_ids, rollouts, kind).items():
+            rewards[pos] = scores
+        return rewards
+
+    def _confidence(self, question_ids: list[int], rollouts: list[list[Rollout]], kind: str) -> dict[int, list]:
+        """{position in the batch: its G confidence scores} for this rank's unlabeled questions.
+
+        A policy forward, which is collective: every rank scores, maybe nothing. The selection
+        strategy and the confidence reward share one forward when they need the same kind.
+        """
+        if self._scored is not None and self._scored[0] is rollouts and self._scored[1] == kind:
+            return self._scored[2]
         unlabeled = [pos for pos, i in enumerate(question_ids) if not self.questions[i].labeled]
         g = self.cfg.rollout.n
         to_score = build_sequences(
@@ -265,10 +284,9 @@ class Trainer:
             labeled=[False] * len(unlabeled),
         )
         scores = self.policy.confidence_scores(to_score, kind)  # [len(unlabeled) * G]
-        rewards = list(grades.rewards)
-        for n, pos in enumerate(unlabeled):
-            rewards[pos] = scores[n * g : (n + 1) * g]
-        return rewards
+        out = {pos: scores[n * g : (n + 1) * g] for n, pos in enumerate(unlabeled)}
+        self._scored = (rollouts, kind, out)
+        return out
 
     def _update(
         self, question_ids: list[int], rollouts: list[list[Rollout]], rewards: list[list[float]], gate: list[float]
