@@ -165,7 +165,7 @@ class SelectionConfig:
     # None: select as many as the paper's rule (top-p OR TCS >= Gamma) picks -- by that rule for
     # "tcs", by the strategy's own ranking (a count-matched control) for the others. A number r:
     # exactly the top floor(r * U) of the U unlabeled questions by the strategy's score (the
-    # paper's fixed-ratio tables use 0.1, 0.3, 0.5).
+    # paper's fixed-ratio tables use 0.1, 0.3, 0.5 and 0.7).
     fixed_ratio: float | None = None
     random_seed: int | None = None  # None: the run's seed
 
