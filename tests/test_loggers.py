@@ -49,6 +49,7 @@ def offline(tmp_path, monkeypatch):
     for name in ("WANDB_DIR", "WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login either
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for the test's own client (the logger sets it too)
 
 
 def log_all(loggers):
