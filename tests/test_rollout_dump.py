@@ -5,7 +5,7 @@ import json
 import pytest
 
 from trapo.data import Question
-from trapo.grading import grade
+from trapo.grading import Grades, grade
 from trapo.rewards import math_rewards
 from trapo.rollout_dump import due, dump_step, latest_dump, question_rows, write_rows
 
@@ -63,9 +63,23 @@ def test_dump_step_writes_on_due_steps_only_and_overwrites_whole(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["1-2", "3", "4"] and [r["in_loss"] for r in rows] == [True, True, False]
     # a resumed run redoing step 4 replaces the file, never appends to it or leaves a temporary beside it
-    dump_step(2, tmp_path, 4, [0], QUESTIONS[:1], **{**args, "prompts": [[9]], "texts": TEXTS[:1]})
+    one = grade(QUESTIONS[:1], TEXTS[:1], timeout=5.0)
+    redo = dict(prompts=[[9]], texts=TEXTS[:1], rewards=one.rewards, grades=one, gate=[1.0])
+    assert dump_step(2, tmp_path, 4, [0], QUESTIONS[:1], decode=args["decode"], **redo) == path
     assert [json.loads(line)["prompt"] for line in path.read_text().splitlines()] == ["9"]
     assert sorted(p.name for p in path.parent.iterdir()) == ["step-4.jsonl"]
+
+
+def test_a_dump_that_cannot_be_built_is_a_warning_not_a_crash(tmp_path, capsys):
+    g = grade(QUESTIONS, TEXTS, timeout=5.0)
+    bare = Grades(g.rewards, g.pass_rates, g.pseudo_correct)  # grades made without the answers
+    args = dict(prompts=[[1], [2], [3]], decode=str, texts=TEXTS, rewards=g.rewards, gate=[1.0] * 3)
+    assert dump_step(1, tmp_path, 7, [0, 1, 2], QUESTIONS, grades=bare, **args) is None
+    captured = capsys.readouterr()
+    assert "warning: rollout dump of step 7 not written (rank 0: ValueError: rows of different lengths" in (
+        captured.out + captured.err
+    )
+    assert not (tmp_path / "rollouts").exists()
 
 
 @pytest.mark.parametrize("small_disk", ["16k"], indirect=True)  # a real 16 KB filesystem (conftest)

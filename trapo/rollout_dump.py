@@ -40,6 +40,9 @@ def due(every: int, step: int) -> bool:
 def question_rows(question_ids, questions, prompts, texts, rewards, grades, gate) -> list[dict]:
     """One rank's rows (pure). question_ids, questions, prompts (texts), gate: [b]; texts, rewards: [b][G];
     grades: the step's `trapo.grading.Grades` of these questions (answers [b][G], pseudo_labels [b])."""
+    sizes = [len(x) for x in (question_ids, questions, prompts, texts, rewards, gate, grades.answers)]
+    if len(set(sizes)) != 1:  # e.g. Grades built without the answers: say so rather than dump a misaligned file
+        raise ValueError(f"rows of different lengths (questions, prompts, texts, rewards, gate, answers): {sizes}")
     rows = []
     for pos, (index, q) in enumerate(zip(question_ids, questions)):
         correct = grades.pseudo_correct[pos]
@@ -92,9 +95,16 @@ def dump_step(
         return None
     from trapo import dist  # torch: not for `trapo.report`, which reads dumps only
 
-    prompts = [decode(ids) for ids in prompts]
-    gathered = dist.all_gather(question_rows(question_ids, questions, prompts, texts, rewards, grades, gate))
+    try:
+        rows = question_rows(question_ids, questions, [decode(ids) for ids in prompts], texts, rewards, grades, gate)
+    except Exception as err:  # noqa: BLE001 - a dump is for reading: it must not stop training (nor hang the others)
+        rows = f"{type(err).__name__}: {err}"
+    gathered = dist.all_gather(rows)  # every rank gets here, a failed one too: the gather is collective
     if dist.rank() != 0:
+        return None
+    failed = [f"rank {r}: {part}" for r, part in enumerate(gathered) if isinstance(part, str)]
+    if failed:
+        console.say(f"warning: rollout dump of step {step} not written ({'; '.join(failed)}); training goes on")
         return None
     # rank r holds batch[r::world]: interleaving the ranks' rows gives the batch's order back
     rows = [part[j] for j in range(max(map(len, gathered))) for part in gathered if j < len(part)]
