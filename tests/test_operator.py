@@ -1,4 +1,4 @@
-"""Operator experience on the toy, end to end: a quiet terminal, TensorBoard, a SIGTERM-safe stop."""
+"""Operator experience on the toy, end to end: a quiet terminal, loggers, rollout dumps, a SIGTERM-safe stop."""
 
 import json
 import os
@@ -11,12 +11,24 @@ import pytest
 from test_trainer_e2e import ROOT, metrics, overrides, train
 
 from trapo import runtime
+from trapo.loggers import read_wandb_history
 from trapo.tensorboard_writer import read_histogram_tags, read_scalars
 
 
-def test_quiet_terminal_and_tensorboard(toy_dir, tmp_path):
-    out = train(overrides(toy_dir, tmp_path, max_steps=4, progress_bar="true", run_name="quiet",
-                          **{"logging.tensorboard": "true"}))  # fmt: skip
+def at(row, key):
+    """row["timing"]["rollout"] for "timing/rollout" (None when absent): a logged tag's metrics.jsonl value."""
+    for part in key.split("/"):
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
+
+
+LOGGERS = {"logging.tensorboard": "true", "logging.wandb.enabled": "true", "logging.wandb.mode": "offline",
+           "logging.mlflow.enabled": "true", "logging.rollouts_every": 1}  # fmt: skip
+
+
+def test_quiet_terminal_loggers_and_rollout_dumps(toy_dir, tmp_path, monkeypatch):
+    """TensorBoard, wandb (offline) and MLflow (file store) beside metrics.jsonl; a rollout dump every step."""
+    out = train(overrides(toy_dir, tmp_path, max_steps=4, progress_bar="true", run_name="quiet", **LOGGERS))
     for line in out.stderr.replace("\r", "\n").splitlines():
         # our own lines and the progress bar only: no vLLM / DeepSpeed / torch messages
         assert not line.strip() or line.startswith("[trapo] ") or "it/s" in line or "%|" in line, line
@@ -34,6 +46,42 @@ def test_quiet_terminal_and_tensorboard(toy_dir, tmp_path):
     # per epoch, from the selection.jsonl row
     assert scalars["selection_epoch/size"] == [(1, rows[3]["selection"]["selected"])]
     assert 1 in read_histogram_tags(tmp_path / "quiet" / "tensorboard")["selection_epoch/tcs"]
+
+    # wandb and MLflow: the same values at the same steps; the epoch's selection at the step that closed it
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when told to
+    run = tmp_path / "quiet"
+    (wandb_run,) = (run / "wandb").glob("offline-run-*")
+    history = read_wandb_history(wandb_run)
+    client = MlflowClient((run / "mlruns").as_uri())
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("trapo").experiment_id])
+    for key in ("loss", "pass_rate_unlabeled", "timing/rollout", "selection/selected"):
+        expected = [(r["step"], at(r, key)) for r in rows if at(r, key) is not None]
+        assert history[key] == expected, key
+        assert [(m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)] == expected, key
+    size = [(4, rows[3]["selection"]["selected"])]
+    assert history["selection_epoch/size"] == size
+    assert [
+        (m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, "selection_epoch/size")
+    ] == size
+
+    # rollout dumps: each step's 16 questions with G = 8 responses, agreeing with the step's metrics
+    for r in rows:
+        dump = [json.loads(line) for line in (run / "rollouts" / f"step-{r['step']}.jsonl").read_text().splitlines()]
+        assert len(dump) == 16 and len({d["question"] for d in dump}) == 16
+        assert all(len(d["responses"]) == len(d["rewards"]) == len(d["answers"]) == 8 and d["prompt"] for d in dump)
+        labeled, unlabeled = [d for d in dump if d["labeled"]], [d for d in dump if not d["labeled"]]
+        assert (len(labeled), len(unlabeled)) == (r["labeled_questions"], r["unlabeled_questions"])
+        assert sum(sum(d["rewards"]) / 8 for d in labeled) / len(labeled) == pytest.approx(r["reward_labeled"])
+        assert sum(sum(d["rewards"]) / 8 for d in unlabeled) / len(unlabeled) == pytest.approx(r["reward_unlabeled"])
+        assert sum(d["in_loss"] for d in unlabeled) == r["unlabeled_in_loss"] and all(d["in_loss"] for d in labeled)
+        for d in labeled:  # a rewarded response has an answer; gold shown, no pseudo-label
+            assert d["gold"] and d["pseudo_label"] is None and all(a for a, w in zip(d["answers"], d["rewards"]) if w)
+        for d in unlabeled:  # majority reward: 1 exactly for the answers in the pseudo-label's cluster
+            assert d["gold"] is None
+            assert (d["pseudo_label"] is None) == (sum(d["rewards"]) == 0)
+            assert all(a == d["pseudo_label"] for a, w in zip(d["answers"], d["rewards"]) if w)
 
 
 def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -216,6 +217,20 @@ def test_out_dir_option(tmp_path):
     assert report.main([str(run), "--out", str(tmp_path / "elsewhere")]) == 0
     assert (tmp_path / "elsewhere" / "report.md").is_file()
     assert not (run / "report").exists()
+
+
+def test_report_links_the_latest_rollout_dump(tmp_path, capsys):
+    run = make_run(tmp_path)
+    assert "rollout dump" not in report.write_report(run).read_text()  # none dumped: no line
+    (run / "rollouts").mkdir()
+    for step in (9, 10):
+        (run / "rollouts" / f"step-{step}.jsonl").write_text("{}\n")
+    text = report.write_report(run).read_text()
+    assert "- latest rollout dump: [rollouts/step-10.jsonl](../rollouts/step-10.jsonl)" in text
+    assert report.main([str(run), "--out", str(tmp_path / "elsewhere")]) == 0
+    assert f"latest rollout dump: {run / 'rollouts' / 'step-10.jsonl'}" in capsys.readouterr().out
+    link = "../" + os.path.relpath(run / "rollouts" / "step-10.jsonl", tmp_path)  # relative to the report
+    assert f"]({link})" in (tmp_path / "elsewhere" / "report.md").read_text()
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,7 @@ def test_authors_verl_loss_settings_with_a_reference_model(toy_dir, tmp_path):
 def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     """deepspeed --num_gpus 2 on CPU: warm-up is labeled-only, then the selection opens the gate."""
     val = os.path.join(toy_dir, "seed-0", "test.jsonl")
-    extra = {"eval.files": f"[{val}]", "eval.steps": 3, "eval.n": 2, "keep_checkpoints": 1}
+    extra = {"eval.files": f"[{val}]", "eval.steps": 3, "eval.n": 2, "keep_checkpoints": 1, "logging.rollouts_every": 5}
     out = train(overrides(toy_dir, tmp_path, mode="trapo", max_steps=6, run_name="two", **extra), nproc=2)
     m = metrics(tmp_path / "two")
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
@@ -127,6 +127,14 @@ def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     assert dump["epoch"] == 1 and len(dump["tcs"]) == 48 and sum(dump["selected"]) == sel["selected"]
     for r in after:
         assert r["trained_sequences"] == (r["labeled_questions"] + r["unlabeled_in_loss"]) * 8
+    # the step-5 rollout dump: both ranks' questions on rank 0, the gate open for the selected ones
+    assert os.listdir(tmp_path / "two" / "rollouts") == ["step-5.jsonl"]
+    rows = [json.loads(x) for x in (tmp_path / "two" / "rollouts" / "step-5.jsonl").read_text().splitlines()]
+    assert len({r["question"] for r in rows}) == 16 and all(len(r["responses"]) == 8 for r in rows)
+    assert sum(r["in_loss"] for r in rows if not r["labeled"]) == m[4]["unlabeled_in_loss"] > 0
+    selected = {q for q, s in zip(dump["question"], dump["selected"]) if s}  # epoch 1's selection: epoch 2's gate
+    assert all(r["in_loss"] == (r["labeled"] or r["question"] in selected) for r in rows)
+    assert sum(r["labeled"] for r in rows) == m[4]["labeled_questions"]
     ds = os.listdir(tmp_path / "two" / "checkpoints" / "step-6" / "ds")
     assert sum("model_states" in f for f in ds) == 2  # one ZeRO-3 shard per rank
     assert "held-out accuracy" in out.stdout

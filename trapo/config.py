@@ -203,9 +203,37 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (trapo/loggers.py): every metrics.jsonl scalar at its step, from rank 0."""
+
+    enabled: bool = False
+    project: str = "trapo"
+    run_name: str | None = None  # None: the run's run_name
+    mode: Literal["online", "offline"] = "online"  # offline: files under run_dir/wandb/ only (`wandb sync` later)
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow tracking (trapo/loggers.py): every metrics.jsonl scalar at its step, from rank 0."""
+
+    enabled: bool = False
+    # None: $MLFLOW_TRACKING_URI when set, else a file store in run_dir/mlruns. sqlite:/SQL stores need the
+    # full `mlflow` package (SQLAlchemy); requirements.txt pins the lighter mlflow-skinny.
+    tracking_uri: str | None = None
+    experiment: str = "trapo"
+    run_name: str | None = None  # None: the run's run_name
+
+
+@dataclass
 class LoggingConfig:
     level: Literal["info", "debug"] = "info"  # debug: library logs on the terminal too (also TRAPO_LOG_LEVEL=debug)
     tensorboard: bool = False  # also write every metrics.jsonl scalar to run_dir/tensorboard/
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # Every N steps, run_dir/rollouts/step-K.jsonl: each question's prompt, G responses, answers, rewards,
+    # pseudo-label and gate (trapo/rollout_dump.py); 0: never.
+    rollouts_every: int = 0
 
 
 @dataclass
@@ -426,6 +454,31 @@ def validate(cfg: Config, source: str = "config") -> None:
     )
     need(cfg.eval.n >= 1, "eval.n", f"must be >= 1, got {cfg.eval.n}")
     need(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
+    lg = cfg.logging
+    need(lg.rollouts_every >= 0, "logging.rollouts_every", f"must be >= 0 (0: no dumps), got {lg.rollouts_every}")
+    if lg.wandb.enabled:
+        need(bool(lg.wandb.project.strip()), "logging.wandb.project", "must be a non-empty project name")
+        need(
+            lg.wandb.run_name is None or bool(lg.wandb.run_name.strip()),
+            "logging.wandb.run_name",
+            "must be a name or null",
+        )
+        need(
+            all(t.strip() and len(t) <= 64 for t in lg.wandb.tags),
+            "logging.wandb.tags",
+            "wandb takes tags of 1-64 characters",
+        )
+    if lg.mlflow.enabled:
+        need(bool(lg.mlflow.experiment.strip()), "logging.mlflow.experiment", "must be a non-empty experiment name")
+        need(
+            lg.mlflow.run_name is None or bool(lg.mlflow.run_name.strip()),
+            "logging.mlflow.run_name",
+            "must be a name or null",
+        )
+        uri = lg.mlflow.tracking_uri
+        need(
+            uri is None or bool(uri.strip()), "logging.mlflow.tracking_uri", "must be a URI, or null for run_dir/mlruns"
+        )
     if cfg.toy.enabled:
         need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
         need(not cfg.data.train_files, "data.train_files", "must be empty when toy.enabled")

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trapo.data import Question
-from trapo.rewards import Tally, decide_pairs, extract_answer, majority_votes, math_rewards
+from trapo.rewards import Tally, decide_pairs, extract_answer, majority_votes
 
 
 @dataclass
@@ -31,6 +31,11 @@ class Grades:
     pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
     timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
     budget_cut: int = 0  # comparisons left undecided because the step's grading budget was spent
+    # What was compared, for the rollout dump (trapo/rollout_dump.py): each response's extracted answer
+    # (`extract_answer`, None without one) [b][G], and each unlabeled question's pseudo-label (the majority
+    # answer; None on a tie or for a labeled question) [b].
+    answers: list[list[str | None]] = field(default_factory=list)
+    pseudo_labels: list[str | None] = field(default_factory=list)
 
 
 def grade(
@@ -55,31 +60,30 @@ def grade(
     pass_rates = [0.0] * b
     pseudo_correct = [math.nan] * b
 
+    # Each answer extracted once: the labeled rewards (what `math_rewards` does, on these answers), the
+    # vote and the rollout dump all read the same strings.
+    answers = [[extract_answer(t) for t in group] for group in texts]
+    pseudo_labels: list[str | None] = [None] * b
     labeled = [i for i, q in enumerate(questions) if q.labeled]
     if labeled:
-        flat = math_rewards(
-            [t for i in labeled for t in texts[i]],
-            [questions[i].answer for i in labeled for _ in texts[i]],
-            timeout,
-            verifier,
-            deadline,
-            tally,
+        asked = [(i, j) for i in labeled for j, a in enumerate(answers[i]) if a is not None]  # no answer: 0
+        verdicts = decide_pairs(
+            [(questions[i].answer, answers[i][j]) for i, j in asked], timeout, verifier, deadline, tally
         )
-        pos = 0
         for i in labeled:
-            g = len(texts[i])
-            rewards[i] = flat[pos : pos + g]
-            pass_rates[i] = sum(rewards[i]) / g
-            pos += g
+            rewards[i] = [0.0] * len(texts[i])
+        for (i, j), ok in zip(asked, verdicts):
+            rewards[i][j] = 1.0 if ok else 0.0
+        for i in labeled:
+            pass_rates[i] = sum(rewards[i]) / len(texts[i])
 
     unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
     if unlabeled:
-        votes = majority_votes(
-            [[extract_answer(t) for t in texts[i]] for i in unlabeled], timeout, verifier, deadline, tally
-        )
+        votes = majority_votes([answers[i] for i in unlabeled], timeout, verifier, deadline, tally)
         checks = []  # (question position, hidden gold, pseudo-label)
         for i, (label, agree) in zip(unlabeled, votes):
             rewards[i] = [1.0 if a else 0.0 for a in agree]
+            pseudo_labels[i] = label
             pass_rates[i] = sum(agree) / len(agree)
             gold = questions[i].answer
             if gold is not None:
@@ -90,4 +94,4 @@ def grade(
         verdicts = decide_pairs([(g, lab) for _, g, lab in checks], timeout, verifier, deadline, tally)
         for (i, _, _), ok in zip(checks, verdicts):
             pseudo_correct[i] = 1.0 if ok else 0.0
-    return Grades(rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut)
+    return Grades(rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut, answers, pseudo_labels)

@@ -15,7 +15,8 @@ config.yaml, and writes five PNGs and report.md into RUN_DIR/report/:
 
 Any field may be missing (a supervised run has no unlabeled data and no
 selection.jsonl; an old run has no trajectory fields): that plot is skipped and
-report.md says why. A missing run directory or an empty metrics.jsonl is an
+report.md says why. When the run dumped rollouts (logging.rollouts_every), report.md
+links the latest RUN_DIR/rollouts/step-K.jsonl. A missing run directory or an empty metrics.jsonl is an
 error (`ReportError`, exit status 2).
 
 selection.jsonl rows. Always: `epoch`, and per unlabeled question (aligned
@@ -38,11 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trapo.rollout_dump import latest_dump
 
 # Phase colours stay the same in every report so that runs can be compared by eye.
 PHASE_COLORS = {
@@ -672,14 +676,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             sections.append(f"## {i}. {plot.heading}\n\n_Skipped: {why}._\n")
         else:
             sections.append(f"## {i}. {plot.heading}\n\n![{plot.heading}]({plot.file})\n\n{plot.guidance}\n")
-    text = "\n".join([_header(run), *sections])
+    text = "\n".join([_header(run, out), *sections])
     report = out / "report.md"
     report.write_text(text)
     return report
 
 
-def _header(run: Run) -> str:
-    """Title and a few facts: steps, mode, held-out accuracy, the last selection."""
+def _header(run: Run, out: Path) -> str:
+    """Title and a few facts: steps, mode, held-out accuracy, the last selection, the latest rollout dump."""
     lines = [f"# Training report: {run.path.name}", "", f"Run directory: `{run.path}`", ""]
     facts = [f"{len(run.metrics)} steps logged"]
     epochs = [r["epoch"] for r in run.metrics if is_number(r.get("epoch"))]
@@ -707,6 +711,10 @@ def _header(run: Run) -> str:
             f"unlabeled questions, database {last.get('database', '-')}, pseudo-label precision "
             f"{_fmt(last.get('precision_selected'))} selected vs {_fmt(last.get('precision_rejected'))} rejected"
         )
+    dump = latest_dump(run.path)
+    if dump is not None:  # logging.rollouts_every: the prompts, responses and rewards behind the curves
+        link = os.path.relpath(dump, out)
+        lines.append(f"- latest rollout dump: [{dump.parent.name}/{dump.name}]({link}) (prompts, responses, rewards)")
     lines += [f"- note: {n}" for n in run.notes]
     return "\n".join(lines) + "\n"
 
@@ -727,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     skipped = report.read_text().count("_Skipped:")
     print(f"wrote {report} ({len(PLOTS) - skipped} plots, {skipped} skipped)")
+    dump = latest_dump(Path(args.run_dir))
+    if dump is not None:
+        print(f"latest rollout dump: {dump}")
     return 0
 
 

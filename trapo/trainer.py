@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 
 from trapo import checkpoint as ckpt
-from trapo import console, dist, metrics, runtime
+from trapo import console, dist, metrics, rollout_dump, runtime
 from trapo.batch import build_sequences, loss_counts
 from trapo.config import Config, ConfigError, dump_config
 from trapo.data import DataError, epoch_batches, load_questions, select_for_mode, stop_token_ids, tokenize_prompts
 from trapo.eval import Benchmark, pooled_scores, read_benchmark_file
 from trapo.grading import Grades, grade
+from trapo.loggers import Loggers
 from trapo.loss import group_advantages, overlong_penalty
 from trapo.packing import update_efficiency
 from trapo.passrate import PassRateTracker
@@ -93,7 +94,7 @@ class Trainer:
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
         self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
-        self.board = None  # TensorBoard writer (rank 0, logging.tensorboard)
+        self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
         self._resume()
 
     # ------------------------------------------------------------------ set-up
@@ -167,6 +168,11 @@ class Trainer:
         # 4. advantages and the update(s)
         with timer.time("grading"):
             rewards = self._rewards(question_ids, rollouts, grades)  # [b][G]
+        rollout_dump.dump_step(  # logging.rollouts_every: what was generated and how it was scored
+            cfg.logging.rollouts_every, self.run_dir, self.step + 1, question_ids, questions,
+            prompts=[self.prompts[i] for i in question_ids], decode=self.tokenizer.decode,
+            texts=texts, rewards=rewards, grades=grades, gate=gate,
+        )  # fmt: skip
         with timer.time("update"):
             applied, update_sums, n_updates, work = self._update(question_ids, rollouts, rewards, gate)
 
@@ -233,8 +239,7 @@ class Trainer:
             path = self.run_dir / "selection.jsonl"  # the first row also carries the warm-up's trajectories
             row = self.tracker.selection_row(history=not path.is_file())
             metrics.append_jsonl(path, row)
-            if self.board:
-                self.board.log_selection(row)
+            self.loggers.log_selection(row, step=self.step + 1)  # the step that closes the epoch
         return self.last_selection
 
     def _record_pass_rates(self, question_ids: list[int], grades: Grades, rollouts: list[list[Rollout]]) -> list[float]:
@@ -460,10 +465,9 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-            if cfg.logging.tensorboard:  # created now: a missing package fails before any step
-                from trapo.tensorboard_writer import TensorBoardWriter
-
-                self.board = TensorBoardWriter(self.run_dir / "tensorboard")
+        self.loggers = Loggers.open_everywhere(
+            cfg, self.is_main
+        )  # a missing package or bad setting: all ranks stop now
         n_labeled = sum(q.labeled for q in self.questions)
         console.say(
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
@@ -484,8 +488,7 @@ class Trainer:
                     bar.update(1)
         finally:
             bar.close()
-            if self.board:
-                self.board.close()
+            self.loggers.close()
         summary = metrics.run_summary(
             self.step, self.heldout_before, self.heldout_scores(), self.last_selection, self.best
         )
@@ -509,8 +512,7 @@ class Trainer:
             step_log["timing"]["save"] = round(time.perf_counter() - started, 4)
         if self.is_main:
             metrics.append_jsonl(self.run_dir / "metrics.jsonl", step_log)
-            if self.board:
-                self.board.log_step(step_log)
+            self.loggers.log_step(step_log)
         for kind, message in metrics.step_warnings(step_log):
             console.warn_once(kind, message)
         if stop_requested:
