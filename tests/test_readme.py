@@ -46,3 +46,30 @@ def test_memory_plan_block_comes_from_the_doctor():
     assert "`python -m trapo.doctor --plan --config configs/trapo_1k_3k.yaml --gpus 8 --gpu-memory-gb 141`" in body
     text = readme.README.read_text()
     assert readme.replace_block(text, "memory-plan", body) == text  # the README holds the current output
+
+
+def _toolbox_rows() -> list[tuple[str, str]]:
+    """(key, default) of each row of the README's toolbox table."""
+    import re
+
+    text = readme.README.read_text()
+    start = text.index("<!-- toolbox-keys")
+    table = text[start:].split("\n\n", 1)[0]
+    return re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", table, flags=re.M)
+
+
+def test_toolbox_table_names_real_keys_with_their_defaults():
+    import dataclasses
+
+    import yaml
+
+    from trapo.config import Config
+
+    rows = _toolbox_rows()
+    assert len(rows) >= 14
+    for key, default in rows:
+        node = Config()
+        for part in key.split("."):
+            assert dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}, key
+            node = getattr(node, part)
+        assert yaml.safe_dump(node).removesuffix("...\n").strip() == default, (key, node)
