@@ -33,6 +33,7 @@ def test_there_is_a_config_per_paper_experiment():
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert os.path.isfile(os.path.join(ROOT, cfg.train.deepspeed_config))
+    assert not cfg.rollout.dynamic_sampling  # the paper trains on every rolled-out group
     if not os.path.basename(path).startswith("toy"):
         # the paper's hyper-parameters (appendix "Implementation Details")
         assert (cfg.train.lr, cfg.train.rollout_batch_size, cfg.train.update_batch_size) == (1e-6, 64, 64)
@@ -76,6 +77,7 @@ def test_overrides_are_typed_and_dotted():
         ("train.loss_chunk_tokens=0", "key 'train.loss_chunk_tokens': must be >= 1"),
         ("loss.rollout_is_cap=0", "key 'loss.rollout_is_cap': must be > 0"),
         ("logging.level=loud", "key 'logging.level'"),
+        ("rollout.dynamic_sampling_max_rounds=-1", "key 'rollout.dynamic_sampling_max_rounds': must be >= 0"),
     ],
 )
 def test_bad_settings_name_the_key(override, needle):
