@@ -499,9 +499,10 @@ class Trainer:
 
                 self.board = TensorBoardWriter(self.run_dir / "tensorboard")
         n_labeled = sum(q.labeled for q in self.questions)
+        refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
         console.say(
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
-            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps, world size {self.world}"
+            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps{refills}, world size {self.world}"
         )
         if self.step == 0:
             self.heldout_before = self.heldout_scores()
