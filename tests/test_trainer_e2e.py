@@ -445,6 +445,8 @@ def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exa
     import torch
 
     from trapo import checkpoint as ckpt
+    from trapo import sampling
+    from trapo.data import epoch_batches
 
     ds = {"rollout.dynamic_sampling": "true", "train.update_batch_size": 8}
     common = dict(mode="naive_semi", max_steps=3, save_steps=2, **ds)
@@ -467,8 +469,18 @@ def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exa
     assert sum(r["dynamic_sampling"]["extra_rounds"] for r in m) > 0, m  # the toy does refill
     # the tracker holds this epoch's pass rates of every question rolled out since its start, refills included
     state = ckpt.read_trainer_state(tmp_path / "ds" / "checkpoints" / "step-3")
-    assert state["cursor"][1] == used
-    assert int((~torch.isnan(state["tracker"]["current"])).sum()) == 16 * used
+    assert state["cursor"] == [1, used]
+    current = state["tracker"]["current"]  # NaN: not rolled out yet this epoch
+    assert int((~torch.isnan(current)).sum()) == 16 * used
+    # step 3 rebuilt from the pass rates (a pass rate strictly between 0 and 1 <=> unequal rewards): the
+    # informative groups are those the metrics count, and the ranks kept different numbers of them
+    order = epoch_batches(64, 16, 2, seed=0, epoch=1)
+    flags = [[[0 < float(current[q]) < 1 for q in order[i][r::2]] for r in range(2)] for i in range(used)]
+    keys = [k for i, f in enumerate(flags) for k in sampling.round_keys(i, f)]
+    d = m[2]["dynamic_sampling"]
+    assert len(keys) == d["groups_kept"] + d["groups_surplus"]
+    per_rank = [sum(k[1] % 2 == r for k in sampling.cut(keys, 16)) for r in range(2)]
+    assert sum(per_rank) == d["groups_kept"] and per_rank[0] != per_rank[1], per_rank  # the toy: 7 and 9
 
     train(overrides(toy_dir, tmp_path, run_name="re", resume_from=tmp_path / "ds" / "checkpoints" / "step-2", **common),
           nproc=2)  # fmt: skip
