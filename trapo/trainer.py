@@ -197,7 +197,7 @@ class Trainer:
         step_log["tokens_per_s"] = totals["response_tokens"] / max(timer.seconds["rollout"], 1e-9)
         return step_log
 
-    def _rollout_rounds(self, order: list[list[int]], first: int, timer) -> tuple[list, int, list]:
+    def _rollout_rounds(self, order: list[list[int]], first: int, timer: metrics.StepTimer) -> tuple[list, int, list]:
         """Roll out batch `first` of the epoch's `order`, and with dynamic sampling the next ones while too few
         groups over all ranks have unequal rewards. Returns (this rank's rounds, informative groups over all
         ranks, the kept groups' keys: all of one batch, or the informative ones cut to the batch size)."""
