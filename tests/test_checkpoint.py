@@ -43,12 +43,13 @@ def test_trainer_state_round_trip(tmp_path):
     import torch
 
     from trapo.passrate import PassRateTracker, SelectionConfig
+    from trapo.sampling import Cursor
     from trapo.trainer import Trainer, TrainingError
 
     def skeleton(world):  # the state-holding part of a Trainer, without a model or an engine
         t = Trainer.__new__(Trainer)
         t.world, t.step, t.bad_steps, t.last_selection, t.best = world, 0, 0, None, None
-        t.heldout_before = None
+        t.heldout_before, t.cursor, t.steps_per_epoch = None, Cursor(0, 0), 4
         t.tracker = PassRateTracker(torch.tensor([True, False, False]), SelectionConfig(warmup_epochs=1, top_p=0.5))
         return t
 
@@ -56,6 +57,7 @@ def test_trainer_state_round_trip(tmp_path):
     a.tracker.record(torch.arange(3), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([float("nan"), 1.0, 0.0]))
     a.last_selection = a.tracker.end_epoch()
     a.step, a.bad_steps, a.best = 7, 1, {"step": 6, "score": 0.4}
+    a.cursor = Cursor(3, 1)  # dynamic sampling: refills consumed batches, the cursor ran ahead of the step
     a.heldout_before = {"test": 0.25, "mean": 0.25}
     (tmp_path / ckpt.TRAINER_STATE).parent.mkdir(exist_ok=True)
     torch.save(a.state_dict(), tmp_path / ckpt.TRAINER_STATE)
@@ -63,11 +65,15 @@ def test_trainer_state_round_trip(tmp_path):
     b = skeleton(world=2)
     b.load_state_dict(ckpt.read_trainer_state(tmp_path))
     assert (b.step, b.bad_steps, b.best, b.last_selection) == (7, 1, a.best, a.last_selection)
-    assert b.heldout_before == a.heldout_before
+    assert b.heldout_before == a.heldout_before and b.cursor == Cursor(3, 1)
     assert torch.equal(b.tracker.trajectories, a.tracker.trajectories)
     assert torch.equal(b.tracker.selected, a.tracker.selected) and torch.equal(b.tracker.scores, a.tracker.scores)
     with pytest.raises(TrainingError, match="saved with 2 ranks, resuming with 1"):
         skeleton(world=1).load_state_dict(ckpt.read_trainer_state(tmp_path))
+    old = {k: v for k, v in ckpt.read_trainer_state(tmp_path).items() if k != "cursor"}  # saved before the cursor
+    c = skeleton(world=2)
+    c.load_state_dict(old)
+    assert c.cursor == Cursor(1, 3)  # one batch per step: step 7 of 4-batch epochs
 
 
 def _committed(root, step, payload=b"x" * 1000):

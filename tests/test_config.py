@@ -34,6 +34,7 @@ def test_there_is_a_config_per_paper_experiment():
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert os.path.isfile(os.path.join(ROOT, cfg.train.deepspeed_config))
+    assert not cfg.rollout.dynamic_sampling  # the paper trains on every rolled-out group
     if not os.path.basename(path).startswith("toy"):
         # the paper's hyper-parameters (appendix "Implementation Details")
         assert (cfg.train.lr, cfg.train.rollout_batch_size, cfg.train.update_batch_size) == (1e-6, 64, 64)
@@ -110,6 +111,7 @@ def test_overrides_are_typed_and_dotted():
         ("selection.random=true", "key 'selection.random' was removed: replaced by selection.strategy=random"),
         ("selection.strategy=entropie", "key 'selection.strategy': got 'entropie' (str); expected one of 'tcs'"),
         ("selection.fixed_ratio=1.5", "key 'selection.fixed_ratio': must be in [0, 1] or null, got 1.5"),
+        ("rollout.dynamic_sampling_max_rounds=-1", "key 'rollout.dynamic_sampling_max_rounds': must be >= 0"),
     ],
 )
 def test_bad_settings_name_the_key(override, needle):

@@ -443,3 +443,59 @@ def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
     ds = os.listdir(tmp_path / "nodes" / "checkpoints" / "step-2" / "ds")
     assert sum("model_states" in f for f in ds) == 2  # one ZeRO-3 shard per node
     assert [r["step"] for r in metrics(tmp_path / "nodes")] == [1, 2, 3]
+
+
+def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exactly(toy_dir, tmp_path):
+    """deepspeed --num_gpus 2, rollout.dynamic_sampling: groups with equal rewards leave the update, the
+    epoch's next batches refill it to train.rollout_batch_size (the ranks then keep different numbers of
+    groups, in two updates each), refills consume the epoch and still give the tracker their pass rates;
+    resumed from step 2 the third step equals the straight run's."""
+    import torch
+
+    from trapo import checkpoint as ckpt
+    from trapo import sampling
+    from trapo.data import epoch_batches
+
+    ds = {"rollout.dynamic_sampling": "true", "train.update_batch_size": 8, "logging.rollouts_every": 1}
+    common = dict(mode="naive_semi", max_steps=3, save_steps=2, **ds)
+    train(overrides(toy_dir, tmp_path, run_name="ds", **common), nproc=2)
+    m = metrics(tmp_path / "ds")
+    assert [r["step"] for r in m] == [1, 2, 3]
+    per_epoch, used = 4, 0  # 64 questions in batches of 16
+    for r in m:
+        d = r["dynamic_sampling"]
+        assert d["groups_rolled_out"] == 16 * d["rounds"] and d["extra_rounds"] == d["rounds"] - 1
+        assert d["groups_filtered"] + d["groups_kept"] + d["groups_surplus"] == d["groups_rolled_out"]
+        assert r["labeled_questions"] + r["unlabeled_questions"] == d["groups_rolled_out"]
+        assert r["trained_sequences"] == 8 * d["groups_kept"]  # naive_semi: every kept group is in the loss
+        # the dump holds every group rolled out, refills included, in_loss only for the kept ones
+        dump = [json.loads(line) for line in (tmp_path / "ds" / "rollouts" / f"step-{r['step']}.jsonl").open()]
+        assert len(dump) == d["groups_rolled_out"] and {len(q["responses"]) for q in dump} == {8}
+        assert sum(q["in_loss"] for q in dump) == d["groups_kept"]
+        used += d["rounds"]
+        epoch_end = used == per_epoch
+        assert ("selection" in r) == epoch_end
+        assert d["groups_kept"] == 16 or epoch_end  # full, unless the epoch ran out (limit 10 > 4 batches)
+        assert d["groups_surplus"] == 0 or d["groups_kept"] == 16
+        used %= per_epoch
+    assert sum(r["dynamic_sampling"]["extra_rounds"] for r in m) > 0, m  # the toy does refill
+    # the tracker holds this epoch's pass rates of every question rolled out since its start, refills included
+    state = ckpt.read_trainer_state(tmp_path / "ds" / "checkpoints" / "step-3")
+    assert state["cursor"] == [1, used]
+    current = state["tracker"]["current"]  # NaN: not rolled out yet this epoch
+    assert int((~torch.isnan(current)).sum()) == 16 * used
+    # step 3 rebuilt from the pass rates (a pass rate strictly between 0 and 1 <=> unequal rewards): the
+    # informative groups are those the metrics count, and the ranks kept different numbers of them
+    order = epoch_batches(64, 16, 2, seed=0, epoch=1)
+    flags = [[[0 < float(current[q]) < 1 for q in order[i][r::2]] for r in range(2)] for i in range(used)]
+    keys = [k for i, f in enumerate(flags) for k in sampling.round_keys(i, f)]
+    d = m[2]["dynamic_sampling"]
+    assert len(keys) == d["groups_kept"] + d["groups_surplus"]
+    per_rank = [sum(k[1] % 2 == r for k in sampling.cut(keys, 16)) for r in range(2)]
+    assert sum(per_rank) == d["groups_kept"] and per_rank[0] != per_rank[1], per_rank  # the toy: 7 and 9
+
+    train(overrides(toy_dir, tmp_path, run_name="re", resume_from=tmp_path / "ds" / "checkpoints" / "step-2", **common),
+          nproc=2)  # fmt: skip
+    (again,) = metrics(tmp_path / "re")
+    for key in ("loss", "pg_loss", "dynamic_sampling", "response_tokens", "pass_rate_labeled", "selection"):
+        assert again.get(key) == m[2].get(key), key

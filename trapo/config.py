@@ -64,6 +64,18 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks sharing one vLLM engine (consecutive ranks); must divide the world size
     eval_temperature: float = 0.0  # held-out check in the trainer (greedy by default)
+    # DAPO dynamic sampling (trapo/sampling.py): groups whose G rewards are all equal (every response right,
+    # or every one wrong: advantage 0, no gradient) leave the update; while fewer than
+    # train.rollout_batch_size informative groups (all ranks) remain, the step rolls out the epoch's next
+    # batch, then keeps exactly that many in the batch order. Refills consume the epoch's batches (they are
+    # not rolled out again that epoch) and never cross its end, so an epoch has fewer steps; `epochs` still
+    # counts epochs (max_steps, when set, counts steps). Every question rolled out, filtered or not, gives
+    # its pass rate to the trajectories; refills are gated by the selection of the last epoch end.
+    dynamic_sampling: bool = False
+    # Generation rounds per step at most, the first included (veRL's max_num_gen_batches; DAPO's recipe
+    # uses 10); 0: no limit but the epoch's end. Reached with too few informative groups, the step trains
+    # on those it has (veRL stops the run instead).
+    dynamic_sampling_max_rounds: int = 10
 
 
 @dataclass
@@ -397,6 +409,11 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.max_tokens >= 1, "rollout.max_tokens", f"must be >= 1, got {r.max_tokens}")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
+    need(
+        r.dynamic_sampling_max_rounds >= 0,
+        "rollout.dynamic_sampling_max_rounds",
+        f"must be >= 0 (0: no limit), got {r.dynamic_sampling_max_rounds}",
+    )
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
     need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
     need(

@@ -37,6 +37,19 @@ class Grades:
     answers: list[list[str | None]] = field(default_factory=list)
     pseudo_labels: list[str | None] = field(default_factory=list)
 
+    @classmethod
+    def concat(cls, parts: list[Grades]) -> Grades:
+        """The grades of several question lists, one after the other (a step's generation rounds)."""
+        return cls(
+            rewards=[r for g in parts for r in g.rewards],
+            pass_rates=[p for g in parts for p in g.pass_rates],
+            pseudo_correct=[c for g in parts for c in g.pseudo_correct],
+            timeouts=sum(g.timeouts for g in parts),
+            budget_cut=sum(g.budget_cut for g in parts),
+            answers=[a for g in parts for a in g.answers],
+            pseudo_labels=[label for g in parts for label in g.pseudo_labels],
+        )
+
 
 def grade(
     questions: list[Question],

@@ -123,6 +123,23 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
     }
 
 
+def dynamic_sampling_values(rolled_out: int, informative: int, kept: int, rounds: int) -> dict[str, int]:
+    """metrics.jsonl's `dynamic_sampling` block of one step, counts over all ranks (pure; trapo/sampling.py).
+
+    rolled_out: groups (questions) rolled out in the step's `rounds` generation rounds; informative: those
+    whose rewards were not all equal; kept: the informative ones the update trained on (at most
+    train.rollout_batch_size, fewer when the round limit or the epoch's end came first).
+    """
+    return {
+        "rounds": rounds,
+        "extra_rounds": rounds - 1,  # refills: batches rolled out beyond the step's first
+        "groups_rolled_out": rolled_out,
+        "groups_filtered": rolled_out - informative,  # equal rewards (all right or all wrong): no signal
+        "groups_kept": kept,
+        "groups_surplus": informative - kept,  # informative, beyond the batch size: dropped
+    }
+
+
 TRUNCATION_WARNING = 0.2  # share of responses cut at rollout.max_tokens
 TIMEOUT_STORM = 0.05  # grading timeouts per response
 

@@ -4,7 +4,9 @@ One step, on every rank (each rank takes every world_size-th question of the bat
     1. rollouts   G samples per question from the rank's own vLLM engine
     2. grading    Math-Verify vs gold (labeled), majority vote (unlabeled)
     3. pass rates gathered from all ranks into the replicated PassRateTracker;
-                  the gate M comes from the selection made at the last epoch end
+                  the gate M comes from the selection made at the last epoch end;
+                  with rollout.dynamic_sampling, groups with equal rewards leave the
+                  step and 1-3 repeat on the epoch's next batches (trapo/sampling.py)
     4. update     Dr.GRPO advantages, L = J_labeled + M * J_unlabeled, token-budget
                   micro-batches, one DeepSpeed optimizer step per update batch
     5. push       the new weights, gathered block by block, into vLLM
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from trapo import checkpoint as ckpt
-from trapo import console, dist, metrics, rollout_dump, runtime
+from trapo import console, dist, metrics, rollout_dump, runtime, sampling
 from trapo.batch import build_sequences, loss_counts
 from trapo.config import Config, ConfigError, dump_config
 from trapo.data import DataError, epoch_batches, load_questions, select_for_mode, stop_token_ids, tokenize_prompts
@@ -90,6 +92,7 @@ class Trainer:
         self.tracker = PassRateTracker(torch.tensor([q.labeled for q in self.questions]), selection)
         self._scored: tuple | None = None  # (rollouts, kind, scores): the step's confidence scores, see _confidence
         self.step = 0
+        self.cursor = sampling.Cursor(0, 0)  # the next step's epoch and batch (refills consume batches)
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
@@ -141,47 +144,34 @@ class Trainer:
         self.steps_per_epoch = len(epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, 0, 0))
         if self.steps_per_epoch == 0:
             raise DataError(f"{len(self.questions)} training questions: too few for one batch on {self.world} ranks")
-        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch  # an upper bound with refills
 
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict:
         cfg, timer = self.cfg, metrics.StepTimer()
         step_start = time.perf_counter()
-        epoch, k = divmod(self.step, self.steps_per_epoch)
-        batch = epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, cfg.seed, epoch)[k]
-        question_ids = batch[self.rank :: self.world]  # this rank's share of the batch
-        questions = [self.questions[i] for i in question_ids]
+        epoch, first = self.cursor.epoch, self.cursor.batch
+        order = epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, cfg.seed, epoch)
 
-        # 1. rollouts: G samples per question, each request seeded by (run seed, step, question)
-        with timer.time("rollout"):
-            rollouts = self._sample(question_ids)  # [b][G]
+        # 1-3. rollouts, grading, pass rates into the tracker and rewards, one round per batch: one batch,
+        #      with rollout.dynamic_sampling more of the epoch's until enough groups carry a signal
+        rounds, informative, kept = self._rollout_rounds(order, first, timer)
+        plan, n_updates = sampling.update_plan(kept, self.rank, self.world, cfg.train.update_batch_size)
+        self._dump_rollouts(rounds, plan)  # logging.rollouts_every: what was generated and how it was scored
 
-        # 2. grading: rewards and (pseudo) pass rates
-        with timer.time("grading"):
-            texts = [[r.text for r in group] for group in rollouts]
-            grades = grade(questions, texts, cfg.reward.timeout, self.verifier, budget=cfg.reward.step_budget)
-
-        # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
-        gate = self._record_pass_rates(question_ids, grades, rollouts)  # [b]
-
-        # 4. advantages and the update(s)
-        with timer.time("grading"):
-            rewards = self._rewards(question_ids, rollouts, grades)  # [b][G]
-        rollout_dump.dump_step(  # logging.rollouts_every: what was generated and how it was scored
-            cfg.logging.rollouts_every, self.run_dir, self.step + 1, question_ids, questions,
-            prompts=[self.prompts[i] for i in question_ids], decode=self.tokenizer.decode,
-            texts=texts, rewards=rewards, grades=grades, gate=gate,
-        )  # fmt: skip
+        # 4. advantages and the update(s) on the kept groups
         with timer.time("update"):
-            applied, update_sums, n_updates, work = self._update(question_ids, rollouts, rewards, gate)
+            applied, update_sums, n_updates, work = self._update(
+                *sampling.take(rounds, plan, self.rank, self.world), n_updates
+            )
 
         # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
         with timer.time("weight_push"):
             pushed_bytes, _ = self.rollout.push_weights(self.policy.full_weights())
 
         # 6. statistics over all ranks; at the epoch's end, extend trajectories and select for the next epoch
-        totals = dist.all_sum({**update_sums, **metrics.step_sums(questions, grades, gate, rollouts)})
+        totals = dist.all_sum({**update_sums, **self._rollout_sums(rounds, plan)})
         majority = cfg.mode != "supervised" and cfg.reward.unlabeled == "majority"
         step_log = {
             "step": self.step + 1,
@@ -191,7 +181,11 @@ class Trainer:
             "pushed_gb": pushed_bytes / 2**30,
             **update_efficiency(work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
-        if k == self.steps_per_epoch - 1:
+        if cfg.rollout.dynamic_sampling:
+            rolled = sum(len(order[first + i]) for i in range(len(rounds)))
+            step_log["dynamic_sampling"] = metrics.dynamic_sampling_values(rolled, informative, len(kept), len(rounds))
+        self.cursor = self.cursor.advance(len(rounds), self.steps_per_epoch)
+        if self.cursor.epoch > epoch:  # the epoch's batches are used up
             step_log["selection"] = self._end_epoch()
         self.step += 1
         timer.seconds["step"] = time.perf_counter() - step_start
@@ -206,6 +200,66 @@ class Trainer:
             step_log["peak_gb"] = {name: round(b / 2**30, 3) for name, b in timer.peak_bytes.items()}
         step_log["tokens_per_s"] = totals["response_tokens"] / max(timer.seconds["rollout"], 1e-9)
         return step_log
+
+    def _rollout_rounds(self, order: list[list[int]], first: int, timer: metrics.StepTimer) -> tuple[list, int, list]:
+        """Roll out batch `first` of the epoch's `order`, and with dynamic sampling the next ones while too few
+        groups over all ranks have unequal rewards. Returns (this rank's rounds, informative groups over all
+        ranks, the kept groups' keys: all of one batch, or the informative ones cut to the batch size)."""
+        r, target = self.cfg.rollout, self.cfg.train.rollout_batch_size
+        rounds, keys = [], []
+        while True:
+            if rounds and self.rollout.weights_asleep:  # GPU: the last round's engine turn released them
+                with timer.time("weight_push"):
+                    self.rollout.push_weights(self.policy.full_weights())
+            rounds.append(self._round(order[first + len(rounds)][self.rank :: self.world], timer))
+            if not r.dynamic_sampling:
+                return rounds, len(order[first]), [(0, p) for p in range(len(order[first]))]
+            flags = dist.all_gather(sampling.informative(rounds[-1].rewards))  # decided alike on every rank
+            keys += sampling.round_keys(len(rounds) - 1, flags)
+            left = len(order) - first - len(rounds)  # never past the epoch's end
+            if not sampling.want_more(len(keys), target, len(rounds), r.dynamic_sampling_max_rounds, left):
+                return rounds, len(keys), sampling.cut(keys, target)
+
+    def _round(self, question_ids: list[int], timer: metrics.StepTimer) -> sampling.Round:
+        """Rollouts, grades, pass rates (into the tracker, with the gate M) and rewards of this rank's questions."""
+        cfg = self.cfg
+        questions = [self.questions[i] for i in question_ids]
+        # 1. rollouts: G samples per question, each request seeded by (run seed, step, question)
+        with timer.time("rollout"):
+            rollouts = self._sample(question_ids)  # [b][G]
+        # 2. grading: rewards and (pseudo) pass rates
+        with timer.time("grading"):
+            texts = [[r.text for r in group] for group in rollouts]
+            grades = grade(questions, texts, cfg.reward.timeout, self.verifier, budget=cfg.reward.step_budget)
+        # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
+        # (the selection strategy's confidence scores, when it needs them, are a policy forward: timed as grading)
+        with timer.time("grading"):
+            gate = self._record_pass_rates(question_ids, grades, rollouts)  # [b]
+            rewards = self._rewards(question_ids, rollouts, grades)  # [b][G]
+        return sampling.Round(question_ids, rollouts, grades, gate, rewards)
+
+    def _rollout_sums(self, rounds: list[sampling.Round], plan: dict) -> dict[str, float]:
+        """`metrics.step_sums` over every question this rank rolled out in the step (refills and filtered
+        groups included: they describe the rollouts); the gate counts only for groups kept for the update."""
+        sums: dict[str, float] = {}
+        for rnd, gate in zip(rounds, sampling.in_loss(rounds, plan, self.rank, self.world)):
+            questions = [self.questions[q] for q in rnd.question_ids]
+            for name, value in metrics.step_sums(questions, rnd.grades, gate, rnd.rollouts).items():
+                sums[name] = sums.get(name, 0) + value
+        return sums
+
+    def _dump_rollouts(self, rounds: list[sampling.Round], plan: dict) -> None:
+        """logging.rollouts_every: every question the step rolled out (refills included); in_loss is the gate
+        for the groups the update keeps and 0 for the others. Rewards are those before any overlong penalty."""
+        ids = [q for rnd in rounds for q in rnd.question_ids]
+        rollout_dump.dump_step(
+            self.cfg.logging.rollouts_every, self.run_dir, self.step + 1, ids, [self.questions[q] for q in ids],
+            prompts=[self.prompts[q] for q in ids], decode=self.tokenizer.decode,
+            texts=[[r.text for r in group] for rnd in rounds for group in rnd.rollouts],
+            rewards=[rewards for rnd in rounds for rewards in rnd.rewards],
+            grades=Grades.concat([rnd.grades for rnd in rounds]),
+            gate=[m for gate in sampling.in_loss(rounds, plan, self.rank, self.world) for m in gate],
+        )  # fmt: skip
 
     def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
         """G rollouts per question; on GPU the optimizer's states wait in host memory meanwhile."""
@@ -294,19 +348,27 @@ class Trainer:
         return out
 
     def _update(
-        self, question_ids: list[int], rollouts: list[list[Rollout]], rewards: list[list[float]], gate: list[float]
+        self,
+        question_ids: list[int],
+        rollouts: list[list[Rollout]],
+        rewards: list[list[float]],
+        gate: list[float],
+        update_of: list[int],
+        n_updates: int,
     ) -> tuple[bool, dict[str, float], int, dict[str, int]]:
         """Group advantages, then optimizer steps over the step's sequences in update batches.
 
+        update_of: [b] each question's update batch, of n_updates on every rank (`sampling.update_plan`).
         Returns (every update applied, this rank's UPDATE_SUMS added over updates, number of updates,
         the updates' work counts over all ranks for `packing.update_efficiency`).
         """
-        lo, max_tokens = self.cfg.loss, self.cfg.rollout.max_tokens
-        lengths = torch.tensor([[len(r.token_ids) for r in group] for group in rollouts])  # [b, G]
+        lo, max_tokens, g = self.cfg.loss, self.cfg.rollout.max_tokens, self.cfg.rollout.n
+        lengths = torch.tensor([[len(r.token_ids) for r in group] for group in rollouts]).reshape(len(rollouts), g)
         penalty = torch.zeros(lengths.shape)  # DAPO's soft overlong punishment, on rewards only (not pass rates)
         if lo.overlong == "soft_penalty":
             penalty = overlong_penalty(lengths, max_tokens, lo.overlong_buffer_tokens(max_tokens), lo.overlong_penalty)
-        advantages = group_advantages(torch.tensor(rewards) + penalty, lo.advantage_scale)  # [b, G]
+        rewards_t = torch.tensor(rewards, dtype=torch.float32).reshape(len(rewards), g)  # [b, G]; b may be 0
+        advantages = group_advantages(rewards_t + penalty, lo.advantage_scale)  # [b, G]
         seqs = build_sequences(
             prompts=[self.prompts[i] for i in question_ids],
             responses=[[r.token_ids for r in group] for group in rollouts],
@@ -316,8 +378,9 @@ class Trainer:
             engine_logprobs=[[r.logprobs for r in group] for group in rollouts],
             truncated=[[r.truncated for r in group] for group in rollouts],
         )  # [b * G], question-major
-        per_update = self.cfg.train.update_batch_size // self.world * self.cfg.rollout.n  # sequences per rank
-        parts = [seqs[start : start + per_update] for start in range(0, len(seqs), per_update)]  # [updates][...]
+        parts = [[] for _ in range(n_updates)]  # [updates][...]
+        for q, u in enumerate(update_of):
+            parts[u] += seqs[q * g : (q + 1) * g]
         # Loss denominators count the whole update batch on all ranks, gated and skipped sequences included.
         batches = [dist.all_sum(loss_counts(p, drop_truncated=lo.overlong == "mask")) for p in parts]
         parts = [self.policy.trainable(p) for p in parts]  # no compute for sequences that add nothing
@@ -352,6 +415,7 @@ class Trainer:
         """What a checkpoint restores besides the weights, optimizer and RNGs (see trapo/checkpoint.py)."""
         return {
             "step": self.step,
+            "cursor": [self.cursor.epoch, self.cursor.batch],
             "tracker": self.tracker.state_dict(),
             "bad_steps": self.bad_steps,
             "last_selection": self.last_selection,
@@ -368,6 +432,8 @@ class Trainer:
             )
         self.tracker.load_state_dict(state["tracker"])
         self.step = state["step"]
+        cursor = state.get("cursor")  # absent in checkpoints from before refills: one batch per step
+        self.cursor = sampling.Cursor(*cursor) if cursor else sampling.Cursor.from_step(self.step, self.steps_per_epoch)
         self.bad_steps = state["bad_steps"]
         self.last_selection = state["last_selection"]
         self.best = state["best"]
@@ -469,23 +535,26 @@ class Trainer:
             cfg, self.is_main
         )  # a missing package or bad setting: all ranks stop now
         n_labeled = sum(q.labeled for q in self.questions)
+        refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
         console.say(
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
-            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps, world size {self.world}"
+            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps{refills}, world size {self.world}"
         )
         if self.step == 0:
             self.heldout_before = self.heldout_scores()
             if self.heldout_before is not None:
                 console.say(f"held-out accuracy before training: {self.heldout_before['mean']:.3f}")
         show = self.is_main and cfg.progress_bar
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not show, file=console.terminal())
+        done, total = self._progress()
+        bar = tqdm(total=total, initial=done, disable=not show, file=console.terminal())
         try:
             with StopSignals() as stop:
-                while self.step < self.total_steps:
+                while not self._finished():
                     step_log = self.train_step()
                     self._finish_step(step_log, stop_requested=dist.all_max(stop.received is not None) == 1)
                     bar.set_postfix(metrics.progress_fields(step_log, self.last_selection), refresh=False)
-                    bar.update(1)
+                    bar.update(self._progress()[0] - done)
+                    done = self._progress()[0]
         finally:
             bar.close()
             self.loggers.close()
@@ -496,11 +565,22 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def _finished(self) -> bool:
+        """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps)."""
+        return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.cursor.epoch >= self.cfg.epochs
+
+    def _progress(self) -> tuple[int, int]:
+        """(done, total) for the progress bar: steps under max_steps, else batches of the epochs consumed."""
+        if self.cfg.max_steps:
+            return self.step, self.cfg.max_steps
+        return self.cursor.epoch * self.steps_per_epoch + self.cursor.batch, self.total_steps
+
     def _finish_step(self, step_log: dict, stop_requested: bool) -> None:
         """Validate, checkpoint and log one finished step; stop on a signal (every rank agreed) or bad steps."""
         cfg = self.cfg
-        save = (cfg.save_steps and self.step % cfg.save_steps == 0) or self.step == self.total_steps
-        if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or self.step == self.total_steps):
+        last = self._finished()
+        save = (cfg.save_steps and self.step % cfg.save_steps == 0) or last
+        if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or last):
             step_log["eval"] = self.validation_scores()
             score = step_log["eval"][cfg.eval.select_on or "mean"]
             if self.best is None or score > self.best["score"]:
