@@ -31,10 +31,11 @@ import torch
 from trapo import checkpoint as ckpt
 from trapo import console, dist, metrics, rollout_dump, runtime, sampling
 from trapo.batch import build_sequences, loss_counts
-from trapo.config import Config, ConfigError, dump_config
-from trapo.data import DataError, epoch_batches, load_questions, select_for_mode, stop_token_ids, tokenize_prompts
-from trapo.eval import Benchmark, pooled_scores, read_benchmark_file
+from trapo.config import Config, dump_config
+from trapo.data import epoch_batches, stop_token_ids
+from trapo.eval import Benchmark, pooled_scores
 from trapo.grading import Grades, grade
+from trapo.inputs import prepare_inputs
 from trapo.loggers import Loggers
 from trapo.loss import group_advantages, overlong_penalty
 from trapo.packing import update_efficiency
@@ -61,7 +62,15 @@ class Trainer:
             for partial in ckpt.remove_partials(self.ckpt_root):
                 console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
         dist.barrier()
-        self._prepare_inputs()  # data and prompts checked before any model loads
+        inputs = prepare_inputs(cfg, self.world, self.is_main)  # data and prompts checked before any model loads
+        self.model_dir, self.tokenizer, self.questions, self.prompts = (
+            inputs.model_dir,
+            inputs.tokenizer,
+            inputs.questions,
+            inputs.prompts,
+        )
+        self.test_benchmarks, self.val_benchmarks = inputs.test_benchmarks, inputs.val_benchmarks
+        self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         r = cfg.rollout
         generation = getattr(self.policy.model, "generation_config", None)
@@ -99,52 +108,6 @@ class Trainer:
         self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
         self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
         self._resume()
-
-    # ------------------------------------------------------------------ set-up
-
-    def _prepare_inputs(self) -> None:
-        cfg = self.cfg
-        if cfg.toy.enabled:
-            from trapo.toy import asset_dir, build_assets
-
-            if self.is_main:
-                build_assets(cfg.toy, log=console.say)
-            dist.barrier()
-            root = asset_dir(cfg.toy)
-            self.model_dir = str(root / "model")
-            train_files = [str(root / "train.jsonl")]
-            test_files = [str(p) for p in (root / "test.jsonl", root / "test_ood.jsonl") if p.is_file()]
-            toy_val = [str(root / "validation.jsonl")] if cfg.toy.validation else test_files
-        else:
-            self.model_dir = cfg.model.path
-            train_files, test_files, toy_val = cfg.data.train_files, cfg.data.test_files, []
-            if not (Path(self.model_dir) / "config.json").is_file():
-                raise ConfigError(f"model.path {self.model_dir}: not a Hugging Face model directory (no config.json)")
-        if cfg.train.rollout_batch_size % self.world or cfg.train.update_batch_size % self.world:
-            raise ConfigError(
-                f"train.rollout_batch_size ({cfg.train.rollout_batch_size}) and train.update_batch_size "
-                f"({cfg.train.update_batch_size}) must be multiples of the world size ({self.world})"
-            )
-        self.questions = select_for_mode(load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode)
-        self.test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
-        val_files = cfg.eval.files or toy_val  # the toy: its validation split, or without one its test splits
-        self.val_benchmarks = [b for f in val_files for b in read_benchmark_file(Path(f))]
-        names = [b.name for b in self.val_benchmarks]
-        if cfg.eval.select_on is not None and cfg.eval.select_on not in names:
-            raise ConfigError(f"eval.select_on: '{cfg.eval.select_on}' is not a validation benchmark; have {names}")
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        d = cfg.data
-        self.prompts = tokenize_prompts(self.questions, d.prompt_template, self.tokenizer, d.max_prompt_tokens)
-        for bench in self.test_benchmarks + self.val_benchmarks:  # prompt lengths checked now, not mid-run
-            tokenize_prompts(bench.questions, d.prompt_template, self.tokenizer, d.max_prompt_tokens)
-        self.steps_per_epoch = len(epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, 0, 0))
-        if self.steps_per_epoch == 0:
-            raise DataError(f"{len(self.questions)} training questions: too few for one batch on {self.world} ranks")
-        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch  # an upper bound with refills
 
     # ------------------------------------------------------------------ one step
 
