@@ -32,8 +32,10 @@ endif
 train: $(STAMP)
 	$(PY) trapo_train.py resume_from=latest
 
+# Two pytest-xdist workers: the single-process toy runs use one core each; the two_cores tests (two ranks
+# or two runs at once) run in turn on one worker (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 # `make eval` alone: the latest `make train` checkpoint on the toy held-out split and a
 # 32-question slice of each shipped benchmark. `make eval MODEL=dir BENCH=math,arc_c,gpqa`

@@ -46,3 +46,12 @@ def small_disk(tmp_path, request):
         return
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two pytest-xdist workers (`--dist loadgroup`): the tests marked two_cores (two ranks
+    or two runs at once, some on fixed ports) go to one xdist group, so they run one after another, each
+    beside the other worker's single-process tests instead of beside each other."""
+    for item in items:
+        if item.get_closest_marker("two_cores"):
+            item.add_marker(pytest.mark.xdist_group("two_cores"))

@@ -148,6 +148,7 @@ def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
     assert all(r["offload"]["offload_s"] > 0 and r["offload"]["reload_s"] > 0 for r in rows)
 
 
+@pytest.mark.two_cores
 def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir, tmp_path):
     """SIGTERM to the whole process group (a Ctrl-C, a cluster's preemption), launched with deepspeed."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")

@@ -385,3 +385,13 @@ def test_missing_tensorboardx_names_the_config_key(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import now raises ImportError
     with pytest.raises(ConfigError, match="logging.tensorboard"):
         TensorBoardWriter("unused")
+
+
+def test_header_says_epochs_vary_under_dynamic_sampling(tmp_path):
+    rows = metrics_rows()
+    per_epoch = max(sum(r["epoch"] == e for r in rows) for e in {r["epoch"] for r in rows})
+    assert f"{per_epoch} steps per epoch" in report.write_report(make_run(tmp_path)).read_text()
+    for r in rows:  # refills consume batches: the longest epoch is only an upper bound
+        r["dynamic_sampling"] = {"rounds": 1}
+    text = report.write_report(make_run(tmp_path, metrics=rows, name="ds")).read_text()
+    assert f"up to {per_epoch} steps per epoch" in text

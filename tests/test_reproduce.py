@@ -97,6 +97,7 @@ def test_analyse_pairs_methods_within_seeds():
     assert "| TraPO | 16 |" in md and "| Supervised, 64 labeled only | 4 |" in md
 
 
+@pytest.mark.two_cores
 def test_reproduce_smallest_configuration(tmp_path):
     env = runtime.subprocess_env()
     out = tmp_path / "rep"
@@ -110,7 +111,7 @@ def test_reproduce_smallest_configuration(tmp_path):
         "--seeds",
         "0,1",
         "--methods",
-        "supervised,trapo,trapo_random,trapo_ood",
+        "supervised,trapo,trapo_ood",  # trapo_random differs from trapo only in a selection override
         "--out",
         str(out),
     ]
@@ -135,7 +136,7 @@ def test_reproduce_smallest_configuration(tmp_path):
     assert sum(r["labeled"] for r in ood_rows) == 16 and all("+" in r["question"] for r in ood_rows if not r["labeled"])
     # rerunning reuses the finished runs, but not under another budget
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert again.returncode == 0 and again.stderr.count("reusing") == 8
+    assert again.returncode == 0 and again.stderr.count("reusing") == 6
     other = subprocess.run(
         [*cmd[:5], "8", cmd[6], "0", "--methods", "supervised", *cmd[10:]],
         cwd=ROOT,

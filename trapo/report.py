@@ -690,8 +690,9 @@ def _header(run: Run, out: Path) -> str:
     if epochs:
         facts.append(f"{max(epochs)} epochs")
     per_epoch = steps_per_epoch(run)
-    if per_epoch:
-        facts.append(f"{per_epoch} steps per epoch")
+    if per_epoch:  # dynamic sampling's refills consume batches: epochs then differ in length
+        refills = any("dynamic_sampling" in r for r in run.metrics)
+        facts.append(f"{'up to ' if refills else ''}{per_epoch} steps per epoch")
     mode = lookup(run.config or {}, "mode")
     if mode:
         facts.append(f"mode `{mode}`")
