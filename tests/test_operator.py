@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from test_trainer_e2e import ROOT, metrics, overrides, train
+from test_trainer_e2e import ROOT, free_port, metrics, overrides, train
 
 from trapo import runtime
 from trapo.loggers import read_wandb_history
@@ -153,7 +153,7 @@ def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir
     """SIGTERM to the whole process group (a Ctrl-C, a cluster's preemption), launched with deepspeed."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     args = overrides(toy_dir, tmp_path, run_name="two", max_steps=4)
-    cmd = [launcher, "--num_gpus", "2", "--master_port", "29771", "trapo_train.py", *args]
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "trapo_train.py", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=runtime.subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     rows = tmp_path / "two" / "metrics.jsonl"

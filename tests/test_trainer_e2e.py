@@ -37,12 +37,22 @@ def run(cmd, timeout=600):
     return out
 
 
+def free_port() -> int:
+    """A port no one listens on now, for a launcher's --master_port: a fixed one can still be held by the
+    last run's exiting processes, or by another test's run under `make test`'s two workers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def train(args, nproc=1, check=True):
     if nproc == 1:
         cmd = [sys.executable, "trapo_train.py", *args]
     else:
         launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        cmd = [launcher, "--num_gpus", str(nproc), "--master_port", "29731", "trapo_train.py", *args]
+        cmd = [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()), "trapo_train.py", *args]
     out = run(cmd)
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
@@ -429,16 +439,17 @@ def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
-    def launch(node_rank, **kv):
+    def launch(node_rank, port, **kv):
         cmd = [launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank)]
-        cmd += ["--master_addr", "127.0.0.1", "--master_port", "29761", "trapo_train.py"]
+        cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), "trapo_train.py"]
         cmd += overrides(toy_dir, tmp_path, run_name="nodes", save_steps=2, **kv)
         return subprocess.Popen(
             cmd, cwd=ROOT, env=runtime.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
 
     for max_steps in (2, 3):  # the second run resumes from the first's checkpoint
-        procs = [launch(node, max_steps=max_steps, resume_from="latest") for node in (0, 1)]
+        port = free_port()  # both nodes meet on it
+        procs = [launch(node, port, max_steps=max_steps, resume_from="latest") for node in (0, 1)]
         outs = [p.communicate(timeout=600) for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
         log = outs[0][1]
