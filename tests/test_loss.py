@@ -301,6 +301,23 @@ def test_overlong_penalty_shifts_group_advantages():
     assert torch.allclose(adv, torch.tensor([[0.9375, 0.1875, -0.0625, -1.0625]]))
 
 
+def test_update_shapes_rewards_only_with_soft_penalty():
+    """trapo.update.shaped_advantages: the hand values above under loss.overlong=soft_penalty, plain Dr.GRPO
+    advantages (and a zero penalty) otherwise; an empty rank gives [0, G]."""
+    from trapo.config import load_config
+    from trapo.update import shaped_advantages
+
+    base = ["toy.enabled=true", "rollout.n=4", "rollout.max_tokens=10"]
+    soft = load_config(None, [*base, "loss.overlong=soft_penalty", "loss.overlong_buffer=4"])
+    adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], soft)
+    assert torch.allclose(adv, torch.tensor([[0.9375, 0.1875, -0.0625, -1.0625]]))
+    assert torch.allclose(penalty, torch.tensor([[0.0, -0.75, 0.0, -1.0]]))
+    adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], load_config(None, base))
+    assert torch.equal(adv, torch.tensor([[0.5, 0.5, -0.5, -0.5]])) and not penalty.any()
+    adv, penalty = shaped_advantages([], [], soft)
+    assert adv.shape == (0, 4) and penalty.shape == (0, 4)
+
+
 def test_overlong_mask_leaves_the_denominators():
     from trapo.batch import build_sequences, loss_counts
 

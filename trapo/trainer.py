@@ -30,22 +30,22 @@ import torch
 
 from trapo import checkpoint as ckpt
 from trapo import console, dist, metrics, rollout_dump, runtime, sampling
-from trapo.batch import build_sequences, loss_counts
+from trapo.batch import build_sequences
 from trapo.config import Config, dump_config
 from trapo.data import epoch_batches, stop_token_ids
 from trapo.eval import Benchmark, pooled_scores
 from trapo.grading import Grades, grade
 from trapo.inputs import prepare_inputs
 from trapo.loggers import Loggers
-from trapo.loss import group_advantages, overlong_penalty
 from trapo.packing import update_efficiency
 from trapo.passrate import PassRateTracker
-from trapo.policy import UPDATE_SUMS, Policy, TrainingError, same_model
+from trapo.policy import Policy, TrainingError, same_model
 from trapo.preemption import Preempted, StopSignals
 from trapo.rewards.verifier import MathVerifier
 from trapo.rollout import Rollout, RolloutEngine, request_seed
 from trapo.runtime import dtype_name
 from trapo.selection import confidence_kind
+from trapo.update import update_policy
 
 
 class Trainer:
@@ -125,9 +125,11 @@ class Trainer:
 
         # 4. advantages and the update(s) on the kept groups
         with timer.time("update"):
-            applied, update_sums, n_updates, work = self._update(
-                *sampling.take(rounds, plan, self.rank, self.world), n_updates
-            )
+            question_ids, rollouts, rewards, gate, update_of = sampling.take(rounds, plan, self.rank, self.world)
+            applied, update_sums, n_updates, work = update_policy(
+                self.policy, self.cfg, self.step, [self.prompts[i] for i in question_ids],
+                [self.questions[i].labeled for i in question_ids], rollouts, rewards, gate, update_of, n_updates,
+            )  # fmt: skip
 
         # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
         with timer.time("weight_push"):
@@ -308,68 +310,6 @@ class Trainer:
         scores = self.policy.confidence_scores(to_score, kind)  # [len(unlabeled) * G]
         out = {pos: scores[n * g : (n + 1) * g] for n, pos in enumerate(unlabeled)}
         self._scored = (rollouts, kind, out)
-        return out
-
-    def _update(
-        self,
-        question_ids: list[int],
-        rollouts: list[list[Rollout]],
-        rewards: list[list[float]],
-        gate: list[float],
-        update_of: list[int],
-        n_updates: int,
-    ) -> tuple[bool, dict[str, float], int, dict[str, int]]:
-        """Group advantages, then optimizer steps over the step's sequences in update batches.
-
-        update_of: [b] each question's update batch, of n_updates on every rank (`sampling.update_plan`).
-        Returns (every update applied, this rank's UPDATE_SUMS added over updates, number of updates,
-        the updates' work counts over all ranks for `packing.update_efficiency`).
-        """
-        lo, max_tokens, g = self.cfg.loss, self.cfg.rollout.max_tokens, self.cfg.rollout.n
-        lengths = torch.tensor([[len(r.token_ids) for r in group] for group in rollouts]).reshape(len(rollouts), g)
-        penalty = torch.zeros(lengths.shape)  # DAPO's soft overlong punishment, on rewards only (not pass rates)
-        if lo.overlong == "soft_penalty":
-            penalty = overlong_penalty(lengths, max_tokens, lo.overlong_buffer_tokens(max_tokens), lo.overlong_penalty)
-        rewards_t = torch.tensor(rewards, dtype=torch.float32).reshape(len(rewards), g)  # [b, G]; b may be 0
-        advantages = group_advantages(rewards_t + penalty, lo.advantage_scale)  # [b, G]
-        seqs = build_sequences(
-            prompts=[self.prompts[i] for i in question_ids],
-            responses=[[r.token_ids for r in group] for group in rollouts],
-            advantages=advantages.tolist(),
-            gate=gate,
-            labeled=[self.questions[i].labeled for i in question_ids],
-            engine_logprobs=[[r.logprobs for r in group] for group in rollouts],
-            truncated=[[r.truncated for r in group] for group in rollouts],
-        )  # [b * G], question-major
-        parts = [[] for _ in range(n_updates)]  # [updates][...]
-        for q, u in enumerate(update_of):
-            parts[u] += seqs[q * g : (q + 1) * g]
-        # Loss denominators count the whole update batch on all ranks, gated and skipped sequences included.
-        batches = [dist.all_sum(loss_counts(p, drop_truncated=lo.overlong == "mask")) for p in parts]
-        parts = [self.policy.trainable(p) for p in parts]  # no compute for sequences that add nothing
-        if self.cfg.train.balance_ranks:  # near-equal tokens per rank: no rank waits on a busier one
-            parts = [self.policy.balance(p) for p in parts]
-        if len(parts) > 1:  # several updates: the later ones need pi_old from before the first
-            parts = self._resplit(self.policy.with_logprobs([s for p in parts for s in p], "old_logprobs"), parts)
-        if self.cfg.loss.beta > 0:  # the KL term's reference: the initial weights
-            parts = self._resplit(self.policy.with_logprobs([s for p in parts for s in p], "ref_logprobs"), parts)
-        applied, sums, work = True, dict.fromkeys(UPDATE_SUMS, 0.0), {}
-        if lo.overlong == "soft_penalty":
-            sums.update(overlong_penalty=float(penalty.sum()), overlong_responses=float(penalty.numel()))
-        for part, batch in zip(parts, batches):
-            ok, part_sums, part_work = self.policy.update(part, self.step, batch)
-            applied &= ok
-            sums = {name: sums[name] + part_sums[name] for name in UPDATE_SUMS}
-            work = {name: work.get(name, 0) + n for name, n in part_work.items()}
-        return applied, sums, len(parts), work
-
-    @staticmethod
-    def _resplit(flat: list, parts: list[list]) -> list[list]:
-        """`flat` cut into lists of the lengths of `parts`."""
-        out, start = [], 0
-        for p in parts:
-            out.append(flat[start : start + len(p)])
-            start += len(p)
         return out
 
     # ------------------------------------------------------------------ checkpoints
