@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from trapo import runtime
 from trapo.data import DataError, Question, benchmarks_dir, jsonl_rows, parquet_rows, stop_token_ids, tokenize_prompts
-from trapo.rewards import extract_answer, math_rewards
+from trapo.rewards import answer_rewards, extract_answer
 from trapo.rollout import request_seed
 
 # Table 1 of the paper: column label and whether the benchmark is in-domain (math).
@@ -161,8 +161,9 @@ def resolve_benchmarks(spec: str, data_dir: Path) -> list[Benchmark]:
 
 def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=None) -> list[dict]:
     """Per response: extracted answer and grade (`math_rewards`: Math-Verify; a letter gold compares letters)."""
-    rewards = math_rewards(texts, [gold] * len(texts), timeout, verifier)
-    return [{"answer": extract_answer(t), "correct": r == 1.0} for t, r in zip(texts, rewards)]
+    answers = [extract_answer(t) for t in texts]  # once: graded and kept
+    rewards = answer_rewards(answers, [gold] * len(texts), timeout, verifier)
+    return [{"answer": a, "correct": r == 1.0} for a, r in zip(answers, rewards)]
 
 
 def evaluate(

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from trapo.data import Question
-from trapo.rewards import Tally, decide_pairs, extract_answer, majority_votes
+from trapo.rewards import Tally, answer_rewards, decide_pairs, extract_answer, majority_votes
 
 
 @dataclass
@@ -73,22 +73,26 @@ def grade(
     pass_rates = [0.0] * b
     pseudo_correct = [math.nan] * b
 
-    # Each answer extracted once: the labeled rewards (what `math_rewards` does, on these answers), the
-    # vote and the rollout dump all read the same strings.
+    # Each answer extracted once: the labeled rewards (`answer_rewards`, `math_rewards` on these answers),
+    # the vote and the rollout dump all read the same strings.
     answers = [[extract_answer(t) for t in group] for group in texts]
     pseudo_labels: list[str | None] = [None] * b
     labeled = [i for i, q in enumerate(questions) if q.labeled]
     if labeled:
-        asked = [(i, j) for i in labeled for j, a in enumerate(answers[i]) if a is not None]  # no answer: 0
-        verdicts = decide_pairs(
-            [(questions[i].answer, answers[i][j]) for i, j in asked], timeout, verifier, deadline, tally
+        flat = answer_rewards(
+            [a for i in labeled for a in answers[i]],
+            [questions[i].answer for i in labeled for _ in answers[i]],
+            timeout,
+            verifier,
+            deadline,
+            tally,
         )
+        pos = 0
         for i in labeled:
-            rewards[i] = [0.0] * len(texts[i])
-        for (i, j), ok in zip(asked, verdicts):
-            rewards[i][j] = 1.0 if ok else 0.0
-        for i in labeled:
-            pass_rates[i] = sum(rewards[i]) / len(texts[i])
+            g = len(texts[i])
+            rewards[i] = flat[pos : pos + g]
+            pass_rates[i] = sum(rewards[i]) / g
+            pos += g
 
     unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
     if unlabeled:

@@ -8,6 +8,7 @@ from trapo.rewards.answers import extract_boxed
 from trapo.rewards.extraction import extract_answer
 from trapo.rewards.verifiable import (
     Tally,
+    answer_rewards,
     decide_pairs,
     judge_pairs,
     majority_vote,
@@ -22,6 +23,7 @@ _CONFIDENCE = ("self_certainty_reward", "token_entropy_reward", "sentence_likeli
 __all__ = [
     "Tally",
     "Verdict",
+    "answer_rewards",
     "decide_pairs",
     "extract_answer",
     "extract_boxed",

@@ -121,10 +121,24 @@ def math_rewards(
     """Batch form of `math_reward`: one Math-Verify round trip for the whole batch."""
     if len(responses) != len(golds):
         raise ValueError(f"math_rewards: {len(responses)} responses but {len(golds)} golds")
-    preds = [extract_answer(r) for r in responses]
-    idx = [i for i, p in enumerate(preds) if p is not None]
-    verdicts = decide_pairs([(golds[i], preds[i]) for i in idx], timeout, verifier, deadline, tally)
-    rewards = [0.0] * len(responses)
+    return answer_rewards([extract_answer(r) for r in responses], golds, timeout, verifier, deadline, tally)
+
+
+def answer_rewards(
+    answers: Sequence[str | None],
+    golds: Sequence[str],
+    timeout: float = DEFAULT_TIMEOUT,
+    verifier: MathVerifier | None = None,
+    deadline: float | None = None,
+    tally: Tally | None = None,
+) -> list[float]:
+    """`math_rewards` on answers already extracted (`extract_answer`; None: no answer, reward 0.0), for
+    callers that also keep the answers (the trainer's grading, the evaluation's samples)."""
+    if len(answers) != len(golds):
+        raise ValueError(f"answer_rewards: {len(answers)} answers but {len(golds)} golds")
+    idx = [i for i, a in enumerate(answers) if a is not None]
+    verdicts = decide_pairs([(golds[i], answers[i]) for i in idx], timeout, verifier, deadline, tally)
+    rewards = [0.0] * len(answers)
     for i, ok in zip(idx, verdicts):
         rewards[i] = 1.0 if ok else 0.0
     return rewards
