@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 ROLLOUT_IS_MODES = ("truncate", "token_mask", "sequence_mask", "off")
-MASK_MODES = ("token_mask", "sequence_mask")
 ROLLOUT_IS_CAP = 2.0  # TRL's default cap for the truncated rollout importance weight
 
 

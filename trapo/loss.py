@@ -20,7 +20,6 @@ from torch import Tensor
 ADVANTAGE_SCALES = ("none", "std")
 AGGREGATIONS = ("dr_grpo", "token_mean", "seq_mean")
 OBJECTIVES = ("grpo", "gspo", "cispo")
-OVERLONG = ("none", "mask", "soft_penalty")
 
 
 def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:

@@ -132,6 +132,13 @@ def reliable_mask(scores: Tensor, top_p: float, threshold: float) -> Tensor:
     return mask | (scores >= threshold)
 
 
+def _extended(history: Tensor, current: Tensor, first: float) -> Tensor:
+    """history [Q, t] with the epoch's column appended: `current` [Q] where recorded, NaN where not, which
+    keeps the previous epoch's value (`first` in the first epoch) -> [Q, t + 1]."""
+    previous = history[:, -1] if history.shape[1] else torch.full_like(current, first)
+    return torch.cat([history, torch.where(torch.isnan(current), previous, current)[:, None]], dim=1)
+
+
 def _mean_or_none(values: Tensor) -> float | None:
     return float(values.float().mean()) if values.numel() else None
 
@@ -230,14 +237,10 @@ class PassRateTracker:
         paper's Figure 4 analysis).
         """
         unseen = torch.isnan(self._current)
-        previous = self.trajectories[:, -1] if self.epoch else torch.zeros(self.num_questions)
-        column = torch.where(unseen, previous, self._current)  # [Q]
-        self.trajectories = torch.cat([self.trajectories, column[:, None]], dim=1)  # [Q, t]
-        fresh = self._current_confidence
-        last_conf = self.confidence[:, -1] if self.confidence.shape[1] else torch.full_like(fresh, float("nan"))
-        conf = torch.where(torch.isnan(fresh), last_conf, fresh)  # [Q]
-        self.confidence = torch.cat([self.confidence, conf[:, None]], dim=1)  # [Q, t]
-        self._current_confidence = torch.full_like(fresh, float("nan"))
+        self.trajectories = _extended(self.trajectories, self._current, first=0.0)  # [Q, t]
+        self.confidence = _extended(self.confidence, self._current_confidence, first=float("nan"))  # [Q, t]
+        conf = self.confidence[:, -1]  # [Q]
+        self._current_confidence = torch.full_like(conf, float("nan"))
         correct = self._correct
         self.last_correct = correct  # [Q]: this epoch's pseudo-label == hidden gold (NaN unknown)
         self._current = torch.full_like(self._current, float("nan"))

@@ -123,7 +123,7 @@ def in_loss(rounds: list[Round], plan: dict[Key, int], rank: int, world: int) ->
 
 
 def take(rounds: list[Round], plan: dict[Key, int], rank: int, world: int) -> tuple[list, list, list, list, list]:
-    """This rank's kept groups of all rounds, in global order, as `Trainer._update` takes them:
+    """This rank's kept groups of all rounds, in global order, as `trapo.update.update_policy` takes them:
     (question_ids [k], rollouts [k][G], rewards [k][G], gate [k], update batch of each [k])."""
     ids, rollouts, rewards, gate, updates = [], [], [], [], []
     for i, rnd in enumerate(rounds):

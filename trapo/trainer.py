@@ -63,12 +63,8 @@ class Trainer:
                 console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
         dist.barrier()
         inputs = prepare_inputs(cfg, self.world, self.is_main)  # data and prompts checked before any model loads
-        self.model_dir, self.tokenizer, self.questions, self.prompts = (
-            inputs.model_dir,
-            inputs.tokenizer,
-            inputs.questions,
-            inputs.prompts,
-        )
+        self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
+        self.questions, self.prompts = inputs.questions, inputs.prompts
         self.test_benchmarks, self.val_benchmarks = inputs.test_benchmarks, inputs.val_benchmarks
         self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
@@ -99,7 +95,6 @@ class Trainer:
         if selection.random_seed is None:  # the random-selection control follows the run's seed
             selection = dataclasses.replace(selection, random_seed=cfg.seed)
         self.tracker = PassRateTracker(torch.tensor([q.labeled for q in self.questions]), selection)
-        self._scored: tuple | None = None  # (rollouts, kind, scores): the step's confidence scores, see _confidence
         self.step = 0
         self.cursor = sampling.Cursor(0, 0)  # the next step's epoch and batch (refills consume batches)
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
@@ -199,8 +194,9 @@ class Trainer:
         # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
         # (the selection strategy's confidence scores, when it needs them, are a policy forward: timed as grading)
         with timer.time("grading"):
-            gate = self._record_pass_rates(question_ids, grades, rollouts)  # [b]
-            rewards = self._rewards(question_ids, rollouts, grades)  # [b][G]
+            scored = self._confidence_scores(question_ids, rollouts)  # {kind: {position: [G] scores}}
+            gate = self._record_pass_rates(question_ids, grades, scored)  # [b]
+            rewards = self._rewards(grades, scored)  # [b][G]
         return sampling.Round(question_ids, rollouts, grades, gate, rewards)
 
     def _rollout_sums(self, rounds: list[sampling.Round], plan: dict) -> dict[str, float]:
@@ -261,14 +257,41 @@ class Trainer:
             self.loggers.log_selection(row, step=self.step + 1)  # the step that closes the epoch
         return self.last_selection
 
-    def _record_pass_rates(self, question_ids: list[int], grades: Grades, rollouts: list[list[Rollout]]) -> list[float]:
-        """Gather every rank's pass rates (and the selection strategy's confidence scores, a collective
-        forward) into the tracker; return the gate M of this rank's questions."""
-        kind = confidence_kind(self.cfg.selection.strategy)
+    def _confidence_scores(self, question_ids: list[int], rollouts: list[list[Rollout]]) -> dict[str, dict]:
+        """{kind: {position in the batch: its G confidence scores}} of this rank's unlabeled questions, for the
+        kinds the selection strategy and the unlabeled reward need: one policy forward per kind, so the two
+        share it when they need the same one.
+
+        A forward is collective: every rank scores, maybe nothing. The selection's kind is skipped when the
+        data has no labeled or no unlabeled question (there is nothing to select), alike on every rank.
+        """
+        kinds = []
+        selection = confidence_kind(self.cfg.selection.strategy)
+        if selection is not None and self.tracker.labeled.any() and not self.tracker.labeled.all():
+            kinds.append(selection)
+        if self.cfg.reward.unlabeled != "majority":
+            kinds.append(self.cfg.reward.unlabeled)
+        unlabeled = [pos for pos, i in enumerate(question_ids) if not self.questions[i].labeled]
+        g = self.cfg.rollout.n
+        to_score = build_sequences(
+            prompts=[self.prompts[question_ids[pos]] for pos in unlabeled],
+            responses=[[r.token_ids for r in rollouts[pos]] for pos in unlabeled],
+            advantages=[[0.0] * g for _ in unlabeled],  # scoring reads tokens only
+            gate=[1.0] * len(unlabeled),
+            labeled=[False] * len(unlabeled),
+        )
+        out = {}
+        for kind in dict.fromkeys(kinds):  # in order, each once
+            scores = self.policy.confidence_scores(to_score, kind)  # [len(unlabeled) * G]
+            out[kind] = {pos: scores[n * g : (n + 1) * g] for n, pos in enumerate(unlabeled)}
+        return out
+
+    def _record_pass_rates(self, question_ids: list[int], grades: Grades, scored: dict[str, dict]) -> list[float]:
+        """Gather every rank's pass rates (and the selection strategy's confidence scores, when it ranks by
+        them) into the tracker; return the gate M of this rank's questions."""
         confidence = [float("nan")] * len(question_ids)  # [b]: mean over the G responses, unlabeled only
-        if kind is not None and self.tracker.labeled.any() and not self.tracker.labeled.all():
-            for pos, scores in self._confidence(question_ids, rollouts, kind).items():
-                confidence[pos] = sum(scores) / len(scores)
+        for pos, scores in scored.get(confidence_kind(self.cfg.selection.strategy), {}).items():
+            confidence[pos] = sum(scores) / len(scores)
         gathered = dist.all_gather((question_ids, grades.pass_rates, grades.pseudo_correct, confidence))
         self.tracker.record(
             torch.tensor([i for ids, *_ in gathered for i in ids]),
@@ -280,37 +303,12 @@ class Trainer:
             return [1.0] * len(question_ids)
         return self.tracker.gate(torch.tensor(question_ids)).tolist()
 
-    def _rewards(self, question_ids: list[int], rollouts: list[list[Rollout]], grades: Grades) -> list[list[float]]:
+    def _rewards(self, grades: Grades, scored: dict[str, dict]) -> list[list[float]]:
         """[b][G] rewards: the graded ones, or for unlabeled questions a confidence reward when configured."""
-        kind = self.cfg.reward.unlabeled
-        if kind == "majority":
-            return grades.rewards
         rewards = list(grades.rewards)
-        for pos, scores in self._confidence(question_ids, rollouts, kind).items():
+        for pos, scores in scored.get(self.cfg.reward.unlabeled, {}).items():
             rewards[pos] = scores
         return rewards
-
-    def _confidence(self, question_ids: list[int], rollouts: list[list[Rollout]], kind: str) -> dict[int, list]:
-        """{position in the batch: its G confidence scores} for this rank's unlabeled questions.
-
-        A policy forward, which is collective: every rank scores, maybe nothing. The selection
-        strategy and the confidence reward share one forward when they need the same kind.
-        """
-        if self._scored is not None and self._scored[0] is rollouts and self._scored[1] == kind:
-            return self._scored[2]
-        unlabeled = [pos for pos, i in enumerate(question_ids) if not self.questions[i].labeled]
-        g = self.cfg.rollout.n
-        to_score = build_sequences(
-            prompts=[self.prompts[question_ids[pos]] for pos in unlabeled],
-            responses=[[r.token_ids for r in rollouts[pos]] for pos in unlabeled],
-            advantages=[[0.0] * g for _ in unlabeled],  # scoring reads tokens only
-            gate=[1.0] * len(unlabeled),
-            labeled=[False] * len(unlabeled),
-        )
-        scores = self.policy.confidence_scores(to_score, kind)  # [len(unlabeled) * G]
-        out = {pos: scores[n * g : (n + 1) * g] for n, pos in enumerate(unlabeled)}
-        self._scored = (rollouts, kind, out)
-        return out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -434,9 +432,8 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-        self.loggers = Loggers.open_everywhere(
-            cfg, self.is_main
-        )  # a missing package or bad setting: all ranks stop now
+        # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
+        self.loggers = Loggers.open_everywhere(cfg, self.is_main)
         n_labeled = sum(q.labeled for q in self.questions)
         refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
         console.say(
@@ -456,8 +453,9 @@ class Trainer:
                     step_log = self.train_step()
                     self._finish_step(step_log, stop_requested=dist.all_max(stop.received is not None) == 1)
                     bar.set_postfix(metrics.progress_fields(step_log, self.last_selection), refresh=False)
-                    bar.update(self._progress()[0] - done)
-                    done = self._progress()[0]
+                    now = self._progress()[0]
+                    bar.update(now - done)
+                    done = now
         finally:
             bar.close()
             self.loggers.close()
