@@ -46,10 +46,10 @@ EVAL_ARGS ?=
 TOY_TEST := outputs/toy-assets/seed-0/test.jsonl
 eval: $(STAMP)
 ifeq ($(strip $(MODEL)$(BENCH)),)
-	$(PY) -m trapo.eval --benchmarks $(TOY_TEST),math,arc_c,gpqa --limit 32 --n 4 --pass-k 4 \
+	$(PY) -m trapo eval --benchmarks $(TOY_TEST),math,arc_c,gpqa --limit 32 --n 4 --pass-k 4 \
 		--template plain --max-tokens 16 --max-prompt-tokens 1536 $(EVAL_ARGS)
 else
-	$(PY) -m trapo.eval $(if $(MODEL),--model $(MODEL)) --benchmarks $(or $(BENCH),math,arc_c,gpqa) $(EVAL_ARGS)
+	$(PY) -m trapo eval $(if $(MODEL),--model $(MODEL)) --benchmarks $(or $(BENCH),math,arc_c,gpqa) $(EVAL_ARGS)
 endif
 
 # Every training file the shipped paper configs name, into data/, from the public datasets downloaded
@@ -61,36 +61,36 @@ data: $(STAMP)
 ifeq ($(strip $(SOURCES)),)
 	@echo "make data: give SOURCES=<folder with openr1-46k/, deepmath-103k/, mmlu-pro/> (README, 'Reproducing the paper on GPUs')"; exit 2
 else
-	$(PY) -m trapo.prepare --paper $(SOURCES) $(if $(TOKENIZER),--tokenizer $(TOKENIZER) --max-prompt-tokens 1024)
+	$(PY) -m trapo prepare --paper $(SOURCES) $(if $(TOKENIZER),--tokenizer $(TOKENIZER) --max-prompt-tokens 1024)
 endif
 
 # Preflight: versions, devices, collectives, a two-step run of CONFIG (default: the toy) on a shrunken
 # model, the checkpoint read back, and on GPU the memory plan. Under the launcher it checks every local GPU:
-#   deepspeed --module trapo.doctor --config configs/trapo_1k_3k.yaml
+#   deepspeed --module trapo doctor --config configs/trapo_1k_3k.yaml
 CONFIG ?=
 doctor: $(STAMP)
-	$(PY) -m trapo.doctor $(if $(CONFIG),--config $(CONFIG))
+	$(PY) -m trapo doctor $(if $(CONFIG),--config $(CONFIG))
 
 # The README's generated blocks (the make train summary) from a fresh run.
 readme-figures: $(STAMP)
 	rm -rf outputs/toy
 	$(PY) trapo_train.py
-	$(PY) -m trapo.readme --train outputs/toy
+	$(PY) -m trapo readme --train outputs/toy
 
 # PNG plots and report.md of any run directory: `make report RUN=outputs/toy`.
 RUN ?= outputs/toy
 report: $(STAMP)
-	$(PY) -m trapo.report $(RUN)
+	$(PY) -m trapo report $(RUN)
 
-# The paper's claims on the trap toy task under two protocols (trapo/reproduce.py): 7 methods
+# The paper's claims on the trap toy task under two protocols (trapo/commands/reproduce.py): 7 methods
 # x 8 seeds, two runs at a time; results, plots and the README's section are rewritten from
 # the runs (docs/reproduce-toy/). QUICK=1: 3 seeds, 8 epochs, into outputs/reproduce-toy-quick/.
 reproduce-toy: $(STAMP)
 ifeq ($(QUICK),)
-	$(PY) -m trapo.reproduce --docs docs/reproduce-toy
-	$(PY) -m trapo.readme --reproduce docs/reproduce-toy
+	$(PY) -m trapo reproduce --docs docs/reproduce-toy
+	$(PY) -m trapo readme --reproduce docs/reproduce-toy
 else
-	$(PY) -m trapo.reproduce --quick
+	$(PY) -m trapo reproduce --quick
 endif
 
 lint: $(STAMP)

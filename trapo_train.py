@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # From here on the libraries' output goes to run_dir/log.txt; our own lines to the terminal.
     log = console.capture(cfg.run_dir, int(os.environ.get("RANK", "0")), console.debug_requested(cfg.logging.level))
-    from trapo.checkpoint import CheckpointError
-    from trapo.trainer import Preempted, TrainingError, run
+    from trapo.engine.checkpoint import CheckpointError
+    from trapo.training.trainer import Preempted, TrainingError, run
 
     try:
         run(cfg)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         console.say(str(err))
         return 3
     except Exception as err:
-        from trapo.dist import timeout_message
+        from trapo.engine.dist import timeout_message
 
         message = timeout_message(err, cfg.dist_timeout_minutes)
         if message is not None:  # another rank died or hangs: one line here, the traceback in log.txt

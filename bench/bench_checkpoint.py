@@ -1,7 +1,7 @@
 """Checkpoint checksum cost: crc32 throughput over a file just written, and what it means for a 7B run.
 
 Writes a 512 MB file into a temporary directory (the page cache holds it, as it holds a checkpoint
-right after its save), times `trapo.checksums.file_checksum` on it beside a plain read of the same
+right after its save), times `trapo.engine.checksums.file_checksum` on it beside a plain read of the same
 file, and projects the per-rank hashing time of a Qwen2.5-Math-7B checkpoint (bf16 `hf/` weights and
 ZeRO-3 bf16 partitions, fp32 master and two Adam moments: about 120 GB) split over 8 ranks. The projection is arithmetic
 from this machine's figure, not a GPU-node measurement: a node's disk may be slower than its CPU.
@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trapo.checksums import CHUNK, file_checksum
+from trapo.engine.checksums import CHUNK, file_checksum
 
 SIZE = 512 << 20
 PARAMS_7B = 7.6e9  # Qwen2.5-Math-7B

@@ -1,4 +1,4 @@
-"""The evidence behind trapo.prepare's decontamination n-gram length (NGRAM).
+"""The evidence behind trapo.commands.prepare's decontamination n-gram length (NGRAM).
 
 For n words, counts the distinct math questions of data/benchmarks (AIME, AMC, MATH-500,
 Minerva, OlympiadBench) that share an n-word run with a *different* question. A short n
@@ -12,8 +12,8 @@ import random
 import time
 from collections import defaultdict
 
+from trapo.commands.prepare import NGRAM, Contamination, source_files, words
 from trapo.data import benchmarks_dir, parquet_rows
-from trapo.prepare import NGRAM, Contamination, source_files, words
 
 
 def shared_counts(questions: list[str], sizes: list[int]) -> dict[int, int]:

@@ -24,9 +24,9 @@ runtime.configure()  # bounded threads before torch is imported
 
 import pyarrow.parquet as pq  # noqa: E402
 
+from trapo.algorithm.rewards import extract_answer, majority_votes, math_rewards  # noqa: E402
+from trapo.algorithm.rewards.verifier import MathVerifier  # noqa: E402
 from trapo.data import benchmarks_dir  # noqa: E402
-from trapo.rewards import extract_answer, majority_votes, math_rewards  # noqa: E402
-from trapo.rewards.verifier import MathVerifier  # noqa: E402
 
 QUESTIONS, G, TARGET_S = 64, 8, 1.0
 DATA = str(benchmarks_dir())

@@ -5,7 +5,7 @@ projection, log-prob of the sampled tokens and entropy, forward + backward,
 with the trainer's update loss (entropy bonus 0.01):
     loss = -(logprob * adv).mean() - 0.01 * entropy.mean()
   naive: nn.Linear head -> full [T, V] logits -> .float() -> token_logprobs & token_entropy
-  ours:  trapo.logits.lm_head_token_stats (chunks of --chunk rows, recomputed in backward,
+  ours:  trapo.algorithm.logits.lm_head_token_stats (chunks of --chunk rows, recomputed in backward,
          the weight gradient summed in place into one [V, H])
 
 Each variant runs in a fresh subprocess (1 thread) that reads its peak RSS
@@ -43,7 +43,7 @@ runtime.configure()
 
 import torch  # noqa: E402
 
-from trapo.logits import DEFAULT_CHUNK_TOKENS, lm_head_token_stats, token_entropy, token_logprobs  # noqa: E402
+from trapo.algorithm.logits import DEFAULT_CHUNK_TOKENS, lm_head_token_stats, token_entropy, token_logprobs  # noqa: E402
 
 VARIANTS = ("naive", "ours")
 MB = 2**20

@@ -16,10 +16,10 @@ from trapo import runtime  # noqa: E402
 
 runtime.configure()  # before torch and vLLM are imported
 
+from trapo.commands.toy import build_assets  # noqa: E402
 from trapo.config import ToyConfig  # noqa: E402
 from trapo.data import load_questions, tokenize_prompts  # noqa: E402
-from trapo.rollout import RolloutEngine  # noqa: E402
-from trapo.toy import build_assets  # noqa: E402
+from trapo.engine.rollout import RolloutEngine  # noqa: E402
 
 ROUNDS, N, MAX_TOKENS = 7, 8, 12
 

@@ -16,7 +16,7 @@ runtime.configure()  # bounded threads before torch is imported
 
 import torch  # noqa: E402
 
-from trapo.passrate import PassRateTracker, SelectionConfig, reliable_mask  # noqa: E402
+from trapo.algorithm.passrate import PassRateTracker, SelectionConfig, reliable_mask  # noqa: E402
 
 N_UNLABELED, N_LABELED, EPOCHS = 45_000, 5_000, 50
 TARGET_MS = 50.0

@@ -19,7 +19,7 @@ from trapo import runtime  # noqa: E402
 runtime.configure()  # before torch and vLLM are imported
 
 from trapo.config import load_config  # noqa: E402
-from trapo.trainer import Trainer  # noqa: E402
+from trapo.training.trainer import Trainer  # noqa: E402
 
 STEPS = 12
 

@@ -7,7 +7,7 @@ groups with equal rewards (advantage 0). Loss: Dr.GRPO without entropy or KL ter
 sequence cannot change the gradient. Paths, all through `Policy.update` as the trainer calls it:
 
 - today:           right-padded micro-batches, each rank its own rollouts, every sequence computed;
-- packed:          padding-free packed rows (trapo/packing.py), each rank its own rollouts;
+- packed:          padding-free packed rows (trapo/engine/packing.py), each rank its own rollouts;
 - packed+balanced: packed, zero-advantage sequences skipped, tokens balanced across ranks (the defaults).
 
 Prints computed tokens, update_efficiency (signal tokens / tokens computed by all ranks) with its
@@ -65,11 +65,11 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
 
     import torch
 
-    from trapo import dist
-    from trapo.batch import TrainSequence
     from trapo.config import load_config
-    from trapo.packing import ATTENTION, update_efficiency
-    from trapo.policy import Policy
+    from trapo.engine import dist
+    from trapo.engine.batch import TrainSequence
+    from trapo.engine.packing import ATTENTION, update_efficiency
+    from trapo.engine.policy import Policy
 
     dist.init_distributed()
     torch.manual_seed(rank)
@@ -104,8 +104,8 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
 
 def paper_scale() -> dict[str, float]:
     """8 ranks x 64 sequences, lengths x 8 (to 8,192), micro_batch_tokens 16,384: the pure function alone."""
-    from trapo.batch import pack_by_tokens
-    from trapo.packing import balance, pack_rows, update_efficiency, work_counts
+    from trapo.engine.batch import pack_by_tokens
+    from trapo.engine.packing import balance, pack_rows, update_efficiency, work_counts
 
     ranks = [rank_batch(r, scale=8.0) for r in range(8)]
     signal = sum(p + r for b in ranks for p, r, a in b if a != 0.0)
@@ -125,7 +125,7 @@ def main() -> None:
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trapo.toy import MODEL_SHAPE
+    from trapo.commands.toy import MODEL_SHAPE
 
     model_dir = tempfile.mkdtemp(prefix="bench-update-")
     config = Qwen2Config(vocab_size=320, **MODEL_SHAPE)  # the toy's shape

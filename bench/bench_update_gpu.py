@@ -31,7 +31,7 @@ runtime.configure()  # before torch is imported
 
 import torch  # noqa: E402
 
-from trapo.toy import MODEL_SHAPE  # noqa: E402
+from trapo.commands.toy import MODEL_SHAPE  # noqa: E402
 
 R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=16384,
@@ -41,7 +41,7 @@ TINY = dict(vocab_size=320, **MODEL_SHAPE)  # the toy's shape
 
 def full_logits_stats(policy):
     """Policy._token_stats with the [T, V] logits built in full (the path our chunked head replaces)."""
-    from trapo.logits import TokenStats, scatter_to_mask, token_entropy
+    from trapo.algorithm.logits import TokenStats, scatter_to_mask, token_entropy
 
     def stats(batch, *, entropy=False, kl_uniform=False, engine=None):
         mask = batch["response_mask"].to(policy.device)
@@ -74,10 +74,10 @@ def main() -> None:
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trapo import dist
-    from trapo.batch import TrainSequence
     from trapo.config import load_config
-    from trapo.policy import Policy
+    from trapo.engine import dist
+    from trapo.engine.batch import TrainSequence
+    from trapo.engine.policy import Policy
 
     dist.init_distributed()
     shape = TINY if args.cpu_smoke else R1_DISTILL_1P5B

@@ -32,10 +32,10 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
-from trapo.rewards import Tally, majority_votes  # noqa: E402
-from trapo.rewards.answers import MAX_ANSWER_CHARS, normalize  # noqa: E402
-from trapo.rewards.verifiable import fast_verdict  # noqa: E402
-from trapo.rewards.verifier import MathVerifier  # noqa: E402
+from trapo.algorithm.rewards import Tally, majority_votes  # noqa: E402
+from trapo.algorithm.rewards.answers import MAX_ANSWER_CHARS, normalize  # noqa: E402
+from trapo.algorithm.rewards.verifiable import fast_verdict  # noqa: E402
+from trapo.algorithm.rewards.verifier import MathVerifier  # noqa: E402
 
 ANSWERS = [f"9^{{9^{{9^{{{k}}}}}}}" for k in range(4, 12)]
 TARGET_RATIO = 2.5
@@ -52,7 +52,7 @@ def legacy_worker(internal_timeout: int) -> None:
     import sympy
     from math_verify import parse, verify
 
-    from trapo.rewards.answers import exact_number
+    from trapo.algorithm.rewards.answers import exact_number
 
     stdout = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -227,7 +227,7 @@ def main() -> None:
         f"({args.workers} workers), e.g. {ANSWERS[0]!r}"
     )
 
-    logging.getLogger("trapo.rewards.verifier").setLevel(logging.ERROR)  # the timeouts are the point: counted
+    logging.getLogger("trapo.algorithm.rewards.verifier").setLevel(logging.ERROR)  # the timeouts are the point: counted
     verifier = MathVerifier(num_workers=args.workers, timeout=t)
     verifier.start()
     tally = Tally()

@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def toy_dir(tmp_path_factory):
     """A small toy task built once per session: 16 labeled, 48 unlabeled, 16 test questions."""
+    from trapo.commands.toy import build_assets
     from trapo.config import ToyConfig
-    from trapo.toy import build_assets
 
     d = tmp_path_factory.mktemp("toy")
     build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)

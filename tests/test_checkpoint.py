@@ -2,7 +2,7 @@
 
 import pytest
 
-from trapo import checkpoint as ckpt
+from trapo.engine import checkpoint as ckpt
 
 
 def test_commit_latest_and_prune(tmp_path):
@@ -42,9 +42,9 @@ def test_trainer_state_round_trip(tmp_path):
     """Trainer.state_dict -> trainer_state.pt -> Trainer.load_state_dict restores the loop's state exactly."""
     import torch
 
-    from trapo.passrate import PassRateTracker, SelectionConfig
-    from trapo.sampling import Cursor
-    from trapo.trainer import Trainer, TrainingError
+    from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
+    from trapo.training.sampling import Cursor
+    from trapo.training.trainer import Trainer, TrainingError
 
     def skeleton(world):  # the state-holding part of a Trainer, without a model or an engine
         t = Trainer.__new__(Trainer)

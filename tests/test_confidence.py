@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trapo.rewards import self_certainty_reward, sentence_likelihood_reward, token_entropy_reward
+from trapo.algorithm.rewards import self_certainty_reward, sentence_likelihood_reward, token_entropy_reward
 
 # One response of two tokens (plus one padded position with wild logits).
 # Position 0: uniform over 2 -> p = [.5, .5]; position 1: p = [.75, .25].

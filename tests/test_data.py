@@ -93,7 +93,7 @@ def test_ratio_split_is_seeded(tmp_path):
 
 
 def test_prompt_templates(tmp_path):
-    from trapo.toy import _tokenizer
+    from trapo.commands.toy import _tokenizer
 
     tok = _tokenizer(["12+34=\\boxed{46}"])
     f = write_jsonl(tmp_path / "t.jsonl", [{"question": "12+34=", "answer": "46"}])

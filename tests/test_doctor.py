@@ -1,4 +1,4 @@
-"""trapo.doctor's preflight (the CPU subset CI can run); the --plan mode is tested in test_memory_plan.py."""
+"""trapo.commands.doctor's preflight (the CPU subset CI can run); the --plan mode is tested in test_memory_plan.py."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def doctor(*args):
-    return subprocess.run([sys.executable, "-m", "trapo.doctor", *args], cwd=ROOT, env=runtime.subprocess_env(),
+    return subprocess.run([sys.executable, "-m", "trapo", "doctor", *args], cwd=ROOT, env=runtime.subprocess_env(),
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 

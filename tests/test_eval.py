@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trapo.data import DataError
-from trapo.eval import (
+from trapo.commands.eval import (
     avg_at_k,
     grade_responses,
     markdown_table,
@@ -16,6 +15,7 @@ from trapo.eval import (
     read_benchmark_file,
     resolve_benchmarks,
 )
+from trapo.data import DataError
 
 
 def test_avg_at_k_by_hand():

@@ -47,7 +47,7 @@ def test_two_ranks_and_tensor_parallel_rollouts_on_gpu(toy_dir, tmp_path):
 
 
 def test_doctor_passes_on_this_gpu():
-    out = run([sys.executable, "-m", "trapo.doctor"])
+    out = run([sys.executable, "-m", "trapo", "doctor"])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "bus" in out.stdout and "peak" in out.stdout
 

@@ -3,9 +3,9 @@
 import math
 import time
 
+from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.data import Question
-from trapo.grading import grade
-from trapo.rewards.verifier import MathVerifier
+from trapo.training.grading import grade
 
 
 def q(answer, labeled):

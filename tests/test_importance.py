@@ -1,4 +1,4 @@
-"""Rollout importance correction (trapo/importance.py): truncate, token_mask, sequence_mask by hand; the
+"""Rollout importance correction (trapo/algorithm/importance.py): truncate, token_mask, sequence_mask by hand; the
 geometric mean of sequence_mask; the top-p warning; the logged fractions."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from trapo.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
-from trapo.metrics import step_values
-from trapo.policy import UPDATE_SUMS
+from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
+from trapo.engine.policy import UPDATE_SUMS
+from trapo.training.metrics import step_values
 
 
 def _logprobs(ratios, pad_value=float("-inf")):

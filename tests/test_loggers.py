@@ -1,4 +1,4 @@
-"""trapo.loggers: TensorBoard, wandb (offline) and MLflow (file store) fed by one object, read back from disk."""
+"""trapo.training.loggers: TensorBoard, wandb (offline) and MLflow (file store) fed by one object, read back from disk."""
 
 import math
 import sys
@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from trapo.config import ConfigError, load_config
-from trapo.loggers import Loggers, check_packages, mlflow_key, read_wandb_history
-from trapo.tensorboard_writer import read_scalars
+from trapo.training.loggers import Loggers, check_packages, mlflow_key, read_wandb_history
+from trapo.training.tensorboard_writer import read_scalars
 
 # Two metrics.jsonl rows as the trainer writes them: nested dicts, a flag, values that are not scalars.
 STEPS = [

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trapo.logits import (
+from trapo.algorithm.logits import (
     kl_uniform_to_policy,
     lm_head_token_stats,
     scatter_to_mask,

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from trapo.logits import kl_uniform_to_policy, token_entropy, token_logprobs
-from trapo.loss import group_advantages, overlong_penalty, policy_loss
+from trapo.algorithm.logits import kl_uniform_to_policy, token_entropy, token_logprobs
+from trapo.algorithm.loss import group_advantages, overlong_penalty, policy_loss
 
 
 def test_group_advantages_dr_grpo_is_centered_reward():
@@ -302,10 +302,10 @@ def test_overlong_penalty_shifts_group_advantages():
 
 
 def test_update_shapes_rewards_only_with_soft_penalty():
-    """trapo.update.shaped_advantages: the hand values above under loss.overlong=soft_penalty, plain Dr.GRPO
+    """trapo.training.update.shaped_advantages: the hand values above under loss.overlong=soft_penalty, plain Dr.GRPO
     advantages (and a zero penalty) otherwise; an empty rank gives [0, G]."""
     from trapo.config import load_config
-    from trapo.update import shaped_advantages
+    from trapo.training.update import shaped_advantages
 
     base = ["toy.enabled=true", "rollout.n=4", "rollout.max_tokens=10"]
     soft = load_config(None, [*base, "loss.overlong=soft_penalty", "loss.overlong_buffer=4"])
@@ -319,7 +319,7 @@ def test_update_shapes_rewards_only_with_soft_penalty():
 
 
 def test_overlong_mask_leaves_the_denominators():
-    from trapo.batch import build_sequences, loss_counts
+    from trapo.engine.batch import build_sequences, loss_counts
 
     seqs = build_sequences(
         prompts=[[1, 2], [3]],
@@ -335,7 +335,7 @@ def test_overlong_mask_leaves_the_denominators():
     assert [s.truncated for s in build_sequences([[1]], [[[2]]], [[0.0]], [1.0], [True])] == [False]
     # ... and the update itself (Policy.trainable)
     from trapo.config import Config
-    from trapo.policy import Policy
+    from trapo.engine.policy import Policy
 
     policy = object.__new__(Policy)  # the real method on a config alone: no model needed to filter
     policy.cfg = Config()

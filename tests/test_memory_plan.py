@@ -1,4 +1,4 @@
-"""The memory plan against figures worked out by hand, its hints, and `python -m trapo.doctor --plan`'s exit codes."""
+"""The memory plan against figures worked out by hand, its hints, and `python -m trapo doctor --plan`'s exit codes."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trapo.config import ConfigError, load_config
-from trapo.memory_plan import BUILTIN, GiB, memory_plan, model_arch
+from trapo.engine.memory_plan import BUILTIN, GiB, memory_plan, model_arch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "trapo_1k_3k.yaml")
@@ -150,7 +150,7 @@ def test_other_paper_models_fit_on_8_x_80_gib():
 def doctor(*args):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "trapo.doctor", *args], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "trapo", "doctor", *args], cwd=ROOT, env=env, capture_output=True, text=True
     )
 
 
@@ -168,4 +168,4 @@ def test_cli_exit_codes():
         ["--config", "configs/toy.yaml", "--gpus", "1"],
     ):
         run = doctor("--plan", *args, "--gpu-memory-gb", "80")
-        assert run.returncode == 2 and run.stderr.startswith("trapo.doctor: ") and run.stderr.count("\n") == 1, args
+        assert run.returncode == 2 and run.stderr.startswith("trapo.commands.doctor: ") and run.stderr.count("\n") == 1, args

@@ -6,10 +6,10 @@ import math
 import pytest
 
 from trapo.data import Question
-from trapo.grading import Grades
-from trapo.metrics import step_sums, step_values, step_warnings, summary_text, trim_metrics
-from trapo.policy import UPDATE_SUMS
-from trapo.rollout import Rollout
+from trapo.engine.policy import UPDATE_SUMS
+from trapo.engine.rollout import Rollout
+from trapo.training.grading import Grades
+from trapo.training.metrics import step_sums, step_values, step_warnings, summary_text, trim_metrics
 
 
 def q(labeled: bool) -> Question:
@@ -137,7 +137,7 @@ def test_step_warnings_for_truncation_and_grading_storms():
 
 
 def test_append_jsonl_creates_the_run_directory(tmp_path):
-    from trapo.metrics import append_jsonl
+    from trapo.training.metrics import append_jsonl
 
     path = tmp_path / "run" / "selection.jsonl"  # a step may end an epoch before train() made the directory
     append_jsonl(path, {"epoch": 1})

@@ -5,7 +5,7 @@ from transformers import AutoConfig
 
 from trapo.config import Config, ConfigError
 from trapo.data import stop_token_ids
-from trapo.policy import model_overrides, same_model
+from trapo.engine.policy import model_overrides, same_model
 
 
 def test_rope_override_is_the_whole_rope_parameters_with_the_new_theta():

@@ -11,8 +11,8 @@ import pytest
 from test_trainer_e2e import ROOT, free_port, metrics, overrides, train
 
 from trapo import runtime
-from trapo.loggers import read_wandb_history
-from trapo.tensorboard_writer import read_histogram_tags, read_scalars
+from trapo.training.loggers import read_wandb_history
+from trapo.training.tensorboard_writer import read_histogram_tags, read_scalars
 
 
 def at(row, key):

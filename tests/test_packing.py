@@ -1,12 +1,12 @@
-"""Packed micro-batches, rank balancing and the update-efficiency measure (trapo/packing.py)."""
+"""Packed micro-batches, rank balancing and the update-efficiency measure (trapo/engine/packing.py)."""
 
 import random
 
 import pytest
 import torch
 
-from trapo.batch import TrainSequence, collate
-from trapo.packing import (
+from trapo.engine.batch import TrainSequence, collate
+from trapo.engine.packing import (
     balance,
     collate_packed,
     pack_rows,

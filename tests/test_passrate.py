@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trapo.passrate import (
+from trapo.algorithm.passrate import (
     PassRateTracker,
     SelectionConfig,
     pass_rates,

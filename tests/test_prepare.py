@@ -1,4 +1,4 @@
-"""trapo.prepare: source layouts, cleaning counts, decontamination, splits, determinism, errors, trainer reads it."""
+"""trapo.commands.prepare: source layouts, cleaning counts, decontamination, splits, determinism, errors, trainer reads it."""
 
 import json
 import os
@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from trapo.commands.prepare import NGRAM, PAPER_FILES, Contamination, main, parser, prepare
 from trapo.data import THINK_SYSTEM, DataError, load_questions, render_prompt, template_messages
-from trapo.prepare import NGRAM, PAPER_FILES, Contamination, main, parser, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A MATH-500 question of data/benchmarks/math.parquet (row 0), planted in the training sources.
@@ -211,7 +211,7 @@ def test_unknown_layout_is_one_line_without_traceback(tmp_path):
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"text": ["a"], "label": ["b"]}), bad)
     res = subprocess.run(
-        [sys.executable, "-m", "trapo.prepare", str(bad), "--labeled", "1", "--out", str(tmp_path / "o.parquet")],
+        [sys.executable, "-m", "trapo", "prepare", str(bad), "--labeled", "1", "--out", str(tmp_path / "o.parquet")],
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert res.returncode == 2 and "Traceback" not in res.stderr

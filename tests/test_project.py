@@ -24,9 +24,9 @@ def test_entry_point_help_names_the_launch_command():
 
 
 def test_public_names_import():
-    from trapo.loss import group_advantages, policy_loss  # noqa: F401
-    from trapo.passrate import PassRateTracker, reliable_mask, tcs  # noqa: F401
-    from trapo.rewards import majority_vote, math_reward, self_certainty_reward  # noqa: F401
+    from trapo.algorithm.loss import group_advantages, policy_loss  # noqa: F401
+    from trapo.algorithm.passrate import PassRateTracker, reliable_mask, tcs  # noqa: F401
+    from trapo.algorithm.rewards import majority_vote, math_reward, self_certainty_reward  # noqa: F401
 
 
 def _tracked_files() -> list[str]:
@@ -51,7 +51,7 @@ def test_no_code_path_reaches_outside_the_repository():
         for f in _tracked_files()
         if f.endswith((".py", ".yaml", ".json", ".toml", ".txt")) or f in ("Makefile", ".ci/run")
     ]
-    assert "trapo/eval.py" in runnable and "Makefile" in runnable
+    assert "trapo/commands/eval.py" in runnable and "Makefile" in runnable
     offenders = []
     for rel in runnable:
         depth = rel.count("/")  # parents[depth] of a file is the repository root
@@ -81,7 +81,7 @@ HANG = """
 import os, sys, time
 from trapo import runtime
 runtime.configure()
-from trapo import dist
+from trapo.engine import dist
 rank = int(os.environ["RANK"])
 dist.init_distributed(timeout_minutes=0.05)  # 3 s
 if rank == 1:

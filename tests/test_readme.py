@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trapo import readme
+from trapo.commands import readme
 
 
 def test_replace_block_and_missing_markers():
@@ -43,7 +43,7 @@ def test_reproduce_block_rewrites_links_from_the_readme(tmp_path):
 def test_memory_plan_block_comes_from_the_doctor():
     body = readme.plan_block()
     assert body.count("memory plan: configs/trapo_1k_3k.yaml on 8 x") == 2
-    assert "`python -m trapo.doctor --plan --config configs/trapo_1k_3k.yaml --gpus 8 --gpu-memory-gb 141`" in body
+    assert "`python -m trapo doctor --plan --config configs/trapo_1k_3k.yaml --gpus 8 --gpu-memory-gb 141`" in body
     text = readme.README.read_text()
     assert readme.replace_block(text, "memory-plan", body) == text  # the README holds the current output
 

@@ -1,4 +1,4 @@
-"""trapo.report (plots + report.md of a run directory) and trapo.tensorboard_writer, on synthetic run files."""
+"""trapo.commands.report (plots + report.md of a run directory) and trapo.training.tensorboard_writer, on synthetic run files."""
 
 import json
 import math
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trapo import report
-from trapo.passrate import PassRateTracker, SelectionConfig
+from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
+from trapo.commands import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = [p.file for p in report.PLOTS]
@@ -265,12 +265,12 @@ def test_errors_name_the_path_and_exit_2(tmp_path, capsys, case, expected):
 
 
 def test_module_entry_point_exit_status(tmp_path):
-    """`python -m trapo.report` (what `make report` runs) exits 2 on a missing directory."""
+    """`python -m trapo report` (what `make report` runs) exits 2 on a missing directory."""
     import subprocess
 
     missing = tmp_path / "nope"
     proc = subprocess.run(
-        [sys.executable, "-m", "trapo.report", str(missing)],
+        [sys.executable, "-m", "trapo", "report", str(missing)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -329,7 +329,7 @@ def test_timing_table_splits_step_into_phases_and_other():
 
 
 def test_tensorboard_writes_flattened_scalars_and_selection(tmp_path):
-    from trapo.tensorboard_writer import TensorBoardWriter, read_histogram_tags, read_scalars
+    from trapo.training.tensorboard_writer import TensorBoardWriter, read_histogram_tags, read_scalars
 
     steps = metrics_rows(steps=6)
     steps[1]["loss"] = float("nan")  # a skipped step: no point, the flag says it
@@ -364,7 +364,7 @@ def test_tensorboard_writes_flattened_scalars_and_selection(tmp_path):
 
 
 def test_flatten_scalars_rules():
-    from trapo.tensorboard_writer import flatten_scalars
+    from trapo.training.tensorboard_writer import flatten_scalars
 
     values = {
         "a": 1,
@@ -380,7 +380,7 @@ def test_flatten_scalars_rules():
 
 def test_missing_tensorboardx_names_the_config_key(monkeypatch):
     from trapo.config import ConfigError
-    from trapo.tensorboard_writer import TensorBoardWriter
+    from trapo.training.tensorboard_writer import TensorBoardWriter
 
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import now raises ImportError
     with pytest.raises(ConfigError, match="logging.tensorboard"):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from trapo import reproduce as rp
 from trapo import runtime
+from trapo.commands import reproduce as rp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,7 +104,8 @@ def test_reproduce_smallest_configuration(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "trapo.reproduce",
+        "trapo",
+        "reproduce",
         "--tiny",
         "--epochs",
         "4",

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow.parquet as pq
 import pytest
 
-from trapo.rewards import (
+from trapo.algorithm.rewards import (
     Tally,
     Verdict,
     decide_pairs,
@@ -18,8 +18,8 @@ from trapo.rewards import (
     math_reward,
     math_rewards,
 )
-from trapo.rewards.answers import MAX_ANSWER_CHARS, choice_letter, exact_number, fast_equal, normalize
-from trapo.rewards.verifier import MathVerifier
+from trapo.algorithm.rewards.answers import MAX_ANSWER_CHARS, choice_letter, exact_number, fast_equal, normalize
+from trapo.algorithm.rewards.verifier import MathVerifier
 
 TIMEOUT = 2.0  # short, to keep adversarial tests quick; the default is 5 s
 

@@ -1,13 +1,13 @@
-"""trapo.rollout_dump (logging.rollouts_every) and the answers / pseudo-labels that grading now carries."""
+"""trapo.training.rollout_dump (logging.rollouts_every) and the answers / pseudo-labels that grading now carries."""
 
 import json
 
 import pytest
 
+from trapo.algorithm.rewards import math_rewards
 from trapo.data import Question
-from trapo.grading import Grades, grade
-from trapo.rewards import math_rewards
-from trapo.rollout_dump import due, dump_step, latest_dump, question_rows, write_rows
+from trapo.training.grading import Grades, grade
+from trapo.training.rollout_dump import due, dump_step, latest_dump, question_rows, write_rows
 
 
 def q(uid, answer, labeled):

@@ -1,14 +1,14 @@
-"""Dynamic sampling's pure logic (trapo/sampling.py): filtering, the global cut, update batches, the cursor."""
+"""Dynamic sampling's pure logic (trapo/training/sampling.py): filtering, the global cut, update batches, the cursor."""
 
 import math
 import random
 
 import pytest
 
-from trapo import sampling
 from trapo.data import epoch_batches
-from trapo.grading import Grades
-from trapo.metrics import dynamic_sampling_values
+from trapo.training import sampling
+from trapo.training.grading import Grades
+from trapo.training.metrics import dynamic_sampling_values
 
 
 def test_a_group_is_informative_when_its_rewards_differ():

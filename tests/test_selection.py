@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from trapo.logits import TokenStats
-from trapo.passrate import PassRateTracker, SelectionConfig
-from trapo.rewards.confidence import confidence_reward, self_certainty_reward
-from trapo.selection import confidence_kind, fixed_count, random_mask, select, top_k_mask
+from trapo.algorithm.logits import TokenStats
+from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
+from trapo.algorithm.rewards.confidence import confidence_reward, self_certainty_reward
+from trapo.algorithm.selection import confidence_kind, fixed_count, random_mask, select, top_k_mask
 
 # Two labeled questions (0, 1) and six unlabeled (2..7); trajectories over two epochs.
 LABELED = torch.tensor([True, True] + [False] * 6)
@@ -255,7 +255,7 @@ def test_toy_run_logs_entropy_selection(toy_dir, tmp_path):
 
 
 def test_tensorboard_scalars_carry_the_strategy_score():
-    from trapo.tensorboard_writer import selection_scalars
+    from trapo.training.tensorboard_writer import selection_scalars
 
     tr, out = run_tracker("entropy")
     values = selection_scalars(tr.selection_row())

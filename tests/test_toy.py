@@ -1,6 +1,6 @@
 """The toy tasks: the trap family's arithmetic and splits."""
 
-from trapo import toy
+from trapo.commands import toy
 from trapo.config import ToyConfig
 
 

@@ -200,7 +200,8 @@ def test_eval_cli_writes_outputs_and_resumes_without_regenerating(toy_dir, tmp_p
     args = [
         sys.executable,
         "-m",
-        "trapo.eval",
+        "trapo",
+        "eval",
         "--model",
         model,
         "--benchmarks",
@@ -468,9 +469,9 @@ def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exa
     resumed from step 2 the third step equals the straight run's."""
     import torch
 
-    from trapo import checkpoint as ckpt
-    from trapo import sampling
     from trapo.data import epoch_batches
+    from trapo.engine import checkpoint as ckpt
+    from trapo.training import sampling
 
     ds = {"rollout.dynamic_sampling": "true", "train.update_batch_size": 8, "logging.rollouts_every": 1}
     common = dict(mode="naive_semi", max_steps=3, save_steps=2, **ds)

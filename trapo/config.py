@@ -56,7 +56,7 @@ class RolloutConfig:
     # During rollouts the trainer keeps its fp32 master weights and Adam moments (~10.5 GB per GPU for
     # 7B on 8 ranks); the bf16 partitions and gradient buffers go to host memory
     # (train.offload_during_rollout), so 0.6 of 80 GB (48 GB: 14 GB of weights, the rest KV cache) fits
-    # beside them. Arithmetic, not a GPU measurement: `python -m trapo.doctor --plan` works it out for
+    # beside them. Arithmetic, not a GPU measurement: `python -m trapo doctor --plan` works it out for
     # any config and card; lower it for larger models or smaller GPUs.
     gpu_memory_utilization: float = 0.6
     cpu_kv_cache_gb: float = 0.25  # CPU only: vLLM needs an explicit KV-cache size there
@@ -64,7 +64,7 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1  # ranks sharing one vLLM engine (consecutive ranks); must divide the world size
     eval_temperature: float = 0.0  # held-out check in the trainer (greedy by default)
-    # DAPO dynamic sampling (trapo/sampling.py): groups whose G rewards are all equal (every response right,
+    # DAPO dynamic sampling (trapo/training/sampling.py): groups whose G rewards are all equal (every response right,
     # or every one wrong: advantage 0, no gradient) leave the update; while fewer than
     # train.rollout_batch_size informative groups (all ranks) remain, the step rolls out the epoch's next
     # batch, then keeps exactly that many in the batch order. Refills consume the epoch's batches (they are
@@ -86,7 +86,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     micro_batch_tokens: int = 16384  # tokens (padded ones too without packing) per forward/backward on one rank
-    loss_chunk_tokens: int = 256  # response tokens per chunk of the LM head (trapo.logits.lm_head_token_stats)
+    loss_chunk_tokens: int = 256  # response tokens per chunk of the LM head (trapo.algorithm.logits.lm_head_token_stats)
     # GPU: move the bf16 partitions and gradient buffers to host memory while vLLM generates, so that
     # its KV cache (sized at engine build) can be mapped again beside what stays; None: on with a GPU.
     # (DeepSpeed 0.19 moves the fp32 master and Adam moments only for its own FusedAdam; with our
@@ -95,7 +95,7 @@ class TrainConfig:
     deepspeed_config: str = "configs/deepspeed_zero3.json"
     max_bad_steps: int = 3  # consecutive non-finite losses before the run stops
     # Sequences concatenated into one row per micro-batch (no padding), each attending only to itself
-    # (trapo/packing.py); false: right-padded micro-batches, sequences of similar length together.
+    # (trapo/engine/packing.py); false: right-padded micro-batches, sequences of similar length together.
     packing: bool = True
     # Each update batch's sequences redistributed so every rank trains a near-equal number of tokens
     # (ZeRO-3 makes all ranks wait for the busiest one at every micro-batch).
@@ -116,7 +116,7 @@ class LossConfig:
     # no reference model is loaded), the authors' public veRL script 0.001 (configs/trapo_1k_3k_verl.yaml)
     beta: float = 0.0
     entropy_coef: float = 0.01
-    # The policy loss (trapo/loss.py policy_loss): GRPO's clipped token surrogate; GSPO's sequence-level
+    # The policy loss (trapo/algorithm/loss.py policy_loss): GRPO's clipped token surrogate; GSPO's sequence-level
     # ratio (geometric mean) clipped to its own small range; CISPO's REINFORCE term weighted by the
     # detached IS ratio clipped at 1 + (clip_eps_high or clip_eps), no lower bound. GSPO's paper
     # objective averages each sequence's tokens, then the sequences: pair it with agg seq_mean.
@@ -124,7 +124,7 @@ class LossConfig:
     gspo_clip_eps: float = 3e-4  # GSPO's clip below 1 (the paper's 3e-4)
     gspo_clip_eps_high: float = 4e-4  # and above 1 (the paper's 4e-4)
     # Rollout importance correction of each token's policy-gradient term for the small mismatch between
-    # vLLM's and the trainer's kernels, ratio pi_old / pi_engine (trapo/importance.py): truncate
+    # vLLM's and the trainer's kernels, ratio pi_old / pi_engine (trapo/algorithm/importance.py): truncate
     # min(ratio, cap); token_mask: the ratio, 0 for tokens whose ratio leaves [lower, cap]; sequence_mask:
     # the sequence's geometric-mean ratio, 0 for all its tokens when that leaves [lower, cap]. The
     # objective's terms are multiplied by it. None: truncate with a GPU (where the
@@ -160,7 +160,7 @@ REMOVED_KEYS = {"selection.random": "replaced by selection.strategy=random"}
 
 @dataclass
 class SelectionConfig:
-    """How unlabeled questions are gated (paper defaults: top-p 0.1, Gamma 0.4); `trapo.passrate` uses it as is."""
+    """How unlabeled questions are gated (paper defaults: top-p 0.1, Gamma 0.4); `trapo.algorithm.passrate` uses it as is."""
 
     warmup_epochs: int = 8
     top_p: float = 0.1
@@ -204,7 +204,7 @@ class SelectionConfig:
 
 @dataclass
 class EvalConfig:
-    files: list[str] = field(default_factory=list)  # validation benchmarks (parquet / JSONL), see trapo/eval.py
+    files: list[str] = field(default_factory=list)  # validation benchmarks (parquet / JSONL), see trapo/commands/eval.py
     steps: int = 0  # evaluate every N steps (0: never); the best score's checkpoint is kept and named in best.json
     n: int = 1  # samples per question (avg@n)
     temperature: float = 0.6  # the paper's evaluation temperature
@@ -216,7 +216,7 @@ class EvalConfig:
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases (trapo/loggers.py): every metrics.jsonl scalar at its step, from rank 0."""
+    """Weights & Biases (trapo/training/loggers.py): every metrics.jsonl scalar at its step, from rank 0."""
 
     enabled: bool = False
     project: str = "trapo"
@@ -227,7 +227,7 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
-    """MLflow tracking (trapo/loggers.py): every metrics.jsonl scalar at its step, from rank 0."""
+    """MLflow tracking (trapo/training/loggers.py): every metrics.jsonl scalar at its step, from rank 0."""
 
     enabled: bool = False
     # None: $MLFLOW_TRACKING_URI when set, else a file store in run_dir/mlruns. sqlite:/SQL stores need the
@@ -244,13 +244,13 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     # Every N steps, run_dir/rollouts/step-K.jsonl: each question's prompt, G responses, answers, rewards,
-    # pseudo-label and gate (trapo/rollout_dump.py); 0: never.
+    # pseudo-label and gate (trapo/training/rollout_dump.py); 0: never.
     rollouts_every: int = 0
 
 
 @dataclass
 class ToyConfig:
-    enabled: bool = False  # build the embedded toy model and data (see trapo/toy.py)
+    enabled: bool = False  # build the embedded toy model and data (see trapo/commands/toy.py)
     task: Literal["addition", "trap"] = "addition"
     trap_rate: float = 0.6  # trap task: share of borrow questions the warm start's teacher gets wrong
     dir: str = "outputs/toy-assets"

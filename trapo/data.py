@@ -1,7 +1,7 @@
 """Training questions: reading, validation, labeled/unlabeled split, prompts, batch order.
 
 Two input layouts:
-- parquet in the verl layout (the paper's public code, `data/benchmarks/`, `trapo.prepare`):
+- parquet in the verl layout (the paper's public code, `data/benchmarks/`, `trapo.commands.prepare`):
   `prompt` (list of chat messages; the last user turn is the question, unless
   `extra_info.question` holds it bare),
   `reward_model.ground_truth`, optional `extra_info.labeled` and `extra_info.index`;
@@ -43,7 +43,7 @@ class DataError(ValueError):
 
 
 # The evaluation sets shipped in the repository (data/benchmarks/README.md); `TRAPO_BENCHMARKS`
-# points elsewhere. Evaluation, decontamination (trapo.prepare), tests and benches all read this.
+# points elsewhere. Evaluation, decontamination (trapo.commands.prepare), tests and benches all read this.
 REPO_BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
 
 
@@ -104,7 +104,7 @@ def parquet_rows(path: Path) -> list[Question]:
         extra = row.get("extra_info") or {}
         if not isinstance(extra, dict):
             raise DataError(f"{where}: field 'extra_info' must be a struct")
-        # A file written by trapo.prepare keeps the bare question beside its templated prompt,
+        # A file written by trapo.commands.prepare keeps the bare question beside its templated prompt,
         # so a config's prompt_template renders it once, not around the stored wrapper.
         if extra.get("question") is not None:
             question = _text(extra["question"], where, "extra_info.question", required=True)

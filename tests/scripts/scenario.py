@@ -23,10 +23,10 @@ runtime.configure()
 
 import torch  # noqa: E402
 
-from trapo import checkpoint as ckpt  # noqa: E402
-from trapo import policy as policy_module  # noqa: E402
-from trapo import trainer as tr  # noqa: E402
 from trapo.config import load_config  # noqa: E402
+from trapo.engine import checkpoint as ckpt  # noqa: E402
+from trapo.engine import policy as policy_module  # noqa: E402
+from trapo.training import trainer as tr  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,7 +77,7 @@ def main() -> None:
     elif scenario == "skip_push":
         # A weight push that silently does nothing: from step 2 on the engine samples from the
         # initial weights, which the engine-vs-policy log-prob difference must show.
-        from trapo.rollout import RolloutEngine
+        from trapo.engine.rollout import RolloutEngine
 
         def push(self, named_tensors):
             for _ in named_tensors:  # consumed (the gather is collective), never loaded
@@ -89,7 +89,7 @@ def main() -> None:
     elif scenario == "partial_push":
         # A push whose iterator leaves out one tensor (a name the engine does not know, as a renamed
         # parameter would): the push must fail naming the engine parameter that got nothing.
-        from trapo.rollout import RolloutEngine
+        from trapo.engine.rollout import RolloutEngine
 
         real_push = RolloutEngine.push_weights
 
@@ -146,11 +146,11 @@ def packed_vs_padded(cfg) -> None:
 
     from deepspeed.utils import safe_get_full_grad
 
-    from trapo import dist
-    from trapo.batch import TrainSequence
-    from trapo.loss import policy_loss
-    from trapo.policy import Policy
-    from trapo.toy import build_assets
+    from trapo.algorithm.loss import policy_loss
+    from trapo.commands.toy import build_assets
+    from trapo.engine import dist
+    from trapo.engine.batch import TrainSequence
+    from trapo.engine.policy import Policy
 
     dist.init_distributed()
     model_dir = str(build_assets(cfg.toy, log=lambda m: None) / "model")
@@ -197,7 +197,7 @@ def placement(model_dir) -> None:
 
     import numpy as np
 
-    from trapo.rollout import RolloutEngine
+    from trapo.engine.rollout import RolloutEngine
 
     random.seed(12345), np.random.seed(12345), torch.manual_seed(12345)  # the trainer's streams
     before = (random.random(), float(np.random.rand()), float(torch.rand(1)))

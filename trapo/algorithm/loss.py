@@ -1,0 +1,225 @@
+"""GRPO / Dr.GRPO advantages, DAPO's overlong reward shaping, and the policy
+loss: the clipped GRPO surrogate (paper eq. "grpo"), GSPO's sequence-level
+variant or CISPO's clipped-IS-weight REINFORCE (`loss.objective`). The rollout
+importance weights that multiply it live in `trapo.algorithm.importance`.
+
+Pure functions on tensors: no I/O, no distributed calls. Shapes use
+B questions, G rollouts per question, N = B * G sequences, L response
+positions (right-padded; `mask` marks real response tokens).
+
+Defaults follow the paper's appendix "Implementation Details": Dr.GRPO
+(no std scaling of advantages, no length normalisation of the loss),
+beta = 0 (no KL to a reference policy), entropy coefficient 0.01.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_SCALES = ("none", "std")
+AGGREGATIONS = ("dr_grpo", "token_mean", "seq_mean")
+OBJECTIVES = ("grpo", "gspo", "cispo")
+
+
+def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
+    """Group-relative advantages A_ij = r_ij - mean_j(r_ij) [/ (std_j(r_ij) + 1e-6)].
+
+    rewards: [B, G] -> [B, G] float32.
+    scale="none" is Dr.GRPO (the default); scale="std" is the original GRPO,
+    dividing by the group's unbiased std (torch.std) + 1e-6. A group whose
+    rewards are all equal carries no signal and gets zero advantage; so does
+    a group of one (its std is undefined and treated as 0).
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"group_advantages: scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    if rewards.dim() != 2:
+        raise ValueError(f"group_advantages: rewards must be [B, G], got shape {tuple(rewards.shape)}")
+    rewards = rewards.float()
+    centered = rewards - rewards.mean(dim=1, keepdim=True)  # [B, G]
+    if scale == "none" or rewards.shape[1] < 2 or rewards.numel() == 0:  # G < 2: all zeros
+        return centered
+    std = rewards.std(dim=1, keepdim=True)  # [B, 1], unbiased
+    return centered / (std + 1e-6)
+
+
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment R_len (arXiv 2503.14476, eq. 13), added to each response's reward.
+
+    With L_max = max_tokens and L_cache = buffer, for a response of |y| tokens:
+        R_len = 0                                         if |y| <= L_max - L_cache
+        R_len = ((L_max - L_cache) - |y|) / L_cache * f   if L_max - L_cache < |y| <= L_max
+        R_len = -f                                        if |y| > L_max
+    (f = factor; DAPO uses 1). lengths: any shape, response token counts -> the same shape, float32, <= 0.
+    A response cut at max_tokens has |y| = L_max and gets -f.
+    """
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"overlong_penalty: buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
+    lengths = lengths.float()
+    expected = max_tokens - buffer  # L_max - L_cache: the length that is still free of penalty
+    ramp = (expected - lengths) / buffer * factor
+    return torch.where(lengths <= expected, 0.0, torch.where(lengths <= max_tokens, ramp, -factor))
+
+
+def _aggregate(terms: Tensor, mask: Tensor, weights: Tensor, agg: str, denom: float | None) -> Tensor:
+    """Reduce per-token terms [N, L] to a scalar.
+
+    The weights [N] multiply each sequence's terms; denominators never depend
+    on them, so a gated sequence (weight 0) adds nothing to the numerator and
+    the labeled terms keep the scale they would have in the full batch
+    (L = J_labeled + M * J_unlabeled, read literally).
+    """
+    n, length = mask.shape
+    weighted = terms * mask * weights[:, None]  # [N, L]
+    if agg == "dr_grpo":
+        # Dr.GRPO: a constant denominator, so long and short responses weigh
+        # the same per token (no length bias).
+        return weighted.sum() / (denom if denom is not None else max(n * length, 1))
+    if agg == "token_mean":
+        # Paper eq. "grpo": 1 / sum_i |tau_i|.
+        return weighted.sum() / (denom if denom is not None else mask.sum().clamp_min(1.0))
+    # seq_mean: each sequence's token mean, then the mean over sequences.
+    per_seq = weighted.sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)  # [N]
+    return per_seq.sum() / (denom if denom is not None else max(n, 1))
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    weights: Tensor | None = None,
+    agg: str = "dr_grpo",
+    denom: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    beta: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.01,
+    token_weights: Tensor | None = None,
+    objective: str = "grpo",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy loss, to be minimised; per-token terms, then `agg`.
+
+    objective (r_t = exp(logprobs - old_logprobs), eps_low = clip_eps, eps_high = clip_eps_high or clip_eps):
+      "grpo"  GRPO's clipped surrogate (paper eq. "grpo"), per token
+              -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A).
+      "gspo"  GSPO (arXiv 2507.18071): the same clipped surrogate on the sequence ratio
+              s_i = exp(mean_t (logprobs - old_logprobs)) (the geometric mean of the token ratios),
+              in its token form s_i,t = sg[s_i] * pi_t / sg[pi_t]: every token's value is s_i, its
+              gradient flows through its own log pi_t; the clip (and a zero gradient) applies to the
+              whole sequence. Pass GSPO's own small range as clip_eps / clip_eps_high (paper 3e-4 / 4e-4).
+              The paper's objective is the mean over sequences of the token mean: agg="seq_mean".
+      "cispo" CISPO (MiniMax-M1, arXiv 2506.13585), per token -sg(min(r_t, 1 + eps_high)) A log pi_t:
+              a REINFORCE term weighted by the clipped, detached IS ratio, so no token loses its
+              gradient. No lower bound (the paper's choice: eps_low "set to a large value"). Computed as
+              -sg(min(r_t, 1 + eps_high)) A pi_t / sg[pi_t]: the same gradient, and a value (-w A) that
+              does not depend on log pi, comparable with the other objectives' pg_loss.
+    For every objective the gate weights, token_weights and denominators below apply the same way:
+    token_weights multiply each token's term, weights each sequence's, and agg / denom reduce.
+
+    logprobs, old_logprobs, mask: [N, L]; advantages: [N];
+    weights: [N] or None (the paper's gate M: 0 drops a sequence's terms and
+    their gradient; default all ones);
+    ref_logprobs: [N, L], used when beta > 0 for the k3 KL estimator
+    exp(ref - lp) - (ref - lp) - 1;
+    entropy: [N, L] token entropies (`trapo.algorithm.logits.token_entropy`), used for
+    the bonus -entropy_coef * H when given.
+    token_weights: [N, L] or None, per-token constants multiplying the
+    policy-gradient term only (not the KL or entropy terms), e.g. the rollout
+    importance weights of `trapo.algorithm.importance.rollout_is_weights`; treated as detached.
+    agg: "dr_grpo" (sum / (N * L)), "token_mean" (sum / number of masked
+    tokens) or "seq_mean" (mean over sequences of each one's token mean).
+    denom: the denominator to use instead of this batch's (N * L, token count
+    or N); pass the full batch's value when the batch is split into
+    micro-batches so that their gradients add up to the full batch's.
+
+    Returns (loss scalar, metrics) with detached scalar metrics: pg_loss,
+    clip_frac (grpo: tokens whose clip is active; gspo: tokens of sequences whose clip is active;
+    cispo: tokens whose IS weight hit 1 + eps_high), ratio_mean, approx_kl_old (k3 estimate of KL(old || new)),
+    and kl_ref / entropy when used. Metrics average over masked tokens of
+    sequences with non-zero weight.
+    """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"policy_loss: agg must be one of {AGGREGATIONS}, got {agg!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"policy_loss: objective must be one of {OBJECTIVES}, got {objective!r}")
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
+        raise ValueError(
+            "policy_loss: logprobs, old_logprobs and mask must share one [N, L] shape, got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    n = logprobs.shape[0]
+    if advantages.shape != (n,):
+        raise ValueError(f"policy_loss: advantages must be [N]=[{n}], got {tuple(advantages.shape)}")
+    if weights is None:
+        weights = torch.ones(n, device=logprobs.device)
+    elif weights.shape != (n,):
+        raise ValueError(f"policy_loss: weights must be [N]=[{n}], got {tuple(weights.shape)}")
+    if token_weights is not None and token_weights.shape != mask.shape:
+        raise ValueError(
+            f"policy_loss: token_weights must be [N, L]={list(mask.shape)} like mask, got {tuple(token_weights.shape)}"
+        )
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+
+    mask = mask.bool()
+    weights = weights.float()
+    maskf = mask.float()
+    adv = advantages.float()[:, None]  # [N, 1]
+    # Padding may hold anything (even inf); zero the log-ratio there so that
+    # exp() stays finite and no NaN leaks into the gradient.
+    lp = torch.where(mask, logprobs.float(), 0.0)  # [N, L]
+    log_ratio = torch.where(mask, lp - old_logprobs.float(), 0.0)  # [N, L], token log-ratios
+    if objective == "gspo":
+        # log s_i,t = sg[log s_i] + log pi_t - sg[log pi_t]; the mean, not the sum, over the sequence.
+        seq_log_ratio = log_ratio.sum(dim=1) / maskf.sum(dim=1).clamp_min(1.0)  # [N]
+        ratio = torch.where(mask, (seq_log_ratio.detach()[:, None] + lp - lp.detach()), 0.0).exp()  # [N, L]
+    else:
+        ratio = log_ratio.exp()  # [N, L]
+    if objective == "cispo":
+        is_weight = ratio.detach().clamp(max=1.0 + eps_high)  # sg(clip(r_t)), upper bound only
+        pg_terms = -is_weight * adv * (lp - lp.detach()).exp()  # [N, L]; d/d lp = -w A, value -w A
+        clip_hit = ratio > 1.0 + eps_high
+    else:
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1.0 - clip_eps, 1.0 + eps_high) * adv
+        pg_terms = -torch.minimum(unclipped, clipped)  # [N, L]
+        clip_hit = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - clip_eps))
+    if token_weights is not None:
+        # Off-policy correction of the sampled tokens: w * pg term. Detached because w is a
+        # ratio of fixed behaviour policies; padding garbage becomes a neutral 1 (masked later).
+        pg_terms = pg_terms * torch.where(mask, token_weights.detach().float(), 1.0)
+
+    pg_loss = _aggregate(pg_terms, maskf, weights, agg, denom)
+    loss = pg_loss
+    metrics: dict[str, Tensor] = {}
+
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("policy_loss: beta != 0 needs ref_logprobs")
+        ref_diff = torch.where(mask, ref_logprobs.float() - logprobs.float(), 0.0)  # [N, L]
+        kl_terms = ref_diff.exp() - ref_diff - 1.0  # k3 >= 0
+        loss = loss + beta * _aggregate(kl_terms, maskf, weights, agg, denom)
+        metrics["kl_ref"] = kl_terms
+    if entropy is not None and entropy_coef != 0.0:
+        ent = torch.where(mask, entropy.float(), 0.0)
+        loss = loss - entropy_coef * _aggregate(ent, maskf, weights, agg, denom)
+        metrics["entropy"] = ent
+
+    with torch.no_grad():
+        active = mask & (weights[:, None] != 0)  # [N, L]
+        count = active.sum().clamp_min(1)
+
+        def token_avg(x: Tensor) -> Tensor:
+            return (x.detach() * active).sum() / count
+
+        out = {
+            "pg_loss": pg_loss.detach(),
+            "clip_frac": token_avg(clip_hit.float()),
+            "ratio_mean": token_avg(ratio),  # gspo: the sequence ratios s_i, token-weighted
+            "approx_kl_old": token_avg(log_ratio.exp() - 1.0 - log_ratio),
+        }
+        out.update({k: token_avg(v) for k, v in metrics.items()})
+    return loss, out

@@ -1,0 +1,44 @@
+"""Rewards: Math-Verify against gold answers, majority vote, confidence baselines.
+
+The confidence rewards need torch; they are imported on first use so that
+the Math-Verify worker process (which imports this package) starts fast.
+"""
+
+from trapo.algorithm.rewards.answers import extract_boxed
+from trapo.algorithm.rewards.extraction import extract_answer
+from trapo.algorithm.rewards.verifiable import (
+    Tally,
+    answer_rewards,
+    decide_pairs,
+    judge_pairs,
+    majority_vote,
+    majority_votes,
+    math_reward,
+    math_rewards,
+)
+from trapo.algorithm.rewards.verifier import Verdict
+
+_CONFIDENCE = ("self_certainty_reward", "token_entropy_reward", "sentence_likelihood_reward")
+
+__all__ = [
+    "Tally",
+    "Verdict",
+    "answer_rewards",
+    "decide_pairs",
+    "extract_answer",
+    "extract_boxed",
+    "judge_pairs",
+    "majority_vote",
+    "majority_votes",
+    "math_reward",
+    "math_rewards",
+    *_CONFIDENCE,
+]
+
+
+def __getattr__(name: str):
+    if name in _CONFIDENCE:
+        from trapo.algorithm.rewards import confidence
+
+        return getattr(confidence, name)
+    raise AttributeError(f"module 'trapo.algorithm.rewards' has no attribute {name!r}")

@@ -1,0 +1,290 @@
+"""Verifiable rewards: Math-Verify against a gold answer, and majority vote.
+
+`math_reward` is the paper's binary reward R(tau, y) (section "Supervised
+RLVR"); `majority_vote` gives the TTRL pseudo-label MAJ(a^1..a^G) and the
+agreement indicator of eq. "unsupervised-method", which is also the
+unlabeled pass rate of eq. "pass_rate".
+
+Every comparison goes through `judge_pairs`: multiple-choice letters and
+the exact fast paths of `answers.fast_equal` first, Math-Verify (in worker
+processes, with a hard timeout) only for what they cannot settle. A
+`deadline` (the step's grading budget) bounds it all: once it has passed,
+what the fast paths cannot settle counts as not equal, unsent. A `Tally`
+counts what timed out or was cut, for the step's metrics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+
+from trapo.algorithm.rewards.answers import (
+    MAX_ANSWER_CHARS,
+    choice_letter,
+    fast_equal,
+    is_choice_gold,
+    normalize,
+)
+from trapo.algorithm.rewards.extraction import extract_answer
+from trapo.algorithm.rewards.verifier import MathVerifier, Verdict, default_verifier
+
+DEFAULT_TIMEOUT = 5.0
+
+
+@dataclass
+class Tally:
+    """Comparisons not decided on their merits, summed over calls (one grading step, say).
+
+    timeouts: comparisons, and answers parsed ahead of a vote, that exhausted
+    the per-comparison timeout (now, or for the same answer earlier: those
+    are answered at once); budget_cut: comparisons left undecided because the
+    grading budget was spent. Both count as "not equal".
+    """
+
+    timeouts: int = 0
+    budget_cut: int = 0
+
+    def add(self, verdicts: Sequence[Verdict]) -> None:
+        self.timeouts += sum(v.timed_out for v in verdicts)
+        self.budget_cut += sum(v is Verdict.CUT for v in verdicts)
+
+
+def fast_verdict(gold: str, pred: str) -> bool | None:
+    """gold == pred where that is certain without Math-Verify; None where it is not.
+
+    A single-letter gold A-J compares letters; two letter answers compare
+    letters; a pred longer than MAX_ANSWER_CHARS is wrong; else `fast_equal`.
+    """
+    if len(pred) > MAX_ANSWER_CHARS:
+        return False
+    if is_choice_gold(gold):
+        return choice_letter(pred) == gold.strip()
+    if (lg := choice_letter(gold)) is not None and (lp := choice_letter(pred)) is not None:
+        return lg == lp
+    return fast_equal(gold, pred)
+
+
+def judge_pairs(
+    pairs: Sequence[tuple[str, str]],
+    timeout: float = DEFAULT_TIMEOUT,
+    verifier: MathVerifier | None = None,
+    deadline: float | None = None,
+) -> list[Verdict]:
+    """A Verdict for each (gold, pred) answer-string pair (boxed contents): `fast_verdict`, else Math-Verify.
+
+    Never raises on content. A Math-Verify comparison is cut off after
+    `timeout` seconds (a TIMEOUT verdict, blamed on the pair or on the answer
+    being parsed); after `deadline` (a `time.monotonic()` value) nothing is
+    sent and the rest is CUT.
+    """
+    out: list[Verdict | None] = []
+    slow: list[tuple[str, str]] = []
+    for gold, pred in pairs:
+        decided = fast_verdict(gold, pred)
+        out.append(None if decided is None else Verdict.EQUAL if decided else Verdict.NOT_EQUAL)
+        if decided is None:
+            slow.append((gold, pred))
+    if slow:
+        verdicts = iter((verifier or default_verifier()).judge_many(slow, timeout, deadline))
+        out = [next(verdicts) if v is None else v for v in out]
+    return out
+
+
+def decide_pairs(
+    pairs: Sequence[tuple[str, str]],
+    timeout: float = DEFAULT_TIMEOUT,
+    verifier: MathVerifier | None = None,
+    deadline: float | None = None,
+    tally: Tally | None = None,
+) -> list[bool]:
+    """gold == pred for each (gold, pred) answer-string pair: `judge_pairs` as booleans.
+
+    A comparison that timed out, or was cut by the deadline, is not equal
+    (and counted in `tally`).
+    """
+    verdicts = judge_pairs(pairs, timeout, verifier, deadline)
+    if tally is not None:
+        tally.add(verdicts)
+    return [v is Verdict.EQUAL for v in verdicts]
+
+
+def math_rewards(
+    responses: Sequence[str],
+    golds: Sequence[str],
+    timeout: float = DEFAULT_TIMEOUT,
+    verifier: MathVerifier | None = None,
+    deadline: float | None = None,
+    tally: Tally | None = None,
+) -> list[float]:
+    """Batch form of `math_reward`: one Math-Verify round trip for the whole batch."""
+    if len(responses) != len(golds):
+        raise ValueError(f"math_rewards: {len(responses)} responses but {len(golds)} golds")
+    return answer_rewards([extract_answer(r) for r in responses], golds, timeout, verifier, deadline, tally)
+
+
+def answer_rewards(
+    answers: Sequence[str | None],
+    golds: Sequence[str],
+    timeout: float = DEFAULT_TIMEOUT,
+    verifier: MathVerifier | None = None,
+    deadline: float | None = None,
+    tally: Tally | None = None,
+) -> list[float]:
+    """`math_rewards` on answers already extracted (`extract_answer`; None: no answer, reward 0.0), for
+    callers that also keep the answers (the trainer's grading, the evaluation's samples)."""
+    if len(answers) != len(golds):
+        raise ValueError(f"answer_rewards: {len(answers)} answers but {len(golds)} golds")
+    idx = [i for i, a in enumerate(answers) if a is not None]
+    verdicts = decide_pairs([(golds[i], answers[i]) for i in idx], timeout, verifier, deadline, tally)
+    rewards = [0.0] * len(answers)
+    for i, ok in zip(idx, verdicts):
+        rewards[i] = 1.0 if ok else 0.0
+    return rewards
+
+
+def math_reward(response: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> float:
+    """1.0 if the response's answer (`extract_answer`: what Math-Verify reads in it) equals gold, else 0.0.
+
+    Multiple-choice golds (one letter A-J) compare letters. No answer (no box, no stated final answer): 0.0.
+    Never raises on any input, and a comparison that takes longer than
+    `timeout` seconds scores 0.0, from any thread.
+    """
+    return math_rewards([response], [gold], timeout)[0]
+
+
+@dataclass
+class _Ballot:
+    """One question's answers, as the vote sees them."""
+
+    keys: list[str | None]  # per response: its answer after `normalize`; None without one
+    counts: Counter  # key -> responses with it
+    order: list[str]  # distinct keys, most frequent first, then first appearance
+    raw: dict[str, str]  # key -> its first spelling: what is compared, and returned as the label
+    clusters: list[list[str]] = field(default_factory=list)  # keys; the first is the representative
+    frozen: set[str] = field(default_factory=set)  # keys that exhausted the timeout: never compared again
+
+
+def _ballot(answers: Sequence[str | None]) -> _Ballot:
+    keys = [normalize(a) if a is not None and a.strip() and len(a) <= MAX_ANSWER_CHARS else None for a in answers]
+    counts = Counter(k for k in keys if k is not None)
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        if k is not None:
+            first.setdefault(k, i)
+    order = sorted(counts, key=lambda k: (-counts[k], first[k]))
+    return _Ballot(keys, counts, order, {k: answers[first[k]] for k in order})
+
+
+def _hard_keys(ballot: _Ballot) -> list[str]:
+    """Keys that some comparison of this vote may send to Math-Verify (the fast paths cannot settle them).
+
+    Pairs are (earlier, later) in vote order, as the vote compares them.
+    """
+    hard: set[str] = set()
+    for a, b in combinations(ballot.order, 2):
+        if (a not in hard or b not in hard) and fast_verdict(ballot.raw[a], ballot.raw[b]) is None:
+            hard.update((a, b))
+    return [k for k in ballot.order if k in hard]
+
+
+def _freeze_slow_answers(ballots, timeout, verifier, deadline, tally) -> None:
+    """Parse every answer that needs Math-Verify once, all questions side by side, before any comparison.
+
+    An answer whose parsing exhausts the timeout is frozen: it stays its own
+    cluster and is never compared, so a question with G such answers costs
+    about one timeout in all rather than one per comparison. Its parse comes
+    back only as a verdict: nothing changes when nothing times out.
+    """
+    hard = [_hard_keys(b) for b in ballots]
+    if not any(hard):
+        return
+    verdicts = (verifier or default_verifier()).prepare_many(
+        [[b.raw[k] for k in keys] for b, keys in zip(ballots, hard)], timeout, deadline
+    )
+    for b, keys, vs in zip(ballots, hard, verdicts):
+        b.frozen.update(k for k, v in zip(keys, vs) if v.timed_out)
+        if tally is not None:
+            tally.timeouts += sum(v.timed_out for v in vs)
+
+
+def _place(ballot: _Ballot, key: str, compared: list[list[str]], verdicts: list[Verdict]) -> None:
+    """Put `key` into the first compared cluster it equals, else into a new one of its own.
+
+    Timeouts freeze the answer they are blamed on: a representative whose
+    parsing timed out (GOLD_TIMEOUT), or `key` itself when its parsing or
+    the comparison timed out and it found no cluster.
+    """
+    for cluster, v in zip(compared, verdicts):
+        if v is Verdict.GOLD_TIMEOUT:
+            ballot.frozen.add(cluster[0])
+    home = next((c for c, v in zip(compared, verdicts) if v is Verdict.EQUAL), None)
+    if home is not None:
+        home.append(key)
+        return
+    ballot.clusters.append([key])
+    if any(v in (Verdict.TIMEOUT, Verdict.PRED_TIMEOUT) for v in verdicts):
+        ballot.frozen.add(key)
+
+
+def _outcome(ballot: _Ballot) -> tuple[str | None, list[bool]]:
+    sizes = [sum(ballot.counts[k] for k in c) for c in ballot.clusters]
+    if not sizes or sizes.count(max(sizes)) > 1:
+        return None, [False] * len(ballot.keys)
+    winner = ballot.clusters[sizes.index(max(sizes))]
+    members = set(winner)
+    return ballot.raw[winner[0]], [k in members for k in ballot.keys]
+
+
+def majority_votes(
+    groups: Sequence[Sequence[str | None]],
+    timeout: float = DEFAULT_TIMEOUT,
+    verifier: MathVerifier | None = None,
+    deadline: float | None = None,
+    tally: Tally | None = None,
+) -> list[tuple[str | None, list[bool]]]:
+    """`majority_vote` for many questions at once, batching their comparisons.
+
+    Clustering per group: distinct answers (after `normalize`; identical
+    strings are one answer, never compared) in order of count, then first
+    appearance; each joins the first existing cluster whose representative
+    (its first, most frequent member) it equals, else starts a new one. Round
+    r compares every group's r-th distinct answer with that group's clusters,
+    all groups in one batch, so at most G rounds are needed.
+
+    Degenerate answers cannot stall it: the answers that need Math-Verify are
+    parsed once, side by side, before round 1, and an answer that exhausts the
+    timeout (parsing, or compared) is frozen, never compared again; after
+    `deadline` the comparisons left count as not equal, unsent. `tally`
+    counts both. Without timeouts the result is the plain clustering above.
+    """
+    ballots = [_ballot(answers) for answers in groups]
+    _freeze_slow_answers(ballots, timeout, verifier, deadline, tally)
+    for step in range(max((len(b.order) for b in ballots), default=0)):
+        asks = []  # (ballot, key, clusters compared)
+        for b in ballots:
+            if step < len(b.order):
+                key = b.order[step]
+                live = [] if key in b.frozen else [c for c in b.clusters if c[0] not in b.frozen]
+                asks.append((b, key, live))
+        pairs = [(b.raw[c[0]], b.raw[key]) for b, key, live in asks for c in live]
+        verdicts = iter(judge_pairs(pairs, timeout, verifier, deadline))
+        for b, key, live in asks:
+            mine = [next(verdicts) for _ in live]
+            if tally is not None:
+                tally.add(mine)
+            _place(b, key, live, mine)
+    return [_outcome(b) for b in ballots]
+
+
+def majority_vote(answers: Sequence[str | None], timeout: float = DEFAULT_TIMEOUT) -> tuple[str | None, list[bool]]:
+    """TTRL pseudo-label: the largest cluster of Math-Verify-equivalent answers.
+
+    answers: extracted answers (None where a response had none) -> (label,
+    agree) where label is the largest cluster's most frequent spelling and
+    agree[i] says whether answers[i] is in that cluster. A tie for the
+    largest cluster, or no answers at all, gives (None, all False), as the
+    paper's public code does.
+    """
+    return majority_votes([answers], timeout)[0]

@@ -1,0 +1,647 @@
+"""Math-Verify worker: a supervisor process that runs comparisons in forked executors.
+
+Started by `trapo.algorithm.rewards.verifier.MathVerifier` as
+`python -m trapo.algorithm.rewards.verify_worker WORKERS MAX_WORKERS`. The supervisor
+imports and warms up Math-Verify once, then forks its executors from itself
+(a few milliseconds each, already warm). After the warm-up it never runs
+sympy, so it stays responsive and enforces every deadline itself:
+
+- each item (one comparison, or one answer to parse) runs in an executor
+  under a soft alarm (SIGALRM at 90% of its time: interrupts Python-level
+  sympy work and keeps the executor and its parse cache) and a hard deadline
+  (the executor is killed: C code that runs long without checking for
+  signals, one product of two huge integers say, never sees the alarm);
+- executors mark their progress (parsing the gold, the pred, comparing) in
+  a shared byte, so a timeout is blamed on the answer being parsed, or on
+  the pair when both were parsed;
+- what exhausted a timeout is remembered and answered at once next time, at
+  that timeout or a shorter one, whichever executor would have got it;
+- hedging: when an item runs past `patience` with items queued behind it,
+  spare executors are forked (up to MAX_WORKERS), so that many slow answers
+  time out side by side, in about one timeout, not one after another;
+- a deadline (the step's grading budget) cuts running items and starts no
+  new ones.
+
+Protocol on stdin/stdout:
+- after the warm-up, the line `ready`;
+- a request: 4-byte big-endian length, then a pickled dict: `items`, a list
+  of (gold, pred) answer strings (boxed contents), pred None to only parse
+  gold; `units`, one int per item: the items of a unit are queued on one
+  executor, whose parse cache then serves them all; `timeout`, seconds per
+  item; `deadline`, a `time.monotonic()` value or None (that clock is
+  system-wide, the same in the parent and here);
+- per item, as soon as it is settled, a line `<index> <code>`, code one of
+  1 equal, 0 not equal, r parsed (pred None), t the comparison of the two
+  (already parsed) answers timed out, g / p parsing the gold / pred timed
+  out, b cut by the deadline (see `verifier.Verdict`).
+
+Numeric pre-filter: each side that parses to a scalar expression is
+evaluated at one fixed probe point (every single-letter variable gets its own
+irrational-looking value). Expressions that are equal must agree there, so
+values that differ by more than 1e-4 relative prove "not equal" (Math-Verify
+compares numbers after rounding to 6 decimals) and the slow symbolic path
+(up to 300 ms of sympy simplify for `-13x+3` vs `350`) is skipped. Values
+beyond float range (9^{9^9}) are compared as mpmath numbers, which spares
+Math-Verify evaluating them exactly. Answers with text or units that change
+the value on parsing (percent, degrees) are never pre-filtered; neither are
+multi-letter symbols, sets, tuples, relations or matrices. The filter can
+only say "not equal": where it cannot compute or compare values (any
+exception, a recursion limit, a type it does not know), Math-Verify decides.
+"""
+
+from __future__ import annotations
+
+import cmath
+import ctypes
+import gc
+import logging
+import mmap
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from trapo.algorithm.rewards.answers import PART_MARK, exact_number
+
+_CACHE_LIMIT = 50_000  # parsed answers an executor keeps before starting afresh
+_MEMORY_LIMIT = 10_000  # remembered slow answers and pairs
+_SOFT = 0.9  # the soft alarm rings at this fraction of an item's time
+_MISS_COST = 2  # placing a unit: an answer not yet parsed there weighs as much as two queued items
+_NO_FILTER = ("%", "circ", "degree", "text", "mathrm", "mbox")
+
+log = logging.getLogger("trapo.verify_worker")
+
+
+def _probe(name: str) -> float:
+    """The probe-point value of variable `name`: distinct per letter, not a round number."""
+    return 0.6180339887 + 0.7071067812 * (ord(name) % 29)
+
+
+def patience(timeout: float) -> float:
+    """Seconds an item may run before spares are forked for the items queued behind it.
+
+    Well above a normal comparison (milliseconds; a slow sympy simplify takes
+    ~0.3 s) so spares are rare in normal grading, and a tenth of the timeout
+    so that slow answers still start close together.
+    """
+    return min(0.5, max(0.05, timeout / 10))
+
+
+class _Overtime(BaseException):
+    """Raised by the soft alarm; a BaseException, so that Math-Verify's `except Exception` lets it through."""
+
+
+def _ring(signum, frame):
+    raise _Overtime()
+
+
+# ----------------------------------------------------------------------------- executor side
+
+
+class _Checker:
+    """Math-Verify with a parse cache and the numeric pre-filter (lives in an executor)."""
+
+    def __init__(self):
+        import mpmath
+        import sympy
+        from latex2sympy2_extended.sets import FiniteSet
+        from math_verify import parse, verify
+        from sympy.core.random import seed
+
+        self._mpmath, self._sympy, self._parse, self._verify = mpmath, sympy, parse, verify
+        self._set = FiniteSet  # the set class Math-Verify builds and flattens
+        self.reseed = lambda: seed(0)
+        self.parsed: dict[str, list] = {}
+        self.values: dict[str, object] = {}
+
+    def clear(self) -> None:
+        self.parsed.clear()
+        self.values.clear()
+
+    def parse(self, answer: str) -> list:
+        if answer not in self.parsed:
+            parts = answer.split(PART_MARK)
+            if len(parts) > 1:
+                self.parsed[answer] = self._joined([self.parse(p.strip()) for p in parts])
+            else:
+                # Math-Verify's own timeouts are off: they would re-arm SIGALRM over our soft alarm.
+                self.parsed[answer] = self._parse("\\boxed{" + answer + "}", parsing_timeout=None)
+        return self.parsed[answer]
+
+    def _joined(self, parts: list[list]) -> list:
+        """Math-Verify's reading of several environments in one match (`$a$ and $b$`): one set of all their
+        elements (sets flattened) when every one parses, else the first alone."""
+        exprs = [p[0] if p and not isinstance(p[0], str) else None for p in parts]
+        if any(e is None for e in exprs):
+            return parts[0]
+        elements = [x for e in exprs for x in (e.args if isinstance(e, self._set) else (e,))]
+        return [self._set(*elements), " and ".join(str(p[-1]) for p in parts)]
+
+    def prepare(self, answer: str) -> None:
+        """Everything done per answer (parse, probe value), once: a comparison then only verifies."""
+        self.parse(answer)
+        self.value(answer)
+
+    def value(self, answer: str):
+        """The answer's value at the probe point (complex, or mpmath beyond float range); None where
+        the filter does not apply, or fails."""
+        if answer not in self.values:
+            parsed = self.parse(answer)  # outside the try: its time is the item's, its failures Math-Verify's
+            try:
+                self.values[answer] = self._value(answer, parsed[0] if parsed else None)
+            except Exception:  # noqa: BLE001 - a RecursionError on a matrix product, say: no value, Math-Verify decides
+                self.values[answer] = None
+        return self.values[answer]
+
+    def _value(self, answer: str, expr):
+        if any(tag in answer for tag in _NO_FILTER):
+            return None
+        exact = exact_number(answer)
+        if exact is not None:
+            return complex(float(exact))
+        sympy = self._sympy
+        if not (
+            isinstance(expr, sympy.Expr)
+            and not isinstance(expr, sympy.MatrixExpr)  # `3\begin{pmatrix}..` recurses in evalf until the limit
+            and all(isinstance(x, sympy.Symbol) and len(x.name) == 1 for x in expr.free_symbols)
+        ):
+            return None
+        try:
+            number = expr.evalf(15, subs={x: _probe(x.name) for x in expr.free_symbols})
+            out = complex(number)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError):
+            return None  # no number at the probe point (a pole, a non-numeric atom)
+        if cmath.isfinite(out):
+            return out
+        # Past float range, but maybe a finite number still (9^{9^9}): keep it in mpmath,
+        # whose exponents are unbounded, rather than give up and leave it to Math-Verify.
+        big = self._mpmath.mpmathify(number._to_mpmath(53))
+        return big if self._mpmath.isfinite(big) else None
+
+    def differ(self, gold: str, pred: str) -> bool:
+        """True when the probe-point values prove gold != pred; False when they do not, or cannot be compared."""
+        vg, vp = self.value(gold), self.value(pred)
+        if vg is None or vp is None:
+            return False
+        try:
+            return bool(abs(vg - vp) > 1e-4 * max(1.0, abs(vg), abs(vp)))
+        except Exception:  # noqa: BLE001 - values it cannot compare prove nothing
+            return False
+
+    def equal(self, gold: str, pred: str) -> bool:
+        if self.differ(gold, pred):
+            return False
+        return bool(self._verify(self.parse(gold), self.parse(pred), timeout_seconds=None))
+
+
+def _run_item(checker: _Checker, gold: str, pred: str | None, alarm_s: float, phase: mmap.mmap) -> bytes:
+    """One item under the soft alarm, marking its progress in `phase` (the supervisor set it to g)."""
+    # sympy's assumption system tries its rules in an order shuffled by its own random generator (seeded
+    # from the OS at import): on degenerate answers (`0` vs `4 0/0`, nan either way) that order decides the
+    # verdict. The same state for every item makes a verdict not depend on the run or on the items before.
+    checker.reseed()
+    signal.setitimer(signal.ITIMER_REAL, max(alarm_s, 1e-3))
+    try:
+        checker.prepare(gold)
+        phase[0] = ord("p")
+        if pred is None:
+            return b"r\n"
+        checker.prepare(pred)
+        phase[0] = ord("v")
+        return b"1\n" if checker.equal(gold, pred) else b"0\n"
+    except _Overtime:
+        return b"t\n"
+    except Exception:  # noqa: BLE001 - Math-Verify catches its own errors; anything else is "not equal"
+        return b"0\n"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _executor_main(rfd: int, wfd: int, phase: mmap.mmap, supervisor_pid: int) -> None:
+    """Serve items from the supervisor until it closes the pipe."""
+    _die_with(supervisor_pid)
+    _close_fds_except({0, 1, 2, rfd, wfd})
+    devnull = os.open(os.devnull, os.O_RDONLY)  # fd 0 was the parent's request pipe
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    signal.signal(signal.SIGALRM, _ring)
+    checker = _Checker()
+    while True:
+        message = _read_message(rfd)
+        if message is None:
+            return
+        gold, pred, alarm_s, clear = message
+        if clear:
+            checker.clear()
+        try:
+            result = _run_item(checker, gold, pred, alarm_s, phase)
+        except _Overtime:  # the alarm rang while the item was being wound up
+            result = b"t\n"
+        os.write(wfd, result)
+
+
+def _die_with(supervisor_pid: int) -> None:
+    """Be killed when the supervisor dies (Linux), so no hung executor outlives it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != supervisor_pid:
+        os._exit(0)
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    """Close inherited descriptors: another executor's pipe held open here would hide its death."""
+    top = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
+    low = 0
+    for fd in sorted(keep) + [top]:
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    chunks = []
+    while size:
+        data = os.read(fd, size)
+        if not data:
+            return None
+        chunks.append(data)
+        size -= len(data)
+    return b"".join(chunks)
+
+
+def _read_message(fd: int):
+    header = _read_exact(fd, 4)
+    if header is None:
+        return None
+    payload = _read_exact(fd, struct.unpack(">I", header)[0])
+    return None if payload is None else pickle.loads(payload)
+
+
+def _write_message(fd: int, obj) -> None:
+    payload = pickle.dumps(obj)
+    data = memoryview(struct.pack(">I", len(payload)) + payload)
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+# ----------------------------------------------------------------------------- supervisor side
+
+
+@dataclass(eq=False)
+class _Executor:
+    pid: int
+    to_fd: int
+    from_fd: int
+    spare: bool  # forked for hedging, retired at the end of the request
+    shared: mmap.mmap  # one byte, shared with the executor: the running item's phase
+    buffer: bytes = b""
+    queue: deque = field(default_factory=deque)  # item indices placed here, not yet started
+    cached: set = field(default_factory=set)  # answers it has parsed (mirror of its cache)
+    item: int | None = None  # the running item
+    started: float = 0.0
+    hard_at: float = 0.0
+    cut_by_deadline: bool = False  # its time was shortened to the request's deadline
+
+    @property
+    def phase(self) -> str:
+        """What the running item is doing: g parsing the gold, p parsing the pred, v comparing."""
+        return chr(self.shared[0])
+
+
+class _Request:
+    """One request's items and the results sent back so far."""
+
+    def __init__(self, items, timeout: float, deadline: float | None, emit):
+        self.items, self.timeout, self.deadline, self.emit = items, timeout, deadline, emit
+        self.settled = [False] * len(items)
+        self.left = len(items)
+        self.memory_seen = -1  # Supervisor.memory_changes when its queues were last checked against memory
+
+    def settle(self, index: int, code: str) -> None:
+        if not self.settled[index]:
+            self.settled[index] = True
+            self.left -= 1
+            self.emit(index, code)
+
+
+def _remember(memory: dict, key, timeout: float) -> None:
+    memory[key] = max(timeout, memory.pop(key, 0.0))
+    if len(memory) > _MEMORY_LIMIT:
+        memory.pop(next(iter(memory)))
+
+
+def _unqueue(queue: deque, i: int) -> None:
+    """Remove `i`, cheaply at either end (where it almost always is)."""
+    if queue[0] == i:
+        queue.popleft()
+    elif queue[-1] == i:
+        queue.pop()
+    else:
+        queue.remove(i)
+
+
+class Supervisor:
+    """Places, runs, hedges and times the items of one request after another."""
+
+    def __init__(self, workers: int, max_workers: int):
+        self.workers = workers
+        self.max_workers = max(workers, max_workers)
+        self.executors: list[_Executor] = []
+        self.slow_answers: dict[str, float] = {}  # answer -> the longest timeout its parsing exhausted
+        self.slow_pairs: dict[tuple[str, str], float] = {}
+        self.memory_changes = 0
+
+    # -- processes
+
+    def _fork(self, spare: bool) -> _Executor:
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        shared = mmap.mmap(-1, 1)  # anonymous and shared: stays common to both sides of the fork
+        me = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _executor_main(down_r, up_w, shared, me)
+            except BaseException:  # noqa: BLE001 - an executor never returns into the supervisor's code
+                code = 1
+            os._exit(code)
+        os.close(down_r)
+        os.close(up_w)
+        return _Executor(pid, down_w, up_r, spare, shared)
+
+    @staticmethod
+    def _end(ex: _Executor) -> None:
+        try:
+            os.kill(ex.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(ex.pid, 0)
+        os.close(ex.to_fd)
+        os.close(ex.from_fd)
+        ex.shared.close()
+
+    def _respawn(self, ex: _Executor) -> None:
+        """Replace the process behind `ex` (it keeps its queue), or drop `ex` if it was a spare."""
+        self._end(ex)
+        if ex.spare:
+            self.executors.remove(ex)
+            return
+        fresh = self._fork(spare=False)
+        ex.pid, ex.to_fd, ex.from_fd, ex.shared = fresh.pid, fresh.to_fd, fresh.from_fd, fresh.shared
+        ex.buffer, ex.item, ex.cached = b"", None, set()
+
+    def _ensure_base(self) -> None:
+        for ex in [e for e in self.executors if not e.spare]:
+            if os.waitpid(ex.pid, os.WNOHANG) != (0, 0):  # died while idle (out of memory, say)
+                self.executors.remove(ex)
+                os.close(ex.to_fd)
+                os.close(ex.from_fd)
+                ex.shared.close()
+        while sum(not e.spare for e in self.executors) < self.workers:
+            self.executors.append(self._fork(spare=False))
+
+    def shutdown(self) -> None:
+        for ex in self.executors:
+            self._end(ex)
+        self.executors = []
+
+    # -- memory of what exhausted a timeout
+
+    def _remembered(self, item, timeout: float) -> str | None:
+        gold, pred = item
+        if self.slow_answers.get(gold, -1.0) >= timeout:
+            return "g"
+        if pred is not None and self.slow_answers.get(pred, -1.0) >= timeout:
+            return "p"
+        if pred is not None and self.slow_pairs.get((gold, pred), -1.0) >= timeout:
+            return "t"
+        return None
+
+    def _blame(self, req: _Request, ex: _Executor) -> str:
+        """The code for `ex`'s item, which ran out of time (or crashed) in phase `ex.phase`."""
+        gold, pred = req.items[ex.item]
+        if ex.cut_by_deadline:
+            return "b"
+        self.memory_changes += 1
+        if ex.phase == "g" or pred is None:
+            _remember(self.slow_answers, gold, req.timeout)
+            return "g"
+        if ex.phase == "p":
+            _remember(self.slow_answers, pred, req.timeout)
+            return "p"
+        _remember(self.slow_pairs, (gold, pred), req.timeout)
+        return "t"
+
+    # -- one request
+
+    def run(self, items, units, timeout: float, deadline: float | None, emit) -> None:
+        req = _Request(items, timeout, deadline, emit)
+        self._ensure_base()
+        parsed = set().union(*(ex.cached for ex in self.executors))
+        for i, item in enumerate(items):
+            code = self._remembered(item, timeout) or ("r" if item[1] is None and item[0] in parsed else None)
+            if code:
+                req.settle(i, code)
+        self._place(req, units)
+        wait_s = patience(timeout)
+        try:
+            while req.left:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    for ex in self.executors:
+                        while ex.queue:
+                            req.settle(ex.queue.popleft(), "b")
+                for ex in list(self.executors):
+                    # (the zero-wait select: an answer that came in just now is no timeout)
+                    if ex.item is not None and now >= ex.hard_at and not select.select([ex.from_fd], [], [], 0)[0]:
+                        self._overrun(req, ex, "ran out of time")
+                self._dispatch(req, wait_s, now)
+                self._hedge(req, wait_s, now)
+                if req.left:
+                    self._wait(req, wait_s, now)
+        finally:
+            for ex in [e for e in self.executors if e.spare]:
+                self._end(ex)
+                self.executors.remove(ex)
+
+    def _place(self, req: _Request, units) -> None:
+        """Queue each unit on the base executor where it costs least: queued items plus answers to parse."""
+        groups: dict[int, list[int]] = {}
+        for i, unit in enumerate(units):
+            if not req.settled[i]:
+                groups.setdefault(unit, []).append(i)
+        base = [ex for ex in self.executors if not ex.spare]
+        for members in sorted(groups.values(), key=len, reverse=True):
+            answers = {s for i in members for s in req.items[i] if s is not None}
+            home = min(base, key=lambda ex: len(ex.queue) + _MISS_COST * len(answers - ex.cached))
+            home.queue.extend(members)
+
+    def _suspects(self, req: _Request, wait_s: float, now: float) -> set[str]:
+        """Answers being parsed for longer than `wait_s`: other items with them wait, not hang beside them."""
+        out = set()
+        for ex in self.executors:
+            if ex.item is not None and now - ex.started >= wait_s and ex.phase in ("g", "p"):
+                gold, pred = req.items[ex.item]
+                out.add(gold if ex.phase == "g" or pred is None else pred)
+        return out
+
+    @staticmethod
+    def _free(req: _Request, i: int, suspects: set[str]) -> bool:
+        return not suspects or suspects.isdisjoint(s for s in req.items[i] if s is not None)
+
+    def _take(self, req: _Request, ex: _Executor, suspects: set[str], wait_s: float, now: float) -> int | None:
+        """The next item for idle `ex`: its own queue, else one stolen from a slow or a long queue."""
+        slow = [o for o in self.executors if o.item is not None and now - o.started >= wait_s and o.queue]
+        sources = [(ex.queue, False)] + [(o.queue, False) for o in slow]
+        longest = max((o for o in self.executors if o is not ex), key=lambda o: len(o.queue), default=None)
+        if longest is not None and len(longest.queue) >= 2:
+            sources.append((longest.queue, True))  # from the tail: its owner keeps what comes next
+        for queue, from_tail in sources:
+            for i in reversed(queue) if from_tail else queue:
+                if self._free(req, i, suspects):
+                    _unqueue(queue, i)
+                    return i
+        return None
+
+    def _dispatch(self, req: _Request, wait_s: float, now: float) -> None:
+        if req.memory_seen != self.memory_changes:  # something newly exhausted a timeout: settle its items
+            req.memory_seen = self.memory_changes
+            for ex in self.executors:
+                for i in [i for i in ex.queue if self._remembered(req.items[i], req.timeout)]:
+                    ex.queue.remove(i)
+                    req.settle(i, self._remembered(req.items[i], req.timeout))
+        suspects = self._suspects(req, wait_s, now)
+        for ex in list(self.executors):
+            while ex.item is None and ex in self.executors:
+                i = self._take(req, ex, suspects, wait_s, now)
+                if i is None:
+                    break
+                self._start(req, ex, i, now)
+
+    def _start(self, req: _Request, ex: _Executor, i: int, now: float) -> None:
+        limit, ex.cut_by_deadline = req.timeout, False
+        if req.deadline is not None and req.deadline - now < limit:
+            limit, ex.cut_by_deadline = req.deadline - now, True
+        if limit <= 0:
+            req.settle(i, "b")
+            return
+        clear = len(ex.cached) > _CACHE_LIMIT
+        if clear:
+            ex.cached = set()
+        gold, pred = req.items[i]
+        ex.shared[0] = ord("g")
+        try:
+            _write_message(ex.to_fd, (gold, pred, _SOFT * limit, clear))
+        except OSError:  # it died while idle: the item goes back to the front, for a fresh executor
+            self._respawn(ex)
+            home = next(e for e in self.executors if not e.spare) if ex.spare else ex
+            home.queue.appendleft(i)
+            return
+        ex.item, ex.started, ex.hard_at = i, now, now + limit
+
+    def _hedge(self, req: _Request, wait_s: float, now: float) -> None:
+        """Fork spares for the items queued behind slow executors that idle ones cannot take."""
+        suspects = self._suspects(req, wait_s, now)
+        behind = sum(
+            self._free(req, i, suspects)
+            for ex in self.executors
+            if ex.item is not None and now - ex.started >= wait_s
+            for i in ex.queue
+        )
+        idle = sum(ex.item is None for ex in self.executors)
+        extra = min(behind - idle, self.max_workers - len(self.executors))
+        if extra > 0:
+            self.executors += [self._fork(spare=True) for _ in range(extra)]
+            self._dispatch(req, wait_s, now)
+
+    def _wait(self, req: _Request, wait_s: float, now: float) -> None:
+        busy = [ex for ex in self.executors if ex.item is not None]
+        if not busy:
+            raise RuntimeError("verify_worker: items left but nothing running")  # a scheduling bug
+        events = [ex.hard_at for ex in busy]
+        events += [ex.started + wait_s for ex in busy if now - ex.started < wait_s]
+        if req.deadline is not None:
+            events.append(req.deadline)
+        readable = select.select([ex.from_fd for ex in busy], [], [], max(0.0, min(events) - now))[0]
+        for ex in busy:
+            if ex.from_fd not in readable:
+                continue
+            gold, pred = req.items[ex.item]
+            ex.cached.update(s for s, done in ((gold, ex.phase != "g"), (pred, ex.phase == "v")) if done)
+            data = os.read(ex.from_fd, 4096)
+            if not data:
+                self._overrun(req, ex, "exited (out of memory?)")
+                continue
+            ex.buffer += data
+            *lines, ex.buffer = ex.buffer.split(b"\n")
+            for line in lines:
+                self._progress(req, ex, line.decode())
+
+    def _progress(self, req: _Request, ex: _Executor, line: str) -> None:
+        """The result line of `ex`'s item."""
+        req.settle(ex.item, self._blame(req, ex) if line == "t" else line)
+        ex.item = None
+
+    def _overrun(self, req: _Request, ex: _Executor, what: str) -> None:
+        """`ex` passed its hard deadline or died: settle its item as timed out and replace it."""
+        code = self._blame(req, ex)
+        if code != "b":
+            gold, pred = req.items[ex.item]
+            log.debug("executor %s in phase %s (gold %.60r, pred %.60r)", what, ex.phase, gold, pred)
+        req.settle(ex.item, code)
+        self._respawn(ex)
+
+    # -- the protocol
+
+    def serve(self, stdin, stdout) -> None:
+        def emit(index: int, code: str) -> None:
+            stdout.write(f"{index} {code}\n")
+            stdout.flush()
+
+        try:
+            while True:
+                request = _read_message(stdin.fileno())
+                if request is None:
+                    return  # parent closed the pipe
+                self.run(request["items"], request["units"], request["timeout"], request["deadline"], emit)
+        finally:
+            self.shutdown()
+
+
+def _serve(workers: int, max_workers: int) -> None:
+    # The trainer decides when grading stops: a preemption signal (SIGTERM, a Ctrl-C, or the deepspeed
+    # launcher terminating the whole process tree) lets it finish its step, grading included. This
+    # process ends when the trainer closes the pipe or kills it; executors die with it (PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The protocol gets a private copy of stdout; fd 1 then points at stderr,
+    # so a stray print() in a library cannot corrupt the stream.
+    stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are reported by the parent
+
+    # Math-Verify's first parse of each kind of answer pays one-off set-up
+    # (regexes, the LaTeX grammar): pay it here, once, before forking executors.
+    warm = _Checker()
+    for answer in ("1", "\\frac{1}{2}", "x^2+1", "(1,2)", "[1,2)", "\\{1,2\\}", "1+2i", "x=1", "\\text{A}"):
+        warm.equal(answer, answer)
+    del warm
+    gc.collect()
+    gc.freeze()  # executors share these pages; the collector would otherwise copy them on its first pass
+    supervisor = Supervisor(workers, max_workers)
+    supervisor._ensure_base()
+    stdout.write("ready\n")
+    stdout.flush()
+    supervisor.serve(sys.stdin.buffer, stdout)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]) if len(sys.argv) > 1 else 2, int(sys.argv[2]) if len(sys.argv) > 2 else 8)

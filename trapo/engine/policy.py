@@ -1,0 +1,458 @@
+"""The policy under DeepSpeed ZeRO-3: built from a Hugging Face directory, forwarded in
+token-budget micro-batches (packed without padding, trapo/engine/packing.py), updated once per
+update batch, gathered for the weight push.
+
+Every method that runs the model is collective: ZeRO-3 gathers each layer's
+parameters from all ranks, so all ranks run the same number of forward and
+backward passes (ranks with less work run empty micro-batches; `balance` evens
+the work out first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from trapo import console
+from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
+from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
+from trapo.algorithm.loss import policy_loss
+from trapo.config import Config, ConfigError
+from trapo.engine import dist, packing
+from trapo.engine.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
+from trapo.runtime import torch_dtype
+
+# The update statistics one `update` call returns, summed over its micro-batches (this rank only).
+UPDATE_SUMS = (
+    "loss",
+    "pg_loss",
+    "entropy",
+    "clip_frac",
+    "trained_tokens",
+    "trained_sequences",
+    "logprob_diff",  # sum over trained tokens of |log pi_old - log pi_engine| (the rollout engine's health)
+    "logprob_tokens",  # tokens that had engine log-probs
+    "is_weight",  # token-weighted sum of the rollout importance weights (loss.rollout_is)
+    "is_capped",  # token-weighted sum of the fraction of weights at the cap
+    "is_tokens",  # tokens that had importance weights
+    "is_masked",  # token-weighted sum of the fraction of tokens a mask mode dropped (loss.rollout_is)
+    "is_masked_seqs",  # sequences with at least one dropped token (sequence_mask: the dropped sequences)
+    "is_seqs",  # sequences that had importance weights
+    "kl_ref",  # token-weighted sum of the k3 estimate of KL(pi_theta || pi_ref) (loss.beta > 0)
+    "kl_tokens",  # tokens that had reference log-probs
+    "overlong_penalty",  # sum of DAPO's R_len over the step's responses (loss.overlong=soft_penalty; the trainer's)
+    "overlong_responses",  # responses that R_len was computed for
+)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite loss that DeepSpeed applied, too many skipped steps)."""
+
+
+def model_overrides(cfg: Config, hf_config) -> dict:
+    """Model config attributes the run sets over the checkpoint's, as both transformers and vLLM read them.
+
+    transformers 5.19 builds the rotary embedding from `rope_parameters["rope_theta"]`
+    only (an attribute `rope_theta` is ignored), and vLLM 0.32 passes
+    `rope_parameters` to its rotary layer as given in `hf_overrides`; so the
+    override is the checkpoint's whole `rope_parameters` with the new theta.
+    """
+    overrides = {}
+    if cfg.model.rope_theta is not None:
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"})
+        overrides["rope_parameters"] = {**rope, "rope_theta": float(cfg.model.rope_theta)}
+    if cfg.model.max_position_embeddings is not None:
+        overrides["max_position_embeddings"] = cfg.model.max_position_embeddings
+    return overrides
+
+
+def same_model(policy: dict, engine: dict) -> str:
+    """Compare the policy's and the engine's `effective_config`; a line for the log, or ConfigError naming
+    each key that differs. RoPE theta is read back from the policy's inverse frequencies, stored in its
+    dtype: it agrees to a relative 1e-4 in fp32, 1e-2 in bf16 (a wrong override is off by 4x, not 1%)."""
+    bad = []
+    for key, a in policy.items():
+        b = engine.get(key)
+        if key == "rope_theta" and a is not None and b is not None:
+            same = abs(a - b) <= (1e-4 if policy.get("dtype") == "float32" else 1e-2) * abs(b)
+        else:
+            same = a == b
+        if not same:
+            bad.append(f"{key}: policy {a}, engine {b}")
+    if bad:
+        raise ConfigError("the policy and the vLLM engine run different models: " + "; ".join(bad))
+    return "policy and engine agree: " + ", ".join(
+        f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in policy.items()
+    )
+
+
+def _offloadable_states(wanted: bool) -> list | None:
+    """What DeepSpeed 0.19's `offload_states` can move with our torch optimizer (None: nothing).
+
+    Under ZeRO-3 it moves the fp32 master weights and Adam moments only for its
+    own FusedAdam (it asserts so, runtime/zero/stage3.py 3868-3869); with a torch
+    optimizer the low-precision parameter partitions and the gradient buffers
+    move. `Policy.offload` moves the fp32 master weights and Adam moments itself.
+    """
+    if not wanted:
+        return None
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    return [State.lp_params, State.lp_grads, State.contiguous_grad_buffer]
+
+
+class Policy:
+    def __init__(self, cfg: Config, model_dir: str, world: int, pad_id: int):
+        import deepspeed
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self.cfg, self.world, self.pad_id = cfg, world, pad_id
+        self.device = dist.comm_device()
+        dtype = torch_dtype(cfg.model.dtype)
+        try:
+            ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(
+                f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})"
+            ) from None
+        # We micro-batch by tokens ourselves and call step() once per update batch:
+        # unmanaged gradient accumulation makes step() the boundary however many backward() calls came first.
+        ds_config.update(
+            train_micro_batch_size_per_gpu=1,
+            gradient_accumulation_steps=1,
+            train_batch_size=world,
+            managed_gradient_accumulation=False,
+            zero_allow_untested_optimizer=True,
+        )
+        ds_config["bf16"] = {"enabled": dtype == torch.bfloat16}
+        ds_config.pop("fp16", None)
+        self._hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it turns on zero.Init
+
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        self.overrides = model_overrides(cfg, hf_config)  # the engine takes the same
+        for key, value in self.overrides.items():
+            setattr(hf_config, key, value)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if cfg.train.packing:  # packed rows: attention within each sequence, no [S, S] mask
+            model.set_attn_implementation(packing.register_attention())
+        t = cfg.train
+        on_gpu = torch.cuda.is_available()
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, fused=on_gpu
+        )
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.model = self.engine.module
+        # loss.beta > 0: a frozen copy of the initial weights for the KL term, partitioned by ZeRO-3 like the
+        # policy (each rank holds 1/world of it) and run forward only; no optimizer, never saved.
+        self.ref = None
+        if cfg.loss.beta > 0:
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype).requires_grad_(False)
+            ref.config.use_cache = False
+            if cfg.train.packing:
+                ref.set_attn_implementation(packing.ATTENTION)
+            ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+            self.ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
+            self.ref.eval()
+        self.rollout_is = resolve_mode(cfg.loss.rollout_is, on_gpu)  # "off" or the mode that runs
+        bias = top_p_bias_warning(self.rollout_is, cfg.rollout.top_p)
+        if bias:
+            console.warn_once("rollout_is_top_p", bias)
+        self.offload_states = _offloadable_states(on_gpu if t.offload_during_rollout is None else
+                                                  t.offload_during_rollout)  # fmt: skip
+        self.offloaded = False
+        self._host: dict[int, torch.Tensor] = {}  # host copies of the fp32 master and Adam moments, by tensor
+        self.moved = {"offload_s": 0.0, "reload_s": 0.0, "bytes": 0}  # the last offload's figures (metrics.jsonl)
+
+    def effective_config(self) -> dict:
+        """What the policy's model uses: RoPE theta (read back from its rotary inverse frequencies),
+        positions, vocabulary, dtype. Compared with `RolloutEngine.effective_config` at start-up."""
+        rotary = next(m for m in self.model.modules() if hasattr(m, "inv_freq"))
+        inv_freq = rotary.inv_freq.double()  # [d/2]: theta ** (-i / (d/2)); in the model's dtype
+        last = inv_freq.numel() - 1  # the last entry: its rounding error is not amplified
+        theta = float(inv_freq[last] ** (-inv_freq.numel() / last)) if last > 0 else None
+        c = self.model.config
+        return {
+            "rope_theta": theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": c.vocab_size,
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+        }
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) of every parameter, gathered one block at a time."""
+        return dist.gathered_parameters(self.model)
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _groups(self, seqs: list[TrainSequence]) -> list[list[int]]:
+        """This rank's micro-batches (indices into seqs), padded with empty ones to the busiest rank's count:
+        every rank must run the same number of forward/backward passes."""
+        lengths, budget = [len(s.ids) for s in seqs], self.cfg.train.micro_batch_tokens
+        groups = packing.pack_rows(lengths, budget) if self.cfg.train.packing else pack_by_tokens(lengths, budget)
+        # At least one pass even when nothing is trainable anywhere: DeepSpeed's step needs a backward.
+        return groups + [[] for _ in range(max(dist.all_max(len(groups)), 1) - len(groups))]
+
+    def _microbatches(self, seqs: list[TrainSequence], groups: list[list[int]] | None = None):
+        """Yield (indices into seqs, collated batch) per micro-batch; an empty group runs a 2-token dummy."""
+        pad, build = self.pad_id, packing.collate_packed if self.cfg.train.packing else collate
+        for group in self._groups(seqs) if groups is None else groups:
+            if group:
+                yield group, build([seqs[i] for i in group], pad)
+            else:
+                dummy = TrainSequence(ids=[pad, pad], prompt_len=1, advantage=0.0, weight=0.0, labeled=True)
+                yield group, build([dummy], pad)
+
+    def _token_stats(self, batch: dict, *, entropy: bool = False, kl_uniform: bool = False, engine=None) -> TokenStats:
+        """Log-probs (and entropy, KL(U || p)) of the response tokens, [b, T-1] each, 0 elsewhere.
+
+        The transformer runs without its LM head (`logits_to_keep` selects no
+        position, so no [T, V] logits exist); the head is then applied to the
+        response positions only, a chunk of `train.loss_chunk_tokens` rows at a
+        time with recomputation in backward, at the sampling temperature.
+        `engine`: the DeepSpeed engine to run (default the policy's; the reference model's for the KL).
+        """
+        engine = self.engine if engine is None else engine
+        mask = batch["response_mask"].to(self.device)  # [b, T-1]: position t predicts token t+1
+        no_logits = torch.empty(0, dtype=torch.long, device=self.device)
+        if "packed_ids" in batch:  # one row [1, S]; its response positions come in the padded mask's order
+            ids, rows = batch["packed_ids"].to(self.device), batch["packed_response"].to(self.device)
+            out = engine(
+                input_ids=ids,
+                position_ids=batch["packed_positions"].to(self.device),
+                attention_mask=None,
+                packed_bounds=batch["packed_bounds"],
+                output_hidden_states=True,
+                logits_to_keep=no_logits,
+            )
+        else:
+            ids, rows = batch["input_ids"].to(self.device), mask
+            out = engine(
+                input_ids=ids,
+                attention_mask=batch["attention_mask"].to(self.device),
+                output_hidden_states=True,
+                logits_to_keep=no_logits,
+            )
+        hidden = out.hidden_states[-1][:, :-1][rows]  # [N, H], after the final norm: what the head reads
+        targets = ids[:, 1:][rows]  # [N]
+        stats = lm_head_token_stats(
+            hidden,
+            engine.module.get_output_embeddings(),
+            targets,
+            temperature=self.cfg.rollout.temperature,
+            chunk_tokens=self.cfg.train.loss_chunk_tokens,
+            entropy=entropy,
+            kl_uniform=kl_uniform,
+        )
+        return TokenStats(*(None if s is None else scatter_to_mask(s, mask) for s in stats))
+
+    @torch.no_grad()
+    def confidence_scores(self, seqs: list[TrainSequence], kind: str) -> list[float]:
+        """Confidence rewards from the current policy (no gradient), one per sequence."""
+        from trapo.algorithm.rewards.confidence import confidence_reward
+
+        scores = [0.0] * len(seqs)
+        for group, batch in self._microbatches(seqs):
+            stats = self._token_stats(batch, entropy=kind == "token_entropy", kl_uniform=kind == "self_certainty")
+            values = confidence_reward(kind, stats, batch["response_mask"].to(self.device))
+            for i, v in zip(group, values.tolist()):
+                scores[i] = v
+        return scores
+
+    @torch.no_grad()
+    def with_logprobs(self, seqs: list[TrainSequence], field: str) -> list[TrainSequence]:
+        """The sequences with log-probs of their response tokens attached as `field`:
+        "old_logprobs" from the policy now (pi_old, for several updates per batch) or
+        "ref_logprobs" from the reference model (loss.beta > 0)."""
+        engine = self.ref if field == "ref_logprobs" else self.engine
+        if engine is None:  # without it the policy's own log-probs would pass for the reference's
+            raise ValueError("ref_logprobs need a reference model, which is loaded only when loss.beta > 0")
+        out = list(seqs)
+        for group, batch in self._microbatches(seqs):
+            lp = self._token_stats(batch, engine=engine).logprobs.cpu()  # [b, T-1]
+            for row, i in enumerate(group):
+                s = seqs[i]
+                out[i] = replace(s, **{field: lp[row, s.prompt_len - 1 : len(s.ids) - 1].tolist()})
+        return out
+
+    # ------------------------------------------------------------------ memory while vLLM generates
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The fp32 master partitions and the torch optimizer's Adam moments: 12 bytes per parameter over the
+        world size, which DeepSpeed will not move for a torch optimizer (the moments exist after step 1)."""
+        zero = self.engine.optimizer
+        out = list(getattr(zero, "fp32_partitioned_groups_flat", []))
+        for state in zero.optimizer.state.values():
+            out += [state[key] for key in ("exp_avg", "exp_avg_sq") if key in state]
+        return out
+
+    def offload(self) -> None:
+        """Move the optimizer's states and the partitions to host memory while the engine generates.
+
+        DeepSpeed moves the bf16 partitions and gradient buffers; the fp32 master weights and Adam moments
+        are copied here into pinned host buffers kept outside `optimizer.state` (so its state_dict and the
+        checkpoints are unchanged) and the device tensors point at them (`.data`, as DeepSpeed does for
+        its own FusedAdam), until `reload` copies them back before the update.
+        """
+        if self.offload_states:
+            start = time.perf_counter()
+            self.engine.offload_states(include=self.offload_states)
+            pin, moved = torch.cuda.is_available(), 0
+            for tensor in self._optimizer_tensors():
+                host = self._host.get(id(tensor))
+                if host is None or host.shape != tensor.shape:
+                    host = self._host[id(tensor)] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+                if host.data_ptr() != tensor.data_ptr():
+                    host.copy_(tensor, non_blocking=pin)
+                tensor.data = host
+                moved += tensor.numel() * tensor.element_size()
+            if pin:
+                torch.cuda.synchronize()
+            self.moved = {"offload_s": time.perf_counter() - start, "reload_s": 0.0, "bytes": moved}
+            self.offloaded = True
+        if torch.cuda.is_available():  # the update's freed activations: back to the device, for vLLM
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        if self.offloaded:
+            start = time.perf_counter()
+            self.engine.reload_states()
+            for tensor in self._optimizer_tensors():
+                tensor.data = tensor.data.to(self.device, non_blocking=True)  # on CPU: the host copy itself
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.moved["reload_s"] = time.perf_counter() - start
+            self.offloaded = False
+
+    # ------------------------------------------------------------------ the update
+
+    def skips_zero_advantage(self) -> bool:
+        """Whether sequences with advantage 0 are left out of the update (see train.skip_zero_advantage)."""
+        skip, loss = self.cfg.train.skip_zero_advantage, self.cfg.loss
+        return (loss.entropy_coef == 0.0 and loss.beta == 0.0) if skip is None else skip
+
+    def trainable(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
+        """The sequences worth a forward and backward: gate M != 0 (a gated-out sequence adds nothing),
+        advantage != 0 where `skips_zero_advantage` (Dr.GRPO: a group whose rewards are all equal), and
+        not truncated under loss.overlong=mask (DAPO's overlong filtering; `batch.loss_counts` drops them
+        from the denominators too)."""
+        skip_zero = self.skips_zero_advantage()
+        drop_cut = self.cfg.loss.overlong == "mask"
+        return [
+            s
+            for s in seqs
+            if s.weight != 0.0 and not (skip_zero and s.advantage == 0.0) and not (drop_cut and s.truncated)
+        ]
+
+    def balance(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
+        """This rank's share of every rank's `seqs`, token counts nearly equal across ranks (collective).
+        The union over ranks is unchanged, so the update's sums and denominators are too."""
+        gathered = dist.all_gather(seqs)  # token ids, advantages, log-probs: small next to the update
+        plan = packing.balance([[len(s.ids) for s in part] for part in gathered])
+        return [gathered[r][i] for r, i in plan[dist.rank()]]
+
+    def update(
+        self, seqs: list[TrainSequence], step: int, batch: dict[str, float]
+    ) -> tuple[bool, dict[str, float], dict[str, int]]:
+        """One optimizer step on this rank's trainable sequences of an update batch.
+
+        batch: the whole update batch's "sequences" and response "tokens" on all ranks (gated and
+        skipped sequences included), for the loss denominators. Returns (applied, this rank's
+        UPDATE_SUMS, the update's work counts over all ranks, `packing.work_counts`); applied is False
+        when a non-finite loss on any rank made the step be skipped. The sums stay on the device until
+        the end of the update: one host synchronisation.
+        """
+        cfg = self.cfg
+        # Divided by the world size because DeepSpeed averages gradients over ranks.
+        denom = (
+            loss_denominator(cfg.loss.agg, int(batch["sequences"]), int(batch["tokens"]), cfg.rollout.max_tokens)
+            / self.world
+        )
+        groups = self._groups(seqs)
+        # The work done, for update_efficiency: every rank's micro-batch layout and its tokens with signal.
+        signal_always = cfg.loss.entropy_coef != 0.0 or cfg.loss.beta != 0.0
+        signal = sum(len(s.ids) for s in seqs if signal_always or s.advantage != 0.0)
+        layouts = dist.all_gather(([[len(seqs[i].ids) for i in g] for g in groups if g], signal))
+        work = packing.work_counts([lay for lay, _ in layouts], sum(n for _, n in layouts), cfg.train.packing)
+        sums = torch.zeros(len(UPDATE_SUMS) + 1, dtype=torch.float64, device=self.device)  # + non-finite count
+        lo = cfg.loss
+        # GSPO clips a sequence ratio near 1 with its own small range; GRPO and CISPO use clip_eps(_high).
+        gspo = lo.objective == "gspo"
+        clip_eps = lo.gspo_clip_eps if gspo else lo.clip_eps
+        clip_eps_high = lo.gspo_clip_eps_high if gspo else lo.clip_eps_high
+        self.engine.train()
+        for group, batch in self._microbatches(seqs, groups):
+            stats = self._token_stats(batch, entropy=bool(cfg.loss.entropy_coef))  # [b, T-1] each
+            mask = batch["response_mask"].to(self.device)  # [b, T-1]
+            # One update per rollout batch (the paper's setting) is on-policy: pi_old = pi_theta.
+            old = batch["old_logprobs"].to(self.device) if "old_logprobs" in batch else stats.logprobs.detach()
+            engine_lp = batch["engine_logprobs"].to(self.device) if "engine_logprobs" in batch else None
+            ref_lp = batch["ref_logprobs"].to(self.device) if "ref_logprobs" in batch else None
+            is_weights, is_metrics = None, {}
+            if engine_lp is not None and self.rollout_is != "off":
+                is_weights, is_metrics = rollout_is_weights(
+                    old, engine_lp, mask, mode=self.rollout_is, cap=lo.rollout_is_cap, lower=lo.rollout_is_lower
+                )
+            loss, metrics = policy_loss(
+                stats.logprobs,
+                old,
+                batch["advantages"].to(self.device),
+                mask,
+                clip_eps=clip_eps,
+                clip_eps_high=clip_eps_high,
+                objective=lo.objective,
+                weights=batch["weights"].to(self.device),
+                agg=cfg.loss.agg,
+                denom=denom,
+                entropy=stats.entropy,
+                entropy_coef=cfg.loss.entropy_coef,
+                token_weights=is_weights,
+                ref_logprobs=ref_lp,
+                beta=cfg.loss.beta,
+            )
+            if not group:
+                loss = loss * 0.0
+            # A non-finite loss still goes through backward: its NaN gradient makes DeepSpeed's
+            # global gradient-norm check discard the whole step on every rank (no rank diverges).
+            self.engine.backward(loss)
+            if group:
+                tokens = mask.sum()
+                diff = torch.where(mask, (old - engine_lp).abs(), 0.0).sum() if engine_lp is not None else 0.0
+                part = {
+                    "loss": loss.detach(),
+                    "pg_loss": metrics["pg_loss"],
+                    "entropy": metrics.get("entropy", 0.0) * tokens,
+                    "clip_frac": metrics["clip_frac"] * tokens,
+                    "trained_tokens": tokens,
+                    "logprob_diff": diff,
+                    "logprob_tokens": tokens if engine_lp is not None else 0.0,
+                    "is_weight": is_metrics.get("is_weight_mean", 0.0) * tokens,
+                    "is_capped": is_metrics.get("is_capped_frac", 0.0) * tokens,
+                    "is_tokens": tokens if is_weights is not None else 0.0,
+                    "is_masked": is_metrics.get("is_masked_frac", 0.0) * tokens,
+                    "is_masked_seqs": is_metrics.get("is_masked_seqs", 0.0),
+                    "is_seqs": is_metrics.get("is_seqs", 0.0),
+                    "kl_ref": metrics.get("kl_ref", 0.0) * tokens,
+                    "kl_tokens": tokens if "kl_ref" in metrics else 0.0,
+                }
+                sums[:-1] += torch.stack([torch.as_tensor(part.get(k, 0.0), dtype=torch.float64, device=self.device)
+                                          for k in UPDATE_SUMS])  # fmt: skip
+            sums[-1] += (~torch.isfinite(loss.detach())).double()
+        values = sums.tolist()  # the update's one host synchronisation
+        out = dict(zip(UPDATE_SUMS, values))
+        finite = dist.all_max(int(values[-1] > 0 or not all(math.isfinite(v) for v in values))) == 0
+        self.engine.step()
+        applied = self.engine.was_step_applied()
+        if not finite and applied:
+            raise TrainingError(f"step {step + 1}: non-finite loss but DeepSpeed applied the update")
+        out["trained_sequences"] = float(len(seqs))
+        return finite and applied, out, work

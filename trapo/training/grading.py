@@ -1,0 +1,114 @@
+"""Grading one step's rollouts: rewards, (pseudo) pass rates, pseudo-label precision.
+
+Labeled question: reward = Math-Verify(response, gold), pass rate = mean reward.
+Unlabeled question: the TTRL pseudo-label is the majority answer over its G
+responses; its pseudo pass rate (paper eq. "pass_rate" with the pseudo-label)
+is the fraction of responses that agree with it, and with the `majority`
+reward each agreeing response scores 1. A hidden gold, when present, is only
+compared with the pseudo-label (diagnostics), never used for reward.
+
+Degenerate outputs (the collapse the paper describes for unsupervised
+training) cannot stall a step: each Math-Verify comparison has its timeout,
+a vote never waits twice on an answer that exhausted it, and an optional
+`budget` bounds the whole call; what timed out or was cut counts as not
+equal, and is counted in `Grades` for the step's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from trapo.algorithm.rewards import Tally, answer_rewards, decide_pairs, extract_answer, majority_votes
+from trapo.data import Question
+
+
+@dataclass
+class Grades:
+    rewards: list[list[float]]  # [b][G]; for unlabeled questions the majority-vote reward
+    pass_rates: list[float]  # [b]
+    pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
+    timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
+    budget_cut: int = 0  # comparisons left undecided because the step's grading budget was spent
+    # What was compared, for the rollout dump (trapo/training/rollout_dump.py): each response's extracted answer
+    # (`extract_answer`, None without one) [b][G], and each unlabeled question's pseudo-label (the majority
+    # answer; None on a tie or for a labeled question) [b].
+    answers: list[list[str | None]] = field(default_factory=list)
+    pseudo_labels: list[str | None] = field(default_factory=list)
+
+    @classmethod
+    def concat(cls, parts: list[Grades]) -> Grades:
+        """The grades of several question lists, one after the other (a step's generation rounds)."""
+        return cls(
+            rewards=[r for g in parts for r in g.rewards],
+            pass_rates=[p for g in parts for p in g.pass_rates],
+            pseudo_correct=[c for g in parts for c in g.pseudo_correct],
+            timeouts=sum(g.timeouts for g in parts),
+            budget_cut=sum(g.budget_cut for g in parts),
+            answers=[a for g in parts for a in g.answers],
+            pseudo_labels=[label for g in parts for label in g.pseudo_labels],
+        )
+
+
+def grade(
+    questions: list[Question],
+    texts: list[list[str]],
+    timeout: float,
+    verifier=None,
+    *,
+    budget: float | None = None,
+) -> Grades:
+    """questions: [b]; texts: [b][G] response texts.
+
+    timeout: seconds one Math-Verify comparison may take. budget: seconds
+    (wall clock) for the whole call, labeled rewards, votes and hidden-gold
+    checks together, or None for no bound; once spent, comparisons not yet
+    decided count as not equal and are not sent to the workers.
+    """
+    deadline = None if budget is None else time.monotonic() + max(0.0, budget)
+    tally = Tally()
+    b = len(questions)
+    rewards: list[list[float]] = [[] for _ in range(b)]
+    pass_rates = [0.0] * b
+    pseudo_correct = [math.nan] * b
+
+    # Each answer extracted once: the labeled rewards (`answer_rewards`, `math_rewards` on these answers),
+    # the vote and the rollout dump all read the same strings.
+    answers = [[extract_answer(t) for t in group] for group in texts]
+    pseudo_labels: list[str | None] = [None] * b
+    labeled = [i for i, q in enumerate(questions) if q.labeled]
+    if labeled:
+        flat = answer_rewards(
+            [a for i in labeled for a in answers[i]],
+            [questions[i].answer for i in labeled for _ in answers[i]],
+            timeout,
+            verifier,
+            deadline,
+            tally,
+        )
+        pos = 0
+        for i in labeled:
+            g = len(texts[i])
+            rewards[i] = flat[pos : pos + g]
+            pass_rates[i] = sum(rewards[i]) / g
+            pos += g
+
+    unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
+    if unlabeled:
+        votes = majority_votes([answers[i] for i in unlabeled], timeout, verifier, deadline, tally)
+        checks = []  # (question position, hidden gold, pseudo-label)
+        for i, (label, agree) in zip(unlabeled, votes):
+            rewards[i] = [1.0 if a else 0.0 for a in agree]
+            pseudo_labels[i] = label
+            pass_rates[i] = sum(agree) / len(agree)
+            gold = questions[i].answer
+            if gold is not None:
+                if label is None:
+                    pseudo_correct[i] = 0.0
+                else:
+                    checks.append((i, gold, label))
+        verdicts = decide_pairs([(g, lab) for _, g, lab in checks], timeout, verifier, deadline, tally)
+        for (i, _, _), ok in zip(checks, verdicts):
+            pseudo_correct[i] = 1.0 if ok else 0.0
+    return Grades(rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut, answers, pseudo_labels)

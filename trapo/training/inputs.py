@@ -1,0 +1,87 @@
+"""A run's inputs, checked before any model loads: the model directory, the training questions and their
+prompt tokens, the held-out and validation benchmarks, and the batch counts.
+
+    inputs = prepare_inputs(cfg, world, is_main)   # collective on the toy (rank 0 builds its assets)
+
+Every input error (a missing model directory, a bad training or benchmark file, a prompt longer than
+data.max_prompt_tokens, batch sizes that do not divide over the ranks) is raised here, naming the file,
+row or key, before the policy, the reference model or vLLM cost anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trapo import console
+from trapo.commands.eval import Benchmark, read_benchmark_file
+from trapo.config import Config, ConfigError
+from trapo.data import DataError, Question, epoch_batches, load_questions, select_for_mode, tokenize_prompts
+from trapo.engine import dist
+
+
+@dataclass
+class RunInputs:
+    model_dir: str
+    questions: list[Question]  # [Q] the mode's training questions
+    prompts: list[list[int]]  # [Q] prompt token ids
+    tokenizer: Any  # the model's tokenizer, with a pad token
+    test_benchmarks: list[Benchmark]  # data.test_files: held-out pass@1 before and after training
+    val_benchmarks: list[Benchmark]  # eval.files (the toy: its validation or test splits): checkpoint selection
+    steps_per_epoch: int  # batches in one epoch's order
+    total_steps: int  # max_steps, or epochs x steps_per_epoch (an upper bound when refills consume batches)
+
+
+def prepare_inputs(cfg: Config, world: int, is_main: bool) -> RunInputs:
+    if cfg.toy.enabled:
+        from trapo.commands.toy import asset_dir, build_assets
+
+        if is_main:
+            build_assets(cfg.toy, log=console.say)
+        dist.barrier()
+        root = asset_dir(cfg.toy)
+        model_dir = str(root / "model")
+        train_files = [str(root / "train.jsonl")]
+        test_files = [str(p) for p in (root / "test.jsonl", root / "test_ood.jsonl") if p.is_file()]
+        toy_val = [str(root / "validation.jsonl")] if cfg.toy.validation else test_files
+    else:
+        model_dir = cfg.model.path
+        train_files, test_files, toy_val = cfg.data.train_files, cfg.data.test_files, []
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ConfigError(f"model.path {model_dir}: not a Hugging Face model directory (no config.json)")
+    t = cfg.train
+    if t.rollout_batch_size % world or t.update_batch_size % world:
+        raise ConfigError(
+            f"train.rollout_batch_size ({t.rollout_batch_size}) and train.update_batch_size "
+            f"({t.update_batch_size}) must be multiples of the world size ({world})"
+        )
+    questions = select_for_mode(load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode)
+    test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
+    val_files = cfg.eval.files or toy_val  # the toy: its validation split, or without one its test splits
+    val_benchmarks = [b for f in val_files for b in read_benchmark_file(Path(f))]
+    names = [b.name for b in val_benchmarks]
+    if cfg.eval.select_on is not None and cfg.eval.select_on not in names:
+        raise ConfigError(f"eval.select_on: '{cfg.eval.select_on}' is not a validation benchmark; have {names}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    d = cfg.data
+    prompts = tokenize_prompts(questions, d.prompt_template, tokenizer, d.max_prompt_tokens)
+    for bench in test_benchmarks + val_benchmarks:  # prompt lengths checked now, not mid-run
+        tokenize_prompts(bench.questions, d.prompt_template, tokenizer, d.max_prompt_tokens)
+    steps_per_epoch = len(epoch_batches(len(questions), t.rollout_batch_size, world, 0, 0))
+    if steps_per_epoch == 0:
+        raise DataError(f"{len(questions)} training questions: too few for one batch on {world} ranks")
+    return RunInputs(
+        model_dir=model_dir,
+        questions=questions,
+        prompts=prompts,
+        tokenizer=tokenizer,
+        test_benchmarks=test_benchmarks,
+        val_benchmarks=val_benchmarks,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=cfg.max_steps or cfg.epochs * steps_per_epoch,
+    )

@@ -1,0 +1,534 @@
+"""The TraPO / GRPO training loop: DeepSpeed ZeRO-3 policy, colocated vLLM rollouts, pass-rate gate.
+
+One step, on every rank (each rank takes every world_size-th question of the batch):
+    1. rollouts   G samples per question from the rank's own vLLM engine
+    2. grading    Math-Verify vs gold (labeled), majority vote (unlabeled)
+    3. pass rates gathered from all ranks into the replicated PassRateTracker;
+                  the gate M comes from the selection made at the last epoch end;
+                  with rollout.dynamic_sampling, groups with equal rewards leave the
+                  step and 1-3 repeat on the epoch's next batches (trapo/training/sampling.py)
+    4. update     Dr.GRPO advantages, L = J_labeled + M * J_unlabeled, token-budget
+                  micro-batches, one DeepSpeed optimizer step per update batch
+    5. push       the new weights, gathered block by block, into vLLM
+    6. log        statistics summed over ranks; at an epoch's end the tracker appends
+                  the epoch's pass rates to every trajectory and selects the reliable
+                  unlabeled questions for the next epoch
+The components do the work: `Policy` (trapo/engine/policy.py), `RolloutEngine`
+(trapo/engine/rollout.py), `grade` (trapo/training/grading.py), `PassRateTracker`
+(trapo/algorithm/passrate.py), `trapo.training.metrics` and `trapo.engine.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from trapo import console, runtime
+from trapo.algorithm.passrate import PassRateTracker
+from trapo.algorithm.rewards.verifier import MathVerifier
+from trapo.algorithm.selection import confidence_kind
+from trapo.commands.eval import Benchmark, pooled_scores
+from trapo.config import Config, dump_config
+from trapo.data import epoch_batches, stop_token_ids
+from trapo.engine import checkpoint as ckpt
+from trapo.engine import dist
+from trapo.engine.batch import build_sequences
+from trapo.engine.packing import update_efficiency
+from trapo.engine.policy import Policy, TrainingError, same_model
+from trapo.engine.rollout import Rollout, RolloutEngine, request_seed
+from trapo.runtime import dtype_name
+from trapo.training import metrics, rollout_dump, sampling
+from trapo.training.grading import Grades, grade
+from trapo.training.inputs import prepare_inputs
+from trapo.training.loggers import Loggers
+from trapo.training.preemption import Preempted, StopSignals
+from trapo.training.update import update_policy
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank, self.world, self.local_rank = dist.init_distributed(cfg.dist_timeout_minutes)
+        self.is_main = self.rank == 0
+        self.run_dir = cfg.run_dir
+        self.ckpt_root = self.run_dir / "checkpoints"
+        ckpt.check_run_dir(self.run_dir, cfg.resume_from)  # another run's logs: stop before any model loads
+        for notice in runtime.NOTICES:  # what the environment set-up changed, e.g. TORCHDYNAMO_DISABLE on GPU
+            console.say(notice)
+        if self.is_main:  # a killed save's staging directory holds disk space the engines will want
+            for partial in ckpt.remove_partials(self.ckpt_root):
+                console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
+        dist.barrier()
+        inputs = prepare_inputs(cfg, self.world, self.is_main)  # data and prompts checked before any model loads
+        self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
+        self.questions, self.prompts = inputs.questions, inputs.prompts
+        self.test_benchmarks, self.val_benchmarks = inputs.test_benchmarks, inputs.val_benchmarks
+        self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
+        self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
+        r = cfg.rollout
+        generation = getattr(self.policy.model, "generation_config", None)
+        self.rollout = RolloutEngine(
+            self.model_dir,
+            dtype=dtype_name(cfg.model.dtype),
+            max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
+            seed=cfg.seed + self.rank // r.tensor_parallel_size,  # one seed per engine
+            tensor_parallel_size=r.tensor_parallel_size,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            cpu_kv_cache_gb=r.cpu_kv_cache_gb,
+            enable_sleep_mode=r.enable_sleep_mode,
+            enable_prefix_caching=r.enable_prefix_caching,
+            hf_overrides=self.policy.overrides,
+            stop_token_ids=stop_token_ids(self.tokenizer, generation and generation.eos_token_id),
+            sampled_logprobs=True,  # for logprob_diff_rollout_vs_policy
+            # The most sequences an engine runs at once in training: its questions (a tensor-parallel
+            # group pools its ranks') x G. Validation queues beyond it.
+            max_num_seqs=cfg.train.rollout_batch_size // self.world * r.tensor_parallel_size * r.n,
+        )
+        console.say(same_model(self.policy.effective_config(), self.rollout.effective_config()))
+        engines = ", ".join(f"rank {i} {d}" for i, d in enumerate(dist.all_gather(self.rollout.device())))
+        console.say(f"vLLM engines (tensor parallel {r.tensor_parallel_size}): {engines}")
+        self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
+        selection = cfg.selection
+        if selection.random_seed is None:  # the random-selection control follows the run's seed
+            selection = dataclasses.replace(selection, random_seed=cfg.seed)
+        self.tracker = PassRateTracker(torch.tensor([q.labeled for q in self.questions]), selection)
+        self.step = 0
+        self.cursor = sampling.Cursor(0, 0)  # the next step's epoch and batch (refills consume batches)
+        self.bad_steps = 0  # consecutive skipped (non-finite) updates
+        self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
+        self.best: dict | None = None  # {"step", "score"} of the best validation score so far
+        self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
+        self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
+        self._resume()
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> dict:
+        cfg, timer = self.cfg, metrics.StepTimer()
+        step_start = time.perf_counter()
+        epoch, first = self.cursor.epoch, self.cursor.batch
+        order = epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, cfg.seed, epoch)
+
+        # 1-3. rollouts, grading, pass rates into the tracker and rewards, one round per batch: one batch,
+        #      with rollout.dynamic_sampling more of the epoch's until enough groups carry a signal
+        rounds, informative, kept = self._rollout_rounds(order, first, timer)
+        plan, n_updates = sampling.update_plan(kept, self.rank, self.world, cfg.train.update_batch_size)
+        self._dump_rollouts(rounds, plan)  # logging.rollouts_every: what was generated and how it was scored
+
+        # 4. advantages and the update(s) on the kept groups
+        with timer.time("update"):
+            question_ids, rollouts, rewards, gate, update_of = sampling.take(rounds, plan, self.rank, self.world)
+            applied, update_sums, n_updates, work = update_policy(
+                self.policy, self.cfg, self.step, [self.prompts[i] for i in question_ids],
+                [self.questions[i].labeled for i in question_ids], rollouts, rewards, gate, update_of, n_updates,
+            )  # fmt: skip
+
+        # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
+        with timer.time("weight_push"):
+            pushed_bytes, _ = self.rollout.push_weights(self.policy.full_weights())
+
+        # 6. statistics over all ranks; at the epoch's end, extend trajectories and select for the next epoch
+        totals = dist.all_sum({**update_sums, **self._rollout_sums(rounds, plan)})
+        majority = cfg.mode != "supervised" and cfg.reward.unlabeled == "majority"
+        step_log = {
+            "step": self.step + 1,
+            "epoch": epoch + 1,
+            **metrics.step_values(totals, world=self.world, updates=n_updates, applied=applied, majority=majority),
+            "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
+            "pushed_gb": pushed_bytes / 2**30,
+            **update_efficiency(work),  # signal tokens / tokens computed by all ranks, and the rest's parts
+        }
+        if cfg.rollout.dynamic_sampling:
+            rolled = sum(len(order[first + i]) for i in range(len(rounds)))
+            step_log["dynamic_sampling"] = metrics.dynamic_sampling_values(rolled, informative, len(kept), len(rounds))
+        self.cursor = self.cursor.advance(len(rounds), self.steps_per_epoch)
+        if self.cursor.epoch > epoch:  # the epoch's batches are used up
+            step_log["selection"] = self._end_epoch()
+        self.step += 1
+        timer.seconds["step"] = time.perf_counter() - step_start
+        step_log["timing"] = {name: round(sec, 4) for name, sec in timer.seconds.items()}
+        if self.policy.offload_states:  # what moved to host memory for the rollouts, and the copies' time
+            moved = self.policy.moved
+            step_log["offload"] = {
+                "bytes": moved["bytes"],
+                **{k: round(moved[k], 5) for k in ("offload_s", "reload_s")},
+            }
+        if timer.peak_bytes:  # GPU: each phase's peak allocated memory on this rank
+            step_log["peak_gb"] = {name: round(b / 2**30, 3) for name, b in timer.peak_bytes.items()}
+        step_log["tokens_per_s"] = totals["response_tokens"] / max(timer.seconds["rollout"], 1e-9)
+        return step_log
+
+    def _rollout_rounds(self, order: list[list[int]], first: int, timer: metrics.StepTimer) -> tuple[list, int, list]:
+        """Roll out batch `first` of the epoch's `order`, and with dynamic sampling the next ones while too few
+        groups over all ranks have unequal rewards. Returns (this rank's rounds, informative groups over all
+        ranks, the kept groups' keys: all of one batch, or the informative ones cut to the batch size)."""
+        r, target = self.cfg.rollout, self.cfg.train.rollout_batch_size
+        rounds, keys = [], []
+        while True:
+            if rounds and self.rollout.weights_asleep:  # GPU: the last round's engine turn released them
+                with timer.time("weight_push"):
+                    self.rollout.push_weights(self.policy.full_weights())
+            rounds.append(self._round(order[first + len(rounds)][self.rank :: self.world], timer))
+            if not r.dynamic_sampling:
+                return rounds, len(order[first]), [(0, p) for p in range(len(order[first]))]
+            flags = dist.all_gather(sampling.informative(rounds[-1].rewards))  # decided alike on every rank
+            keys += sampling.round_keys(len(rounds) - 1, flags)
+            left = len(order) - first - len(rounds)  # never past the epoch's end
+            if not sampling.want_more(len(keys), target, len(rounds), r.dynamic_sampling_max_rounds, left):
+                return rounds, len(keys), sampling.cut(keys, target)
+
+    def _round(self, question_ids: list[int], timer: metrics.StepTimer) -> sampling.Round:
+        """Rollouts, grades, pass rates (into the tracker, with the gate M) and rewards of this rank's questions."""
+        cfg = self.cfg
+        questions = [self.questions[i] for i in question_ids]
+        # 1. rollouts: G samples per question, each request seeded by (run seed, step, question)
+        with timer.time("rollout"):
+            rollouts = self._sample(question_ids)  # [b][G]
+        # 2. grading: rewards and (pseudo) pass rates
+        with timer.time("grading"):
+            texts = [[r.text for r in group] for group in rollouts]
+            grades = grade(questions, texts, cfg.reward.timeout, self.verifier, budget=cfg.reward.step_budget)
+        # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
+        # (the selection strategy's confidence scores, when it needs them, are a policy forward: timed as grading)
+        with timer.time("grading"):
+            scored = self._confidence_scores(question_ids, rollouts)  # {kind: {position: [G] scores}}
+            gate = self._record_pass_rates(question_ids, grades, scored)  # [b]
+            rewards = self._rewards(grades, scored)  # [b][G]
+        return sampling.Round(question_ids, rollouts, grades, gate, rewards)
+
+    def _rollout_sums(self, rounds: list[sampling.Round], plan: dict) -> dict[str, float]:
+        """`metrics.step_sums` over every question this rank rolled out in the step (refills and filtered
+        groups included: they describe the rollouts); the gate counts only for groups kept for the update."""
+        sums: dict[str, float] = {}
+        for rnd, gate in zip(rounds, sampling.in_loss(rounds, plan, self.rank, self.world)):
+            questions = [self.questions[q] for q in rnd.question_ids]
+            for name, value in metrics.step_sums(questions, rnd.grades, gate, rnd.rollouts).items():
+                sums[name] = sums.get(name, 0) + value
+        return sums
+
+    def _dump_rollouts(self, rounds: list[sampling.Round], plan: dict) -> None:
+        """logging.rollouts_every: every question the step rolled out (refills included); in_loss is the gate
+        for the groups the update keeps and 0 for the others. Rewards are those before any overlong penalty."""
+        ids = [q for rnd in rounds for q in rnd.question_ids]
+        rollout_dump.dump_step(
+            self.cfg.logging.rollouts_every, self.run_dir, self.step + 1, ids, [self.questions[q] for q in ids],
+            prompts=[self.prompts[q] for q in ids], decode=self.tokenizer.decode,
+            texts=[[r.text for r in group] for rnd in rounds for group in rnd.rollouts],
+            rewards=[rewards for rnd in rounds for rewards in rnd.rewards],
+            grades=Grades.concat([rnd.grades for rnd in rounds]),
+            gate=[m for gate in sampling.in_loss(rounds, plan, self.rank, self.world) for m in gate],
+        )  # fmt: skip
+
+    def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
+        """G rollouts per question; on GPU the optimizer's states wait in host memory meanwhile."""
+        r = self.cfg.rollout
+        with self._engine_turn():
+            return self.rollout.generate(
+                [self.prompts[i] for i in question_ids],
+                n=r.n,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_tokens,
+                seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
+            )
+
+    @contextlib.contextmanager
+    def _engine_turn(self):
+        """GPU: the device's memory is vLLM's for a while. The trainer's movable states go to host memory
+        first, so that the KV cache, woken by `generate`, fits beside what stays; then vLLM sleeps (its
+        weights and KV cache released) before they come back."""
+        self.policy.offload()
+        try:
+            yield
+        finally:
+            self.rollout.sleep()
+            self.policy.reload()
+
+    def _end_epoch(self) -> dict:
+        """Extend every trajectory with the epoch's pass rates, select for the next epoch, dump the selection."""
+        self.last_selection = self.tracker.end_epoch()
+        if self.is_main and self.last_selection["tcs_selected"] is not None:
+            path = self.run_dir / "selection.jsonl"  # the first row also carries the warm-up's trajectories
+            row = self.tracker.selection_row(history=not path.is_file())
+            metrics.append_jsonl(path, row)
+            self.loggers.log_selection(row, step=self.step + 1)  # the step that closes the epoch
+        return self.last_selection
+
+    def _confidence_scores(self, question_ids: list[int], rollouts: list[list[Rollout]]) -> dict[str, dict]:
+        """{kind: {position in the batch: its G confidence scores}} of this rank's unlabeled questions, for the
+        kinds the selection strategy and the unlabeled reward need: one policy forward per kind, so the two
+        share it when they need the same one.
+
+        A forward is collective: every rank scores, maybe nothing. The selection's kind is skipped when the
+        data has no labeled or no unlabeled question (there is nothing to select), alike on every rank.
+        """
+        kinds = []
+        selection = confidence_kind(self.cfg.selection.strategy)
+        if selection is not None and self.tracker.labeled.any() and not self.tracker.labeled.all():
+            kinds.append(selection)
+        if self.cfg.reward.unlabeled != "majority":
+            kinds.append(self.cfg.reward.unlabeled)
+        unlabeled = [pos for pos, i in enumerate(question_ids) if not self.questions[i].labeled]
+        g = self.cfg.rollout.n
+        to_score = build_sequences(
+            prompts=[self.prompts[question_ids[pos]] for pos in unlabeled],
+            responses=[[r.token_ids for r in rollouts[pos]] for pos in unlabeled],
+            advantages=[[0.0] * g for _ in unlabeled],  # scoring reads tokens only
+            gate=[1.0] * len(unlabeled),
+            labeled=[False] * len(unlabeled),
+        )
+        out = {}
+        for kind in dict.fromkeys(kinds):  # in order, each once
+            scores = self.policy.confidence_scores(to_score, kind)  # [len(unlabeled) * G]
+            out[kind] = {pos: scores[n * g : (n + 1) * g] for n, pos in enumerate(unlabeled)}
+        return out
+
+    def _record_pass_rates(self, question_ids: list[int], grades: Grades, scored: dict[str, dict]) -> list[float]:
+        """Gather every rank's pass rates (and the selection strategy's confidence scores, when it ranks by
+        them) into the tracker; return the gate M of this rank's questions."""
+        confidence = [float("nan")] * len(question_ids)  # [b]: mean over the G responses, unlabeled only
+        for pos, scores in scored.get(confidence_kind(self.cfg.selection.strategy), {}).items():
+            confidence[pos] = sum(scores) / len(scores)
+        gathered = dist.all_gather((question_ids, grades.pass_rates, grades.pseudo_correct, confidence))
+        self.tracker.record(
+            torch.tensor([i for ids, *_ in gathered for i in ids]),
+            torch.tensor([p for _, rates, *_ in gathered for p in rates]),
+            torch.tensor([c for _, _, correct, _ in gathered for c in correct]),
+            torch.tensor([c for *_, conf in gathered for c in conf]),
+        )
+        if self.cfg.mode != "trapo":
+            return [1.0] * len(question_ids)
+        return self.tracker.gate(torch.tensor(question_ids)).tolist()
+
+    def _rewards(self, grades: Grades, scored: dict[str, dict]) -> list[list[float]]:
+        """[b][G] rewards: the graded ones, or for unlabeled questions a confidence reward when configured."""
+        rewards = list(grades.rewards)
+        for pos, scores in scored.get(self.cfg.reward.unlabeled, {}).items():
+            rewards[pos] = scores
+        return rewards
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """What a checkpoint restores besides the weights, optimizer and RNGs (see trapo/engine/checkpoint.py)."""
+        return {
+            "step": self.step,
+            "cursor": [self.cursor.epoch, self.cursor.batch],
+            "tracker": self.tracker.state_dict(),
+            "bad_steps": self.bad_steps,
+            "last_selection": self.last_selection,
+            "best": self.best,
+            "heldout_before": self.heldout_before,
+            "world_size": self.world,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["world_size"] != self.world:
+            raise TrainingError(
+                f"saved with {state['world_size']} ranks, resuming with {self.world}; "
+                "the batch order depends on the world size, so resume with the same number of ranks"
+            )
+        self.tracker.load_state_dict(state["tracker"])
+        self.step = state["step"]
+        cursor = state.get("cursor")  # absent in checkpoints from before refills: one batch per step
+        self.cursor = sampling.Cursor(*cursor) if cursor else sampling.Cursor.from_step(self.step, self.steps_per_epoch)
+        self.bad_steps = state["bad_steps"]
+        self.last_selection = state["last_selection"]
+        self.best = state["best"]
+        self.heldout_before = state.get("heldout_before")  # absent in checkpoints from before it was kept
+
+    def save(self) -> Path:
+        final = ckpt.save(
+            self.ckpt_root,
+            self.step,
+            rank=self.rank,
+            world=self.world,
+            engine=self.policy.engine,
+            weights=self.policy.full_weights(),
+            trainer_state=self.state_dict(),
+            model=self.policy.model,
+            tokenizer=self.tokenizer,
+            keep=self.cfg.keep_checkpoints,
+        )
+        if self.is_main and self.best is not None:
+            ckpt.write_best(self.run_dir / "best.json", self.ckpt_root, self.best)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        """keep_checkpoints newest, and the best one (rank 0); after every save and when a run resumes,
+        so a lowered keep_checkpoints frees the disk before the next save needs it."""
+        if self.is_main:
+            best_step = None if self.best is None else self.best["step"]
+            ckpt.prune(self.ckpt_root, self.cfg.keep_checkpoints, protect=best_step)
+        dist.barrier()
+
+    def _resume(self) -> None:
+        # Verified before loading: a damaged newest checkpoint is set aside for the newest whole one.
+        path = ckpt.choose(self.cfg.resume_from, self.ckpt_root, self.rank, self.world, warn=console.say)
+        if path is None:
+            if self.cfg.resume_from == "latest":
+                console.say(f"resume_from: latest: no checkpoint under {self.ckpt_root} yet, starting fresh")
+            return
+        try:
+            self.load_state_dict(ckpt.read_trainer_state(path))  # checks the world size before DeepSpeed loads
+        except TrainingError as err:
+            raise TrainingError(f"{path}: {err}") from None
+        ckpt.restore(path, rank=self.rank, engine=self.policy.engine)
+        self._prune()
+        self.rollout.push_weights(self.policy.full_weights())
+        if self.is_main:
+            metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
+        console.say(f"resumed from {path} at step {self.step}")
+
+    # ------------------------------------------------------------------ evaluation
+
+    def benchmark_scores(self, benchmarks: list[Benchmark], n: int, temperature: float, max_tokens: int) -> dict | None:
+        """avg@n per benchmark and their mean, pooled over all engines (each evaluates every k-th question)."""
+        if not benchmarks:
+            return None
+        tp = self.cfg.rollout.tensor_parallel_size  # the ranks of a tensor-parallel group share an engine
+        with self._engine_turn():
+            scores = pooled_scores(
+                self.rollout,
+                self.tokenizer,
+                benchmarks,
+                shard=self.rank // tp,
+                shards=self.world // tp,
+                gather=lambda grades: dist.all_gather(grades)[::tp],
+                n_for=lambda _: n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                template=self.cfg.data.prompt_template,
+                max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+                seed=self.cfg.seed,
+                verifier=self.verifier,
+            )
+        if self.rollout.weights_asleep:  # GPU: the turn ended in a level-2 sleep; the next rollouts need weights
+            self.rollout.push_weights(self.policy.full_weights())
+        return scores
+
+    def heldout_scores(self) -> dict | None:
+        """pass@1 per test benchmark (data.test_files) and their mean, at rollout.eval_temperature (greedy)."""
+        r = self.cfg.rollout
+        return self.benchmark_scores(self.test_benchmarks, 1, r.eval_temperature, r.max_tokens)
+
+    def validation_scores(self) -> dict | None:
+        """avg@eval.n on the validation benchmarks at eval.temperature (checkpoint selection)."""
+        e = self.cfg.eval
+        return self.benchmark_scores(
+            self.val_benchmarks, e.n, e.temperature, e.max_tokens or self.cfg.rollout.max_tokens
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
+        self.loggers = Loggers.open_everywhere(cfg, self.is_main)
+        n_labeled = sum(q.labeled for q in self.questions)
+        refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
+        console.say(
+            f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
+            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps{refills}, world size {self.world}"
+        )
+        if self.step == 0:
+            self.heldout_before = self.heldout_scores()
+            if self.heldout_before is not None:
+                console.say(f"held-out accuracy before training: {self.heldout_before['mean']:.3f}")
+        show = self.is_main and cfg.progress_bar
+        done, total = self._progress()
+        bar = tqdm(total=total, initial=done, disable=not show, file=console.terminal())
+        try:
+            with StopSignals() as stop:
+                while not self._finished():
+                    step_log = self.train_step()
+                    self._finish_step(step_log, stop_requested=dist.all_max(stop.received is not None) == 1)
+                    bar.set_postfix(metrics.progress_fields(step_log, self.last_selection), refresh=False)
+                    now = self._progress()[0]
+                    bar.update(now - done)
+                    done = now
+        finally:
+            bar.close()
+            self.loggers.close()
+        summary = metrics.run_summary(
+            self.step, self.heldout_before, self.heldout_scores(), self.last_selection, self.best
+        )
+        if self.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _finished(self) -> bool:
+        """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps)."""
+        return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.cursor.epoch >= self.cfg.epochs
+
+    def _progress(self) -> tuple[int, int]:
+        """(done, total) for the progress bar: steps under max_steps, else batches of the epochs consumed."""
+        if self.cfg.max_steps:
+            return self.step, self.cfg.max_steps
+        return self.cursor.epoch * self.steps_per_epoch + self.cursor.batch, self.total_steps
+
+    def _finish_step(self, step_log: dict, stop_requested: bool) -> None:
+        """Validate, checkpoint and log one finished step; stop on a signal (every rank agreed) or bad steps."""
+        cfg = self.cfg
+        last = self._finished()
+        save = (cfg.save_steps and self.step % cfg.save_steps == 0) or last
+        if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or last):
+            step_log["eval"] = self.validation_scores()
+            score = step_log["eval"][cfg.eval.select_on or "mean"]
+            if self.best is None or score > self.best["score"]:
+                self.best = {"step": self.step, "score": score}
+                save = True  # the best checkpoint must exist
+        if save or stop_requested:
+            started = time.perf_counter()
+            saved = self.save()
+            step_log["timing"]["save"] = round(time.perf_counter() - started, 4)
+        if self.is_main:
+            metrics.append_jsonl(self.run_dir / "metrics.jsonl", step_log)
+            self.loggers.log_step(step_log)
+        for kind, message in metrics.step_warnings(step_log):
+            console.warn_once(kind, message)
+        if stop_requested:
+            raise Preempted(
+                f"stopped by a signal after step {self.step}; checkpoint {saved}; "
+                "run again with resume_from=latest to continue"
+            )
+        self._count_bad_steps(step_log["skipped"])
+
+    def _count_bad_steps(self, skipped: bool) -> None:
+        """A skipped (non-finite) update is logged; train.max_bad_steps of them in a row stop the run."""
+        if not skipped:
+            self.bad_steps = 0
+            return
+        self.bad_steps += 1
+        console.say(f"step {self.step}: non-finite loss, update skipped ({self.bad_steps} in a row)")
+        if self.bad_steps >= self.cfg.train.max_bad_steps:
+            last = ckpt.list_complete(self.ckpt_root)
+            raise TrainingError(
+                f"stopping: {self.bad_steps} consecutive steps with a non-finite loss (last at step "
+                f"{self.step}); last good checkpoint: {last[-1][1] if last else 'none'}"
+            )
+
+    def close(self) -> None:
+        self.verifier.close()
+
+
+def run(cfg: Config) -> dict:
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        print(metrics.summary_text(summary), file=console.terminal_out(), flush=True)
+    return summary
