@@ -82,7 +82,7 @@ RUN ?= outputs/toy
 report: $(STAMP)
 	$(PY) -m trapo report $(RUN)
 
-# The paper's claims on the trap toy task under two protocols (trapo/commands/reproduce.py): 7 methods
+# The paper's claims on the trap toy task under two protocols (trapo/commands/reproduce/): 7 methods
 # x 8 seeds, two runs at a time; results, plots and the README's section are rewritten from
 # the runs (docs/reproduce-toy/). QUICK=1: 3 seeds, 8 epochs, into outputs/reproduce-toy-quick/.
 reproduce-toy: $(STAMP)

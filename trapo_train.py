@@ -1,88 +1,14 @@
-"""TraPO training entry point.
+"""TraPO training: the launcher's script.
 
     deepspeed trapo_train.py --config configs/<exp>.yaml [dotted.key=value ...]
     python trapo_train.py                      # the embedded CPU default (configs/toy.yaml)
 
-Without --config the embedded toy task runs: a tiny Qwen2 and synthetic
-arithmetic built by the project, trained with the real stack (DeepSpeed
-ZeRO-3, colocated vLLM, Math-Verify). Configuration errors exit with status 2
-and a message naming the key, before anything is loaded.
+The same as `python -m trapo train` (trapo/commands/train.py), as a file the `deepspeed` launcher can run.
 """
 
-import argparse
-import contextlib
-import os
 import sys
-import traceback
-from pathlib import Path
 
-from trapo import runtime
-
-ROOT = Path(__file__).resolve().parent
-DEFAULT_CONFIG = ROOT / "configs" / "toy.yaml"
-runtime.configure()  # before vLLM or torch is imported: see trapo/runtime.py
-
-
-def _traceback_to_log(log: Path | None) -> None:
-    """The current exception's traceback into log.txt (stderr once captured); the terminal gets one line.
-    Not when nothing is captured (debug): stderr is the terminal then. The log's disk may be the full one."""
-    if log is not None:
-        with contextlib.suppress(OSError):
-            traceback.print_exc(file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML experiment config (default: the toy task)")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.clip_eps=0.28")
-    args = parser.parse_args(argv)
-
-    from trapo.config import ConfigError, load_config
-    from trapo.data import DataError
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"trapo_train: {err}", file=sys.stderr)
-        return 2
-    from trapo import console
-
-    # From here on the libraries' output goes to run_dir/log.txt; our own lines to the terminal.
-    log = console.capture(cfg.run_dir, int(os.environ.get("RANK", "0")), console.debug_requested(cfg.logging.level))
-    from trapo.engine.checkpoint import CheckpointError
-    from trapo.training.trainer import Preempted, TrainingError, run
-
-    try:
-        run(cfg)
-    except (DataError, ConfigError, FileNotFoundError) as err:
-        console.say(f"input error: {err}")
-        return 2
-    except CheckpointError as err:  # a full or failing disk, a damaged checkpoint: the cause and the fix
-        _traceback_to_log(log)
-        console.say(str(err))
-        return CheckpointError.EXIT_CODE
-    except Preempted as err:
-        console.say(str(err))
-        return Preempted.EXIT_CODE
-    except TrainingError as err:
-        console.say(str(err))
-        return 3
-    except Exception as err:
-        from trapo.engine.dist import timeout_message
-
-        message = timeout_message(err, cfg.dist_timeout_minutes)
-        if message is not None:  # another rank died or hangs: one line here, the traceback in log.txt
-            _traceback_to_log(log)
-            console.say(message)
-            return 3
-        # A crash: its traceback belongs on the terminal, not only in the log.
-        traceback.print_exc(file=console.terminal())
-        if log is not None:
-            print(f"trapo_train: the libraries' output before the error is in {log}", file=console.terminal())
-        raise
-    return 0
-
+from trapo.commands.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="trapo_train.py"))

@@ -18,6 +18,7 @@ from trapo import runtime  # noqa: E402
 
 runtime.configure()  # before torch and vLLM are imported
 
+from trapo.commands import toy  # noqa: E402
 from trapo.config import load_config  # noqa: E402
 from trapo.training.trainer import Trainer  # noqa: E402
 
@@ -27,6 +28,7 @@ STEPS = 12
 def main() -> None:
     out = tempfile.mkdtemp(prefix="bench-step-")
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), [f"output_dir={out}", "data.test_files=[]"])
+    toy.prepare(cfg)
     t = Trainer(cfg)
     logs = [t.train_step() for _ in range(STEPS)]
     t.close()

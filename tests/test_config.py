@@ -158,7 +158,8 @@ def test_loss_options_defaults_keep_todays_loss():
     assert (lo.objective, lo.rollout_is, lo.rollout_is_lower, lo.overlong) == ("gspo", "sequence_mask", 0.25,
                                                                               "soft_penalty")  # fmt: skip
     assert (lo.gspo_clip_eps, lo.gspo_clip_eps_high) == (3e-4, 4e-4)  # the GSPO paper's range
-    # YAML 1.1 reads a bare `off` as false: accepted (trapo.algorithm.importance.resolve_mode: false is off, true truncate)
+    # YAML 1.1 reads a bare `off` as false: accepted
+    # (trapo.algorithm.importance.resolve_mode: false is off, true truncate)
     assert load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["loss.rollout_is=off"]).loss.rollout_is is False
     assert lo.overlong_buffer_tokens(cfg.rollout.max_tokens) == 4
     assert cfg.loss.__class__().overlong_buffer_tokens(20480) == 4096  # DAPO's L_cache of L_max

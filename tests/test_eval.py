@@ -6,16 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from trapo.commands.eval import (
-    avg_at_k,
-    grade_responses,
-    markdown_table,
-    mean_pass_at_k,
-    pass_at_k,
-    read_benchmark_file,
-    resolve_benchmarks,
-)
-from trapo.data import DataError
+from trapo.algorithm.pass_at_k import avg_at_k, mean_pass_at_k, pass_at_k
+from trapo.commands.eval import markdown_table
+from trapo.data import DataError, read_benchmark_file, resolve_benchmarks
+from trapo.training.evaluation import grade_responses
 
 
 def test_avg_at_k_by_hand():

@@ -1,4 +1,5 @@
-"""What counts as the answer of a response: Math-Verify's reading of the whole text (see trapo/algorithm/rewards/extraction.py).
+"""What counts as the answer of a response: Math-Verify's reading of the whole text
+(see trapo/algorithm/rewards/extraction.py).
 
 The reference throughout is Math-Verify itself, as the paper's reward calls it:
 verify(parse("\\boxed{" + gold + "}"), parse(response)).
@@ -14,7 +15,7 @@ from math_verify import parse, verify
 from trapo.algorithm.rewards import extract_answer, majority_votes, math_rewards
 from trapo.algorithm.rewards.answers import PART_JOIN, fast_equal, normalize
 from trapo.algorithm.rewards.verifier import MathVerifier
-from trapo.algorithm.rewards.verify_worker import _Checker
+from trapo.algorithm.rewards.verify_executor import _Checker
 from trapo.data import Question
 from trapo.training.grading import grade
 

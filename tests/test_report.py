@@ -1,4 +1,5 @@
-"""trapo.commands.report (plots + report.md of a run directory) and trapo.training.tensorboard_writer, on synthetic run files."""
+"""trapo.commands.report (plots + report.md of a run directory) and trapo.training.tensorboard_writer,
+on synthetic run files."""
 
 import json
 import math

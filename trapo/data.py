@@ -1,4 +1,4 @@
-"""Training questions: reading, validation, labeled/unlabeled split, prompts, batch order.
+"""Training questions and benchmarks: reading, validation, labeled/unlabeled split, prompts, batch order.
 
 Two input layouts:
 - parquet in the verl layout (the paper's public code, `data/benchmarks/`, `trapo.commands.prepare`):
@@ -14,6 +14,7 @@ trainer uses it for diagnostics only (pseudo-label precision), never for reward.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -297,3 +298,86 @@ def epoch_batches(num_questions: int, batch_size: int, world_size: int, seed: in
         if chunk:
             batches.append(chunk)
     return batches
+
+
+# ----------------------------------------------------------------------------- benchmarks
+# A benchmark file is any verl-layout parquet (`prompt`, `reward_model.ground_truth`, `data_source`) or
+# JSONL (`question`, `answer`); read by evaluation, validation during training and the held-out test.
+
+
+@dataclass
+class Benchmark:
+    name: str
+    questions: list[Question]  # one per distinct prompt
+    source: str  # file
+
+
+def _prompt_key(q: Question) -> str:
+    text = json.dumps(q.messages) if q.messages is not None else q.question
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _group(name: str, rows: list[Question], source: str) -> Benchmark:
+    """One question per distinct prompt; a repeated prompt must repeat its answer too."""
+    seen: dict[str, Question] = {}
+    for q in rows:
+        key = _prompt_key(q)
+        if key in seen:
+            if seen[key].answer != q.answer:
+                raise DataError(f"{q.where}: repeats the prompt of {seen[key].where} with a different answer")
+            continue
+        if q.answer is None:
+            raise DataError(f"{q.where}: a benchmark question needs an answer")
+        seen[key] = Question(f"{name}/{key}", q.question, q.answer, True, q.messages, q.where)
+    return Benchmark(name, list(seen.values()), source)
+
+
+def read_benchmark_file(path: Path) -> list[Benchmark]:
+    """A parquet splits by `data_source`; a JSONL file is one benchmark named after the file."""
+    if not path.is_file():
+        raise DataError(f"{path}: benchmark file not found")
+    if path.suffix == ".parquet":
+        rows = parquet_rows(path)
+        if "data_source" in pq.read_schema(path).names:
+            sources = pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist()
+        else:
+            sources = [path.stem] * len(rows)
+        names: dict[str, list[Question]] = {}
+        for src, q in zip(sources, rows):
+            names.setdefault(src or path.stem, []).append(q)
+        return [_group(n, qs, str(path)) for n, qs in names.items()]
+    if path.suffix in (".jsonl", ".json"):
+        return [_group(path.stem, jsonl_rows(path), str(path))]
+    raise DataError(f"{path}: unknown format (expected .parquet or .jsonl)")
+
+
+def resolve_benchmarks(spec: str, data_dir: Path) -> list[Benchmark]:
+    """'math,arc_c' -> files in data_dir (math.parquet, ...); an item with a '/' or a suffix is a path.
+
+    A name that is a data_source inside a file (aime, amc, ...) selects that part of `math.parquet`.
+    """
+    out: list[Benchmark] = []
+    for item in [s.strip() for s in spec.split(",") if s.strip()]:
+        path = Path(item)
+        if "/" in item or path.suffix:
+            out += read_benchmark_file(path)
+            continue
+        for suffix in (".parquet", ".jsonl"):
+            if (data_dir / f"{item}{suffix}").is_file():
+                out += read_benchmark_file(data_dir / f"{item}{suffix}")
+                break
+        else:
+            found = [b for f in sorted(data_dir.glob("*.parquet")) for b in read_benchmark_file(f) if b.name == item]
+            if not found:
+                known = sorted(p.stem for p in data_dir.glob("*.parquet")) + sorted(
+                    p.stem for p in data_dir.glob("*.jsonl")
+                )
+                raise DataError(
+                    f"benchmark '{item}': no {item}.parquet/.jsonl in {data_dir} (found: {', '.join(known)})"
+                )
+            out.append(found[0])
+    names = [b.name for b in out]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise DataError(f"benchmarks named twice: {', '.join(sorted(dupes))}")
+    return out

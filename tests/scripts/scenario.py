@@ -23,12 +23,24 @@ runtime.configure()
 
 import torch  # noqa: E402
 
+from trapo.commands import toy  # noqa: E402
 from trapo.config import load_config  # noqa: E402
 from trapo.engine import checkpoint as ckpt  # noqa: E402
 from trapo.engine import policy as policy_module  # noqa: E402
 from trapo.training import trainer as tr  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def trainer(cfg) -> tr.Trainer:
+    """A Trainer the way `python -m trapo train` builds one: the toy's assets first (trapo.commands.toy)."""
+    toy.prepare(cfg)
+    return tr.Trainer(cfg)
+
+
+def run(cfg) -> dict:
+    toy.prepare(cfg)
+    return tr.run(cfg)
 
 
 def main() -> None:
@@ -44,7 +56,7 @@ def main() -> None:
             return real_commit(root, step, *rest)
 
         ckpt.commit = commit
-        tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+        run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "disk_full":
         disk_full(int(args.pop(0)), args.pop(0), args)
     elif scenario == "packed_vs_padded":
@@ -64,7 +76,7 @@ def main() -> None:
 
         policy_module.policy_loss = poisoned
         cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), args)
-        t = tr.Trainer(cfg)
+        t = trainer(cfg)
         trainer_ref["t"] = t
         before = [p.detach().clone() for _, p in t.policy.full_weights()]
         try:
@@ -85,7 +97,7 @@ def main() -> None:
             return 0, 0.0
 
         RolloutEngine.push_weights = push
-        tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+        run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "partial_push":
         # A push whose iterator leaves out one tensor (a name the engine does not know, as a renamed
         # parameter would): the push must fail naming the engine parameter that got nothing.
@@ -98,7 +110,7 @@ def main() -> None:
 
         RolloutEngine.push_weights = push
         try:
-            tr.run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+            run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
             print(json.dumps({"error": None}))
         except RuntimeError as err:
             print(json.dumps({"error": str(err)}))
@@ -223,7 +235,7 @@ def weight_push(cfg) -> None:
     """After two updates, vLLM's greedy output must equal transformers' on the gathered weights."""
     from transformers import AutoModelForCausalLM
 
-    t = tr.Trainer(cfg)
+    t = trainer(cfg)
     start = {n: p for n, p in t.policy.full_weights()}
     t.train_step()
     t.train_step()

@@ -1,0 +1,16 @@
+"""The paper's math: what TraPO computes, as functions of tensors and strings.
+
+- loss.py         group advantages (GRPO / Dr.GRPO), DAPO's overlong shaping, the clipped surrogate
+                  (paper eq. "grpo"), GSPO and CISPO
+- importance.py   rollout importance weights (vLLM's sampler vs the trainer's pi_old)
+- logits.py       per-token log-probs, entropy and the LM head's chunked statistics
+- passrate.py     pass rates, trajectories, TCS and the reliable database (paper "Progressive Trajectory
+                  Guidance"), the gate M
+- selection.py    selection strategies at an epoch's end (TCS, random, entropy, self-certainty)
+- pass_at_k.py    avg@k and the unbiased pass@k
+- rewards/        answer extraction, Math-Verify with a hard deadline, majority vote, confidence rewards
+
+May import: torch, numpy, Math-Verify, and the shared vocabulary (trapo.config, trapo.data, trapo.console,
+trapo.runtime). Nothing here loads a model, starts DeepSpeed or vLLM, or touches a run directory; the one
+process it starts is the Math-Verify worker (rewards/verifier.py), which imports only this package.
+"""

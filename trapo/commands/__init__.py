@@ -1,0 +1,14 @@
+"""What a user runs: `python -m trapo <command>` (trapo/__main__.py), each command's `main(argv)` here.
+
+- train.py       one training run (also `deepspeed trapo_train.py --config ...`)
+- eval.py        benchmarks -> the paper's Table 1 (avg@k, pass@k), resumable
+- prepare.py     training files from local copies of the public datasets, decontaminated
+- doctor.py      preflight: versions, devices, collectives, a two-step trial run, the memory plan
+- report/        plots and report.md of a run directory
+- reproduce/     the paper's claims on the toy task (`make reproduce-toy`)
+- toy.py         the embedded default task: a tiny Qwen2 and synthetic arithmetic, built here
+- readme.py      the generated blocks of README.md and docs/, rewritten from the outputs
+
+The top layer: may import every other one (trapo.training, trapo.engine, trapo.algorithm, the shared
+vocabulary); nothing below imports a command.
+"""

@@ -218,6 +218,7 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
     """Two steps of the configured mode through the trainer, then the checkpoint read back."""
     import dataclasses
 
+    from trapo.commands import toy
     from trapo.engine import checkpoint as ckpt
     from trapo.training.trainer import Trainer
 
@@ -247,6 +248,7 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
         ),  # fmt: skip
         eval=dataclasses.replace(cfg.eval, steps=0, files=[]),
     )
+    toy.prepare(cfg)
     trainer = Trainer(cfg)
     try:
         checks.add("engine placement", True, f"rank 0 engine on {trainer.rollout.device()} (every rank checked)")

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from trapo.config import ToyConfig
+from trapo import console
+from trapo.config import Config, ToyConfig
 
 EOS = "<|endoftext|>"
 FORMAT_VERSION = 2
@@ -150,13 +151,24 @@ def _write_questions(path: Path, prefix: str, pairs: list[tuple[str, str]], labe
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def asset_dir(cfg: ToyConfig) -> Path:
-    return Path(cfg.dir) / (f"seed-{cfg.seed}" if cfg.task == "addition" else f"{cfg.task}-seed-{cfg.seed}")
+def prepare(cfg: Config) -> None:
+    """Collective: with `toy.enabled`, rank 0 builds (or reuses) the toy's assets while the other ranks wait.
+
+    Every entry point that trains on the toy (`python -m trapo train`, the doctor's trial run) calls this
+    before it builds the `Trainer`, which only reads the assets (`cfg.toy.asset_dir`)."""
+    if not cfg.toy.enabled:
+        return
+    from trapo.engine import dist
+
+    rank, _, _ = dist.init_distributed(cfg.dist_timeout_minutes)
+    if rank == 0:
+        build_assets(cfg.toy, log=console.say)
+    dist.barrier()
 
 
 def build_assets(cfg: ToyConfig, log=print) -> Path:
     """Build (or reuse) the toy model and data; returns the asset directory."""
-    root = asset_dir(cfg)
+    root = cfg.asset_dir
     manifest = {"format": FORMAT_VERSION, **asdict(cfg)}
     manifest.pop("dir")
     done = root / "manifest.json"

@@ -1,0 +1,15 @@
+"""What runs models on devices: the policy under DeepSpeed ZeRO-3, the colocated vLLM engine, and the state
+they share with disk and with other ranks.
+
+- policy.py        the policy: built from a Hugging Face directory, forwarded in token-budget micro-batches,
+                   updated, its full weights gathered block by block
+- rollout.py       one vLLM engine per rank (or tensor-parallel group): generate, push weights, sleep
+- batch.py         graded rollouts -> training sequences, micro-batches, collation
+- packing.py       padding-free packing, token-balanced ranks, the update's efficiency
+- dist.py          the process group, small collectives, ZeRO-3 parameter gathering
+- checkpoint.py    atomic checkpoint directories (with checksums.py: verified before loading)
+- memory_plan.py   per-GPU bytes of a run from its config alone
+
+May import: trapo.algorithm and the shared vocabulary (trapo.config, trapo.data, trapo.console,
+trapo.runtime); never trapo.training or trapo.commands.
+"""

@@ -18,6 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trapo.config import Config
+from trapo.runtime import dtype_name
+
 if TYPE_CHECKING:
     import torch
 
@@ -67,6 +70,31 @@ class RolloutEngine:
     collective within the group: every member submits the group's requests in the
     same order and keeps its own share of the outputs.
     """
+
+    @classmethod
+    def for_run(
+        cls, cfg: Config, model_dir: str, *, rank: int, world: int, hf_overrides: dict, stop_token_ids: list[int]
+    ) -> RolloutEngine:
+        """This rank's engine for a training run: sized by `rollout.*`, one seed per engine (the ranks of a
+        tensor-parallel group share one), and sampled tokens' log-probs kept (logprob_diff_rollout_vs_policy)."""
+        r = cfg.rollout
+        return cls(
+            model_dir,
+            dtype=dtype_name(cfg.model.dtype),
+            max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
+            seed=cfg.seed + rank // r.tensor_parallel_size,
+            tensor_parallel_size=r.tensor_parallel_size,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            cpu_kv_cache_gb=r.cpu_kv_cache_gb,
+            enable_sleep_mode=r.enable_sleep_mode,
+            enable_prefix_caching=r.enable_prefix_caching,
+            hf_overrides=hf_overrides,
+            stop_token_ids=stop_token_ids,
+            sampled_logprobs=True,
+            # The most sequences an engine runs at once in training: its questions (a tensor-parallel
+            # group pools its ranks') x G. Validation queues beyond it.
+            max_num_seqs=cfg.train.rollout_batch_size // world * r.tensor_parallel_size * r.n,
+        )
 
     def __init__(
         self,

@@ -1,0 +1,15 @@
+"""The training loop: one step's phases, and what a run records.
+
+- trainer.py           the step: rollouts -> grading -> pass rates and the gate -> update -> weight push -> log
+- inputs.py            a run's inputs (model directory, questions, prompts, benchmarks), checked before any load
+- grading.py           a round's rewards, (pseudo) pass rates and confidence scores
+- sampling.py          which groups a step trains on (DAPO dynamic sampling), the epoch's data cursor
+- update.py            shaped rewards -> advantages -> update batches -> optimizer steps
+- evaluation.py        generate, grade and score benchmarks: validation here, `python -m trapo eval` above
+- preemption.py        SIGTERM / SIGINT: finish the step, save, stop
+- metrics.py           a step's statistics, metrics.jsonl, the run's summary
+- loggers.py           TensorBoard (tensorboard_writer.py), wandb and MLflow behind one object
+- rollout_dump.py      what the policy wrote and how it was scored, every `logging.rollouts_every` steps
+
+May import: trapo.engine, trapo.algorithm and the shared vocabulary; never trapo.commands.
+"""

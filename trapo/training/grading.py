@@ -19,9 +19,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from trapo.algorithm.rewards import Tally, answer_rewards, decide_pairs, extract_answer, majority_votes
+from trapo.algorithm.selection import confidence_kind
+from trapo.config import Config
 from trapo.data import Question
+from trapo.engine.batch import build_sequences
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -112,3 +119,46 @@ def grade(
         for (i, _, _), ok in zip(checks, verdicts):
             pseudo_correct[i] = 1.0 if ok else 0.0
     return Grades(rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut, answers, pseudo_labels)
+
+
+def confidence_kinds(cfg: Config, labeled: torch.Tensor) -> list[str]:
+    """The confidence scores a round needs, each once: the selection strategy's ranking (`entropy`,
+    `self_certainty`), and the unlabeled reward when it is a confidence reward (Table 1's baselines).
+    The selection's kind is skipped when the data has no labeled or no unlabeled question (there is nothing
+    to select), alike on every rank. labeled: [Q] the training questions' flags."""
+    kinds = []
+    selection = confidence_kind(cfg.selection.strategy)
+    if selection is not None and labeled.any() and not labeled.all():
+        kinds.append(selection)
+    if cfg.reward.unlabeled != "majority":
+        kinds.append(cfg.reward.unlabeled)
+    return list(dict.fromkeys(kinds))
+
+
+def confidence_scores(
+    policy, kinds: list[str], positions: list[int], prompts: list[list[int]], responses: list[list[list[int]]]
+) -> dict[str, dict[int, list[float]]]:
+    """{kind: {position: its G scores}} of the questions at `positions` (their prompts and [G] responses):
+    one policy forward per kind. A forward is collective: every rank scores, maybe nothing."""
+    g = len(responses[0]) if responses else 0
+    to_score = build_sequences(
+        prompts=prompts,
+        responses=responses,
+        advantages=[[0.0] * g for _ in positions],  # scoring reads tokens only
+        gate=[1.0] * len(positions),
+        labeled=[False] * len(positions),
+    )
+    out = {}
+    for kind in kinds:
+        scores = policy.confidence_scores(to_score, kind)  # [len(positions) * G]
+        out[kind] = {pos: scores[n * g : (n + 1) * g] for n, pos in enumerate(positions)}
+    return out
+
+
+def round_rewards(grades: Grades, confidence: dict[int, list[float]]) -> list[list[float]]:
+    """[b][G] rewards: the graded ones, or, for the unlabeled questions at the positions `confidence` holds,
+    their confidence scores (`reward.unlabeled` a confidence reward; empty under `majority`)."""
+    rewards = list(grades.rewards)
+    for pos, scores in confidence.items():
+        rewards[pos] = scores
+    return rewards

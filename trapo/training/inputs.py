@@ -1,7 +1,7 @@
 """A run's inputs, checked before any model loads: the model directory, the training questions and their
 prompt tokens, the held-out and validation benchmarks, and the batch counts.
 
-    inputs = prepare_inputs(cfg, world, is_main)   # collective on the toy (rank 0 builds its assets)
+    inputs = prepare_inputs(cfg, world)   # no collective; the toy's assets are built beforehand
 
 Every input error (a missing model directory, a bad training or benchmark file, a prompt longer than
 data.max_prompt_tokens, batch sizes that do not divide over the ranks) is raised here, naming the file,
@@ -14,11 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trapo import console
-from trapo.commands.eval import Benchmark, read_benchmark_file
 from trapo.config import Config, ConfigError
-from trapo.data import DataError, Question, epoch_batches, load_questions, select_for_mode, tokenize_prompts
-from trapo.engine import dist
+from trapo.data import (
+    Benchmark,
+    DataError,
+    Question,
+    epoch_batches,
+    load_questions,
+    read_benchmark_file,
+    select_for_mode,
+    tokenize_prompts,
+)
 
 
 @dataclass
@@ -33,14 +39,14 @@ class RunInputs:
     total_steps: int  # max_steps, or epochs x steps_per_epoch (an upper bound when refills consume batches)
 
 
-def prepare_inputs(cfg: Config, world: int, is_main: bool) -> RunInputs:
+def prepare_inputs(cfg: Config, world: int) -> RunInputs:
     if cfg.toy.enabled:
-        from trapo.commands.toy import asset_dir, build_assets
-
-        if is_main:
-            build_assets(cfg.toy, log=console.say)
-        dist.barrier()
-        root = asset_dir(cfg.toy)
+        root = cfg.toy.asset_dir
+        if not (root / "manifest.json").is_file():  # built by the entry point (trapo.commands.toy.prepare)
+            raise ConfigError(
+                f"toy.enabled: no toy model and data in {root}; `python -m trapo train` builds them "
+                "(in code: trapo.commands.toy.prepare(cfg) before the Trainer)"
+            )
         model_dir = str(root / "model")
         train_files = [str(root / "train.jsonl")]
         test_files = [str(p) for p in (root / "test.jsonl", root / "test_ood.jsonl") if p.is_file()]

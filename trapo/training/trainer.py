@@ -32,18 +32,16 @@ from trapo import console, runtime
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.algorithm.selection import confidence_kind
-from trapo.commands.eval import Benchmark, pooled_scores
 from trapo.config import Config, dump_config
-from trapo.data import epoch_batches, stop_token_ids
+from trapo.data import Benchmark, epoch_batches, stop_token_ids
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
-from trapo.engine.batch import build_sequences
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, RolloutEngine, request_seed
-from trapo.runtime import dtype_name
 from trapo.training import metrics, rollout_dump, sampling
-from trapo.training.grading import Grades, grade
+from trapo.training.evaluation import pooled_scores
+from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
 from trapo.training.inputs import prepare_inputs
 from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
@@ -64,31 +62,18 @@ class Trainer:
             for partial in ckpt.remove_partials(self.ckpt_root):
                 console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
         dist.barrier()
-        inputs = prepare_inputs(cfg, self.world, self.is_main)  # data and prompts checked before any model loads
+        inputs = prepare_inputs(cfg, self.world)  # data and prompts checked before any model loads
         self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
         self.questions, self.prompts = inputs.questions, inputs.prompts
         self.test_benchmarks, self.val_benchmarks = inputs.test_benchmarks, inputs.val_benchmarks
         self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
-        r = cfg.rollout
         generation = getattr(self.policy.model, "generation_config", None)
-        self.rollout = RolloutEngine(
-            self.model_dir,
-            dtype=dtype_name(cfg.model.dtype),
-            max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
-            seed=cfg.seed + self.rank // r.tensor_parallel_size,  # one seed per engine
-            tensor_parallel_size=r.tensor_parallel_size,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            cpu_kv_cache_gb=r.cpu_kv_cache_gb,
-            enable_sleep_mode=r.enable_sleep_mode,
-            enable_prefix_caching=r.enable_prefix_caching,
-            hf_overrides=self.policy.overrides,
+        self.rollout = RolloutEngine.for_run(
+            cfg, self.model_dir, rank=self.rank, world=self.world, hf_overrides=self.policy.overrides,
             stop_token_ids=stop_token_ids(self.tokenizer, generation and generation.eos_token_id),
-            sampled_logprobs=True,  # for logprob_diff_rollout_vs_policy
-            # The most sequences an engine runs at once in training: its questions (a tensor-parallel
-            # group pools its ranks') x G. Validation queues beyond it.
-            max_num_seqs=cfg.train.rollout_batch_size // self.world * r.tensor_parallel_size * r.n,
-        )
+        )  # fmt: skip
+        r = cfg.rollout
         console.say(same_model(self.policy.effective_config(), self.rollout.effective_config()))
         engines = ", ".join(f"rank {i} {d}" for i, d in enumerate(dist.all_gather(self.rollout.device())))
         console.say(f"vLLM engines (tensor parallel {r.tensor_parallel_size}): {engines}")
@@ -198,7 +183,7 @@ class Trainer:
         with timer.time("grading"):
             scored = self._confidence_scores(question_ids, rollouts)  # {kind: {position: [G] scores}}
             gate = self._record_pass_rates(question_ids, grades, scored)  # [b]
-            rewards = self._rewards(grades, scored)  # [b][G]
+            rewards = round_rewards(grades, scored.get(cfg.reward.unlabeled, {}))  # [b][G]
         return sampling.Round(question_ids, rollouts, grades, gate, rewards)
 
     def _rollout_sums(self, rounds: list[sampling.Round], plan: dict) -> dict[str, float]:
@@ -261,32 +246,15 @@ class Trainer:
 
     def _confidence_scores(self, question_ids: list[int], rollouts: list[list[Rollout]]) -> dict[str, dict]:
         """{kind: {position in the batch: its G confidence scores}} of this rank's unlabeled questions, for the
-        kinds the selection strategy and the unlabeled reward need: one policy forward per kind, so the two
-        share it when they need the same one.
-
-        A forward is collective: every rank scores, maybe nothing. The selection's kind is skipped when the
-        data has no labeled or no unlabeled question (there is nothing to select), alike on every rank.
-        """
-        kinds = []
-        selection = confidence_kind(self.cfg.selection.strategy)
-        if selection is not None and self.tracker.labeled.any() and not self.tracker.labeled.all():
-            kinds.append(selection)
-        if self.cfg.reward.unlabeled != "majority":
-            kinds.append(self.cfg.reward.unlabeled)
+        kinds the selection strategy and the unlabeled reward need (`grading.confidence_kinds`). Collective."""
         unlabeled = [pos for pos, i in enumerate(question_ids) if not self.questions[i].labeled]
-        g = self.cfg.rollout.n
-        to_score = build_sequences(
+        return confidence_scores(
+            self.policy,
+            confidence_kinds(self.cfg, self.tracker.labeled),
+            unlabeled,
             prompts=[self.prompts[question_ids[pos]] for pos in unlabeled],
             responses=[[r.token_ids for r in rollouts[pos]] for pos in unlabeled],
-            advantages=[[0.0] * g for _ in unlabeled],  # scoring reads tokens only
-            gate=[1.0] * len(unlabeled),
-            labeled=[False] * len(unlabeled),
         )
-        out = {}
-        for kind in dict.fromkeys(kinds):  # in order, each once
-            scores = self.policy.confidence_scores(to_score, kind)  # [len(unlabeled) * G]
-            out[kind] = {pos: scores[n * g : (n + 1) * g] for n, pos in enumerate(unlabeled)}
-        return out
 
     def _record_pass_rates(self, question_ids: list[int], grades: Grades, scored: dict[str, dict]) -> list[float]:
         """Gather every rank's pass rates (and the selection strategy's confidence scores, when it ranks by
@@ -304,13 +272,6 @@ class Trainer:
         if self.cfg.mode != "trapo":
             return [1.0] * len(question_ids)
         return self.tracker.gate(torch.tensor(question_ids)).tolist()
-
-    def _rewards(self, grades: Grades, scored: dict[str, dict]) -> list[list[float]]:
-        """[b][G] rewards: the graded ones, or for unlabeled questions a confidence reward when configured."""
-        rewards = list(grades.rewards)
-        for pos, scores in scored.get(self.cfg.reward.unlabeled, {}).items():
-            rewards[pos] = scores
-        return rewards
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -13,7 +13,7 @@ from fractions import Fraction
 MAX_ANSWER_CHARS = 2000  # a boxed answer longer than this is not an answer (scores 0)
 # Joins the parts of an answer that Math-Verify reads from several math environments at once
 # (`$a$ and $b$`): it parses each part alone and makes one set of them all, and so do the workers
-# (`verify_worker`). Parsed together, `$10,455$ and $7$` would be {10, 455, 7}.
+# (`verify_executor`). Parsed together, `$10,455$ and $7$` would be {10, 455, 7}.
 PART_MARK = "⟨and⟩"
 PART_JOIN = f" {PART_MARK} "
 

@@ -28,10 +28,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-
-from trapo import runtime
+from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # trapo/algorithm/rewards/verifier.py -> the repo
 
 _STALL_S = 30.0  # beyond the timeout: a supervisor silent this long is broken (it settles every item in time)
 
@@ -58,8 +59,10 @@ class _SupervisorProcess:
     def __init__(self, num_workers: int, max_workers: int):
         # A fixed hash seed: Math-Verify's verdict on degenerate answers (`0` vs `4 0/0`) follows set and dict
         # order, which would otherwise change from run to run. Executors fork from the supervisor: same seed.
-        # (sympy's own random order is reset before each item: verify_worker._run_item.)
-        env = runtime.subprocess_env(OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+        # (sympy's own random order is reset before each item: verify_executor._run_item.)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        # The worker imports this package: the directory that holds `trapo/` goes first on its path.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trapo.algorithm.rewards.verify_worker", str(num_workers), str(max_workers)],
             stdin=subprocess.PIPE,

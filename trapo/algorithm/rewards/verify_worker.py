@@ -22,64 +22,32 @@ sympy, so it stays responsive and enforces every deadline itself:
 - a deadline (the step's grading budget) cuts running items and starts no
   new ones.
 
-Protocol on stdin/stdout:
-- after the warm-up, the line `ready`;
-- a request: 4-byte big-endian length, then a pickled dict: `items`, a list
-  of (gold, pred) answer strings (boxed contents), pred None to only parse
-  gold; `units`, one int per item: the items of a unit are queued on one
-  executor, whose parse cache then serves them all; `timeout`, seconds per
-  item; `deadline`, a `time.monotonic()` value or None (that clock is
-  system-wide, the same in the parent and here);
-- per item, as soon as it is settled, a line `<index> <code>`, code one of
-  1 equal, 0 not equal, r parsed (pred None), t the comparison of the two
-  (already parsed) answers timed out, g / p parsing the gold / pred timed
-  out, b cut by the deadline (see `verifier.Verdict`).
-
-Numeric pre-filter: each side that parses to a scalar expression is
-evaluated at one fixed probe point (every single-letter variable gets its own
-irrational-looking value). Expressions that are equal must agree there, so
-values that differ by more than 1e-4 relative prove "not equal" (Math-Verify
-compares numbers after rounding to 6 decimals) and the slow symbolic path
-(up to 300 ms of sympy simplify for `-13x+3` vs `350`) is skipped. Values
-beyond float range (9^{9^9}) are compared as mpmath numbers, which spares
-Math-Verify evaluating them exactly. Answers with text or units that change
-the value on parsing (percent, degrees) are never pre-filtered; neither are
-multi-letter symbols, sets, tuples, relations or matrices. The filter can
-only say "not equal": where it cannot compute or compare values (any
-exception, a recursion limit, a type it does not know), Math-Verify decides.
+The wire, both ways: `verify_protocol`. The executors' side (Math-Verify, its
+parse cache, the numeric pre-filter, the soft alarm): `verify_executor`.
 """
 
 from __future__ import annotations
 
-import cmath
-import ctypes
 import gc
 import logging
 import mmap
 import os
-import pickle
 import select
 import signal
-import struct
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trapo.algorithm.rewards.answers import PART_MARK, exact_number
+from trapo.algorithm.rewards.verify_executor import _Checker, _executor_main
+from trapo.algorithm.rewards.verify_protocol import _read_message, _write_message
 
 _CACHE_LIMIT = 50_000  # parsed answers an executor keeps before starting afresh
 _MEMORY_LIMIT = 10_000  # remembered slow answers and pairs
 _SOFT = 0.9  # the soft alarm rings at this fraction of an item's time
 _MISS_COST = 2  # placing a unit: an answer not yet parsed there weighs as much as two queued items
-_NO_FILTER = ("%", "circ", "degree", "text", "mathrm", "mbox")
 
 log = logging.getLogger("trapo.verify_worker")
-
-
-def _probe(name: str) -> float:
-    """The probe-point value of variable `name`: distinct per letter, not a round number."""
-    return 0.6180339887 + 0.7071067812 * (ord(name) % 29)
 
 
 def patience(timeout: float) -> float:
@@ -90,208 +58,6 @@ def patience(timeout: float) -> float:
     so that slow answers still start close together.
     """
     return min(0.5, max(0.05, timeout / 10))
-
-
-class _Overtime(BaseException):
-    """Raised by the soft alarm; a BaseException, so that Math-Verify's `except Exception` lets it through."""
-
-
-def _ring(signum, frame):
-    raise _Overtime()
-
-
-# ----------------------------------------------------------------------------- executor side
-
-
-class _Checker:
-    """Math-Verify with a parse cache and the numeric pre-filter (lives in an executor)."""
-
-    def __init__(self):
-        import mpmath
-        import sympy
-        from latex2sympy2_extended.sets import FiniteSet
-        from math_verify import parse, verify
-        from sympy.core.random import seed
-
-        self._mpmath, self._sympy, self._parse, self._verify = mpmath, sympy, parse, verify
-        self._set = FiniteSet  # the set class Math-Verify builds and flattens
-        self.reseed = lambda: seed(0)
-        self.parsed: dict[str, list] = {}
-        self.values: dict[str, object] = {}
-
-    def clear(self) -> None:
-        self.parsed.clear()
-        self.values.clear()
-
-    def parse(self, answer: str) -> list:
-        if answer not in self.parsed:
-            parts = answer.split(PART_MARK)
-            if len(parts) > 1:
-                self.parsed[answer] = self._joined([self.parse(p.strip()) for p in parts])
-            else:
-                # Math-Verify's own timeouts are off: they would re-arm SIGALRM over our soft alarm.
-                self.parsed[answer] = self._parse("\\boxed{" + answer + "}", parsing_timeout=None)
-        return self.parsed[answer]
-
-    def _joined(self, parts: list[list]) -> list:
-        """Math-Verify's reading of several environments in one match (`$a$ and $b$`): one set of all their
-        elements (sets flattened) when every one parses, else the first alone."""
-        exprs = [p[0] if p and not isinstance(p[0], str) else None for p in parts]
-        if any(e is None for e in exprs):
-            return parts[0]
-        elements = [x for e in exprs for x in (e.args if isinstance(e, self._set) else (e,))]
-        return [self._set(*elements), " and ".join(str(p[-1]) for p in parts)]
-
-    def prepare(self, answer: str) -> None:
-        """Everything done per answer (parse, probe value), once: a comparison then only verifies."""
-        self.parse(answer)
-        self.value(answer)
-
-    def value(self, answer: str):
-        """The answer's value at the probe point (complex, or mpmath beyond float range); None where
-        the filter does not apply, or fails."""
-        if answer not in self.values:
-            parsed = self.parse(answer)  # outside the try: its time is the item's, its failures Math-Verify's
-            try:
-                self.values[answer] = self._value(answer, parsed[0] if parsed else None)
-            except Exception:  # noqa: BLE001 - a RecursionError on a matrix product, say: no value, Math-Verify decides
-                self.values[answer] = None
-        return self.values[answer]
-
-    def _value(self, answer: str, expr):
-        if any(tag in answer for tag in _NO_FILTER):
-            return None
-        exact = exact_number(answer)
-        if exact is not None:
-            return complex(float(exact))
-        sympy = self._sympy
-        if not (
-            isinstance(expr, sympy.Expr)
-            and not isinstance(expr, sympy.MatrixExpr)  # `3\begin{pmatrix}..` recurses in evalf until the limit
-            and all(isinstance(x, sympy.Symbol) and len(x.name) == 1 for x in expr.free_symbols)
-        ):
-            return None
-        try:
-            number = expr.evalf(15, subs={x: _probe(x.name) for x in expr.free_symbols})
-            out = complex(number)
-        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError):
-            return None  # no number at the probe point (a pole, a non-numeric atom)
-        if cmath.isfinite(out):
-            return out
-        # Past float range, but maybe a finite number still (9^{9^9}): keep it in mpmath,
-        # whose exponents are unbounded, rather than give up and leave it to Math-Verify.
-        big = self._mpmath.mpmathify(number._to_mpmath(53))
-        return big if self._mpmath.isfinite(big) else None
-
-    def differ(self, gold: str, pred: str) -> bool:
-        """True when the probe-point values prove gold != pred; False when they do not, or cannot be compared."""
-        vg, vp = self.value(gold), self.value(pred)
-        if vg is None or vp is None:
-            return False
-        try:
-            return bool(abs(vg - vp) > 1e-4 * max(1.0, abs(vg), abs(vp)))
-        except Exception:  # noqa: BLE001 - values it cannot compare prove nothing
-            return False
-
-    def equal(self, gold: str, pred: str) -> bool:
-        if self.differ(gold, pred):
-            return False
-        return bool(self._verify(self.parse(gold), self.parse(pred), timeout_seconds=None))
-
-
-def _run_item(checker: _Checker, gold: str, pred: str | None, alarm_s: float, phase: mmap.mmap) -> bytes:
-    """One item under the soft alarm, marking its progress in `phase` (the supervisor set it to g)."""
-    # sympy's assumption system tries its rules in an order shuffled by its own random generator (seeded
-    # from the OS at import): on degenerate answers (`0` vs `4 0/0`, nan either way) that order decides the
-    # verdict. The same state for every item makes a verdict not depend on the run or on the items before.
-    checker.reseed()
-    signal.setitimer(signal.ITIMER_REAL, max(alarm_s, 1e-3))
-    try:
-        checker.prepare(gold)
-        phase[0] = ord("p")
-        if pred is None:
-            return b"r\n"
-        checker.prepare(pred)
-        phase[0] = ord("v")
-        return b"1\n" if checker.equal(gold, pred) else b"0\n"
-    except _Overtime:
-        return b"t\n"
-    except Exception:  # noqa: BLE001 - Math-Verify catches its own errors; anything else is "not equal"
-        return b"0\n"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def _executor_main(rfd: int, wfd: int, phase: mmap.mmap, supervisor_pid: int) -> None:
-    """Serve items from the supervisor until it closes the pipe."""
-    _die_with(supervisor_pid)
-    _close_fds_except({0, 1, 2, rfd, wfd})
-    devnull = os.open(os.devnull, os.O_RDONLY)  # fd 0 was the parent's request pipe
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    signal.signal(signal.SIGALRM, _ring)
-    checker = _Checker()
-    while True:
-        message = _read_message(rfd)
-        if message is None:
-            return
-        gold, pred, alarm_s, clear = message
-        if clear:
-            checker.clear()
-        try:
-            result = _run_item(checker, gold, pred, alarm_s, phase)
-        except _Overtime:  # the alarm rang while the item was being wound up
-            result = b"t\n"
-        os.write(wfd, result)
-
-
-def _die_with(supervisor_pid: int) -> None:
-    """Be killed when the supervisor dies (Linux), so no hung executor outlives it."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != supervisor_pid:
-        os._exit(0)
-
-
-def _close_fds_except(keep: set[int]) -> None:
-    """Close inherited descriptors: another executor's pipe held open here would hide its death."""
-    top = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
-    low = 0
-    for fd in sorted(keep) + [top]:
-        if fd > low:
-            os.closerange(low, fd)
-        low = fd + 1
-
-
-def _read_exact(fd: int, size: int) -> bytes | None:
-    chunks = []
-    while size:
-        data = os.read(fd, size)
-        if not data:
-            return None
-        chunks.append(data)
-        size -= len(data)
-    return b"".join(chunks)
-
-
-def _read_message(fd: int):
-    header = _read_exact(fd, 4)
-    if header is None:
-        return None
-    payload = _read_exact(fd, struct.unpack(">I", header)[0])
-    return None if payload is None else pickle.loads(payload)
-
-
-def _write_message(fd: int, obj) -> None:
-    payload = pickle.dumps(obj)
-    data = memoryview(struct.pack(">I", len(payload)) + payload)
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-# ----------------------------------------------------------------------------- supervisor side
 
 
 @dataclass(eq=False)

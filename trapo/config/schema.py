@@ -1,24 +1,16 @@
-"""Experiment configuration: plain dataclasses, loaded from YAML, checked at start-up.
+"""The configuration's schema: one dataclass per section, with every key's type, default and meaning.
 
-    cfg = load_config("configs/trapo_1k_3k.yaml", ["loss.clip_eps=0.28", "max_steps=10"])
-
-Every key has a type and a default here; a YAML file or a dotted override
-that names an unknown key, or gives a value of the wrong type or outside the
-allowed choices, raises `ConfigError` naming the file, the key, the value and
-what was expected, before anything expensive starts.
+The `Literal` annotations are the allowed choices (checked on loading); the constants beside them
+(MODES, REFERENCES, STRATEGIES, REMOVED_KEYS) are the same vocabularies for code that checks or names
+them. `ConfigError` is raised for any bad key or value, here (SelectionConfig's range checks) and on
+loading and validation.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import yaml
+from typing import Literal
 
 MODES = ("supervised", "unsupervised", "naive_semi", "trapo")
 
@@ -86,7 +78,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     micro_batch_tokens: int = 16384  # tokens (padded ones too without packing) per forward/backward on one rank
-    loss_chunk_tokens: int = 256  # response tokens per chunk of the LM head (trapo.algorithm.logits.lm_head_token_stats)
+    # Response tokens per chunk of the LM head (trapo.algorithm.logits.lm_head_token_stats).
+    loss_chunk_tokens: int = 256
     # GPU: move the bf16 partitions and gradient buffers to host memory while vLLM generates, so that
     # its KV cache (sized at engine build) can be mapped again beside what stays; None: on with a GPU.
     # (DeepSpeed 0.19 moves the fp32 master and Adam moments only for its own FusedAdam; with our
@@ -160,7 +153,8 @@ REMOVED_KEYS = {"selection.random": "replaced by selection.strategy=random"}
 
 @dataclass
 class SelectionConfig:
-    """How unlabeled questions are gated (paper defaults: top-p 0.1, Gamma 0.4); `trapo.algorithm.passrate` uses it as is."""
+    """How unlabeled questions are gated (paper defaults: top-p 0.1, Gamma 0.4); `trapo.algorithm.passrate` uses it
+    as is."""
 
     warmup_epochs: int = 8
     top_p: float = 0.1
@@ -204,7 +198,8 @@ class SelectionConfig:
 
 @dataclass
 class EvalConfig:
-    files: list[str] = field(default_factory=list)  # validation benchmarks (parquet / JSONL), see trapo/commands/eval.py
+    # Validation benchmarks (parquet / JSONL), see trapo/commands/eval.py.
+    files: list[str] = field(default_factory=list)
     steps: int = 0  # evaluate every N steps (0: never); the best score's checkpoint is kept and named in best.json
     n: int = 1  # samples per question (avg@n)
     temperature: float = 0.6  # the paper's evaluation temperature
@@ -262,6 +257,11 @@ class ToyConfig:
     unlabeled_ood: int = 0  # trap task: OOD additions for an unlabeled-OOD training set (unlabeled_ood.jsonl)
     sft_steps: int = 150
 
+    @property
+    def asset_dir(self) -> Path:
+        """Where `trapo.commands.toy.build_assets` writes this task's model and data, and training reads them."""
+        return Path(self.dir) / (f"seed-{self.seed}" if self.task == "addition" else f"{self.task}-seed-{self.seed}")
+
 
 @dataclass
 class Config:
@@ -293,239 +293,3 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.run_name
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    """Check `value` against the annotation `tp`; ints are accepted for floats."""
-    origin = typing.get_origin(tp)
-    bad = ConfigError(f"{where}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise bad
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise bad
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, where)
-            except ConfigError:
-                pass
-        raise bad
-    if origin is list:
-        if not isinstance(value, list):
-            raise bad
-        (item,) = typing.get_args(tp)
-        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise bad
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad
-        return value
-    raise TypeError(f"unsupported config annotation {tp!r} at {where}")
-
-
-def _apply(obj: Any, values: dict, source: str, prefix: str = "") -> None:
-    hints = typing.get_type_hints(type(obj))
-    names = [f.name for f in dataclasses.fields(obj)]
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {values!r}")
-    for key, value in values.items():
-        where = f"{source}: key '{prefix}{key}'"
-        if key not in names:
-            if f"{prefix}{key}" in REMOVED_KEYS:
-                raise ConfigError(f"{where} was removed: {REMOVED_KEYS[f'{prefix}{key}']}")
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
-            raise ConfigError(f"{where} is not a known setting{hint}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            _apply(getattr(obj, key), value, source, f"{prefix}{key}.")
-        else:
-            setattr(obj, key, _coerce(tp, value, where))
-
-
-def parse_override(text: str) -> dict:
-    """'loss.clip_eps=0.28' -> {'loss': {'clip_eps': 0.28}} (the value is read as YAML)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected dotted.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
-    out: dict = {}
-    node = out
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
-
-def validate(cfg: Config, source: str = "config") -> None:
-    """Cross-key checks that a type alone cannot express."""
-
-    def need(ok: bool, key: str, msg: str) -> None:
-        if not ok:
-            raise ConfigError(f"{source}: key '{key}': {msg}")
-
-    need(bool(cfg.run_name) and "/" not in cfg.run_name, "run_name", "must be a non-empty name without '/'")
-    need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
-    need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", f"must be >= 1 or null, got {cfg.max_steps}")
-    need(cfg.save_steps >= 0, "save_steps", f"must be >= 0, got {cfg.save_steps}")
-    need(cfg.dist_timeout_minutes > 0, "dist_timeout_minutes", f"must be > 0, got {cfg.dist_timeout_minutes}")
-    need(cfg.keep_checkpoints is None or cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 or null")
-    r, t, s = cfg.rollout, cfg.train, cfg.selection
-    need(r.n >= 2, "rollout.n", f"GRPO needs at least 2 rollouts per question, got {r.n}")
-    need(r.temperature > 0, "rollout.temperature", f"must be > 0 for sampling, got {r.temperature}")
-    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    need(r.max_tokens >= 1, "rollout.max_tokens", f"must be >= 1, got {r.max_tokens}")
-    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
-    need(
-        r.dynamic_sampling_max_rounds >= 0,
-        "rollout.dynamic_sampling_max_rounds",
-        f"must be >= 0 (0: no limit), got {r.dynamic_sampling_max_rounds}",
-    )
-    need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
-    need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
-    need(
-        t.update_batch_size >= 1 and t.rollout_batch_size % t.update_batch_size == 0,
-        "train.update_batch_size",
-        f"must divide train.rollout_batch_size ({t.rollout_batch_size}), got {t.update_batch_size}",
-    )
-    need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    need(len(t.adam_betas) == 2, "train.adam_betas", f"must be [beta1, beta2], got {t.adam_betas}")
-    need(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
-    need(t.loss_chunk_tokens >= 1, "train.loss_chunk_tokens", "must be >= 1")
-    lo = cfg.loss
-    need(lo.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {lo.rollout_is_cap}")
-    if lo.rollout_is_lower is not None:
-        need(
-            lo.rollout_is in ("token_mask", "sequence_mask"),
-            "loss.rollout_is_lower",
-            f"only the mask modes use a lower bound; loss.rollout_is is {lo.rollout_is!r}",
-        )
-        need(
-            0 <= lo.rollout_is_lower < lo.rollout_is_cap,
-            "loss.rollout_is_lower",
-            f"must be in [0, loss.rollout_is_cap={lo.rollout_is_cap}), got {lo.rollout_is_lower}",
-        )
-    need(lo.gspo_clip_eps > 0, "loss.gspo_clip_eps", f"must be > 0, got {lo.gspo_clip_eps}")
-    need(lo.gspo_clip_eps_high > 0, "loss.gspo_clip_eps_high", f"must be > 0, got {lo.gspo_clip_eps_high}")
-    need(lo.clip_eps_high is None or lo.clip_eps_high > 0, "loss.clip_eps_high", "must be > 0 or null")
-    if lo.overlong == "soft_penalty":
-        buffer = lo.overlong_buffer_tokens(r.max_tokens)
-        need(
-            0 < buffer < r.max_tokens,
-            "loss.overlong_buffer",
-            f"must be in [1, rollout.max_tokens={r.max_tokens}) for soft_penalty, got {buffer}",
-        )
-        need(lo.overlong_penalty > 0, "loss.overlong_penalty", f"must be > 0, got {lo.overlong_penalty}")
-    else:
-        need(lo.overlong_buffer is None, "loss.overlong_buffer", "only loss.overlong=soft_penalty uses it")
-    need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
-    need(cfg.loss.clip_eps > 0, "loss.clip_eps", "must be > 0")
-    need(cfg.loss.beta >= 0.0, "loss.beta", f"must be >= 0, got {cfg.loss.beta}")
-    s.check(source)
-    need(
-        cfg.data.labeled_ratio is None or 0 <= cfg.data.labeled_ratio <= 1,
-        "data.labeled_ratio",
-        "must be in [0, 1] or null",
-    )
-    need(cfg.reward.timeout > 0, "reward.timeout", "must be > 0")
-    budget = cfg.reward.step_budget
-    need(budget is None or budget > 0, "reward.step_budget", f"must be > 0 or null, got {budget}")
-    need(cfg.eval.steps >= 0, "eval.steps", f"must be >= 0, got {cfg.eval.steps}")
-    need(
-        not cfg.eval.steps or bool(cfg.eval.files) or cfg.toy.enabled,
-        "eval.files",
-        "eval.steps > 0 needs validation files",
-    )
-    need(cfg.eval.n >= 1, "eval.n", f"must be >= 1, got {cfg.eval.n}")
-    need(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
-    lg = cfg.logging
-    need(lg.rollouts_every >= 0, "logging.rollouts_every", f"must be >= 0 (0: no dumps), got {lg.rollouts_every}")
-    if lg.wandb.enabled:
-        need(bool(lg.wandb.project.strip()), "logging.wandb.project", "must be a non-empty project name")
-        need(
-            lg.wandb.run_name is None or bool(lg.wandb.run_name.strip()),
-            "logging.wandb.run_name",
-            "must be a name or null",
-        )
-        need(
-            all(t.strip() and len(t) <= 64 for t in lg.wandb.tags),
-            "logging.wandb.tags",
-            "wandb takes tags of 1-64 characters",
-        )
-    if lg.mlflow.enabled:
-        need(bool(lg.mlflow.experiment.strip()), "logging.mlflow.experiment", "must be a non-empty experiment name")
-        need(
-            lg.mlflow.run_name is None or bool(lg.mlflow.run_name.strip()),
-            "logging.mlflow.run_name",
-            "must be a name or null",
-        )
-        uri = lg.mlflow.tracking_uri
-        need(
-            uri is None or bool(uri.strip()), "logging.mlflow.tracking_uri", "must be a URI, or null for run_dir/mlruns"
-        )
-    if cfg.toy.enabled:
-        need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
-        need(not cfg.data.train_files, "data.train_files", "must be empty when toy.enabled")
-    else:
-        need(bool(cfg.model.path), "model.path", "a Hugging Face model directory is required")
-        need(bool(cfg.data.train_files), "data.train_files", "at least one parquet or JSONL file is required")
-
-
-def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- overrides, then type and cross-key checks."""
-    cfg = Config()
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
-        _apply(cfg, data, f"config file {path}")
-    for text in overrides:
-        _apply(cfg, parse_override(text), f"override {text!r}")
-    validate(cfg, f"config file {path}" if path else "config")
-    return cfg
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

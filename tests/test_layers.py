@@ -1,0 +1,138 @@
+"""The package's layers (docs/architecture.md): imports only go downward, no import cycle, small modules.
+
+Imports are read from the source (every `import` and `from ... import`, inside functions too), so a lazy
+import that crosses a layer counts like a top-level one."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "trapo"
+# Lowest first: a module may import its own layer and the ones before it.
+LAYERS = ["shared", "algorithm", "engine", "training", "commands", "entry"]
+SHARED_FLAT = {"config", "data", "console", "runtime"}
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(name: str) -> str:
+    parts = name.split(".")
+    if name == "trapo.__main__":
+        return "entry"
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return parts[1]
+    if name == "trapo" or parts[1] in SHARED_FLAT:
+        return "shared"
+    raise AssertionError(f"{name}: in no layer; a module goes into trapo/<layer>/ or is shared vocabulary")
+
+
+def imported(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The project modules `source` (module `name`) imports: `from a import b` counts as a.b when that is a
+    module, else as a; relative imports are resolved against the module's package."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names if alias.name.split(".")[0] == "trapo"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "trapo":
+                continue
+            for alias in node.names:
+                out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {
+        name: imported(path.read_text(), name, path.name == "__init__.py", set(files)) - {name}
+        for name, path in files.items()
+    }
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} ({layer_of(a)}) imports {b} ({layer_of(b)})"
+        for a, targets in graph.items()
+        for b in targets
+        if LAYERS.index(layer_of(b)) > LAYERS.index(layer_of(a))
+    )
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_goes_up_a_layer():
+    graph = import_graph()
+    assert "trapo.training.trainer" in graph and graph["trapo.training.trainer"]  # the reader sees imports
+    assert upward(graph) == []
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_see_a_lazy_upward_import_and_a_cycle():
+    modules = {"trapo.engine.policy", "trapo.commands.eval", "trapo.commands", "trapo.data"}
+    lazy = "def f():\n    from trapo.commands import eval\n"
+    graph = {"trapo.engine.policy": imported(lazy, "trapo.engine.policy", False, modules)}
+    assert graph["trapo.engine.policy"] == {"trapo.commands.eval"}
+    assert upward(graph) == ["trapo.engine.policy (engine) imports trapo.commands.eval (commands)"]
+    relative = imported("from ..data import x\nfrom . import eval\n", "trapo.commands", True, modules)
+    assert relative == {"trapo.data", "trapo.commands.eval"}
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_module_under_the_line_limit():
+    long = {
+        str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"split these along their seams: {long}"
+
+
+@pytest.mark.parametrize("layer", ["algorithm", "engine", "training", "commands"])
+def test_each_layer_says_what_it_holds_and_may_import(layer):
+    doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
+    assert doc and "import" in doc.lower(), f"trapo/{layer}/__init__.py: open with what it holds and may import"
+
+
+def test_the_shared_vocabulary_stays_small():
+    flat = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert set(flat) <= SHARED_FLAT and len(flat) <= 6, flat

@@ -1,0 +1,142 @@
+"""Loading the configuration: defaults <- a YAML file <- dotted overrides, each value checked against its type.
+
+An unknown key gets a did-you-mean hint (or what replaced it, for a removed one); a value of the
+wrong type or outside the allowed choices names the key, the value and what was expected. Also the
+way back: `to_dict` (what the loggers record) and `dump_config` (the run_dir/config.yaml a run writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from trapo.config.schema import REMOVED_KEYS, Config, ConfigError
+from trapo.config.validation import validate
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{where}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {where}")
+
+
+def _apply(obj: Any, values: dict, source: str, prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {values!r}")
+    for key, value in values.items():
+        where = f"{source}: key '{prefix}{key}'"
+        if key not in names:
+            if f"{prefix}{key}" in REMOVED_KEYS:
+                raise ConfigError(f"{where} was removed: {REMOVED_KEYS[f'{prefix}{key}']}")
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            raise ConfigError(f"{where} is not a known setting{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            _apply(getattr(obj, key), value, source, f"{prefix}{key}.")
+        else:
+            setattr(obj, key, _coerce(tp, value, where))
+
+
+def parse_override(text: str) -> dict:
+    """'loss.clip_eps=0.28' -> {'loss': {'clip_eps': 0.28}} (the value is read as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
+    out: dict = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- overrides, then type and cross-key checks."""
+    cfg = Config()
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
+        _apply(cfg, data, f"config file {path}")
+    for text in overrides:
+        _apply(cfg, parse_override(text), f"override {text!r}")
+    validate(cfg, f"config file {path}" if path else "config")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

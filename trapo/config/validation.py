@@ -1,0 +1,119 @@
+"""Cross-key checks of a loaded configuration: ranges and combinations that a type alone cannot express."""
+
+from __future__ import annotations
+
+from trapo.config.schema import Config, ConfigError
+
+
+def validate(cfg: Config, source: str = "config") -> None:
+    """Cross-key checks that a type alone cannot express."""
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{source}: key '{key}': {msg}")
+
+    need(bool(cfg.run_name) and "/" not in cfg.run_name, "run_name", "must be a non-empty name without '/'")
+    need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
+    need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", f"must be >= 1 or null, got {cfg.max_steps}")
+    need(cfg.save_steps >= 0, "save_steps", f"must be >= 0, got {cfg.save_steps}")
+    need(cfg.dist_timeout_minutes > 0, "dist_timeout_minutes", f"must be > 0, got {cfg.dist_timeout_minutes}")
+    need(cfg.keep_checkpoints is None or cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 or null")
+    r, t, s = cfg.rollout, cfg.train, cfg.selection
+    need(r.n >= 2, "rollout.n", f"GRPO needs at least 2 rollouts per question, got {r.n}")
+    need(r.temperature > 0, "rollout.temperature", f"must be > 0 for sampling, got {r.temperature}")
+    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    need(r.max_tokens >= 1, "rollout.max_tokens", f"must be >= 1, got {r.max_tokens}")
+    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
+    need(
+        r.dynamic_sampling_max_rounds >= 0,
+        "rollout.dynamic_sampling_max_rounds",
+        f"must be >= 0 (0: no limit), got {r.dynamic_sampling_max_rounds}",
+    )
+    need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
+    need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
+    need(
+        t.update_batch_size >= 1 and t.rollout_batch_size % t.update_batch_size == 0,
+        "train.update_batch_size",
+        f"must divide train.rollout_batch_size ({t.rollout_batch_size}), got {t.update_batch_size}",
+    )
+    need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    need(len(t.adam_betas) == 2, "train.adam_betas", f"must be [beta1, beta2], got {t.adam_betas}")
+    need(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+    need(t.loss_chunk_tokens >= 1, "train.loss_chunk_tokens", "must be >= 1")
+    lo = cfg.loss
+    need(lo.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {lo.rollout_is_cap}")
+    if lo.rollout_is_lower is not None:
+        need(
+            lo.rollout_is in ("token_mask", "sequence_mask"),
+            "loss.rollout_is_lower",
+            f"only the mask modes use a lower bound; loss.rollout_is is {lo.rollout_is!r}",
+        )
+        need(
+            0 <= lo.rollout_is_lower < lo.rollout_is_cap,
+            "loss.rollout_is_lower",
+            f"must be in [0, loss.rollout_is_cap={lo.rollout_is_cap}), got {lo.rollout_is_lower}",
+        )
+    need(lo.gspo_clip_eps > 0, "loss.gspo_clip_eps", f"must be > 0, got {lo.gspo_clip_eps}")
+    need(lo.gspo_clip_eps_high > 0, "loss.gspo_clip_eps_high", f"must be > 0, got {lo.gspo_clip_eps_high}")
+    need(lo.clip_eps_high is None or lo.clip_eps_high > 0, "loss.clip_eps_high", "must be > 0 or null")
+    if lo.overlong == "soft_penalty":
+        buffer = lo.overlong_buffer_tokens(r.max_tokens)
+        need(
+            0 < buffer < r.max_tokens,
+            "loss.overlong_buffer",
+            f"must be in [1, rollout.max_tokens={r.max_tokens}) for soft_penalty, got {buffer}",
+        )
+        need(lo.overlong_penalty > 0, "loss.overlong_penalty", f"must be > 0, got {lo.overlong_penalty}")
+    else:
+        need(lo.overlong_buffer is None, "loss.overlong_buffer", "only loss.overlong=soft_penalty uses it")
+    need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+    need(cfg.loss.clip_eps > 0, "loss.clip_eps", "must be > 0")
+    need(cfg.loss.beta >= 0.0, "loss.beta", f"must be >= 0, got {cfg.loss.beta}")
+    s.check(source)
+    need(
+        cfg.data.labeled_ratio is None or 0 <= cfg.data.labeled_ratio <= 1,
+        "data.labeled_ratio",
+        "must be in [0, 1] or null",
+    )
+    need(cfg.reward.timeout > 0, "reward.timeout", "must be > 0")
+    budget = cfg.reward.step_budget
+    need(budget is None or budget > 0, "reward.step_budget", f"must be > 0 or null, got {budget}")
+    need(cfg.eval.steps >= 0, "eval.steps", f"must be >= 0, got {cfg.eval.steps}")
+    need(
+        not cfg.eval.steps or bool(cfg.eval.files) or cfg.toy.enabled,
+        "eval.files",
+        "eval.steps > 0 needs validation files",
+    )
+    need(cfg.eval.n >= 1, "eval.n", f"must be >= 1, got {cfg.eval.n}")
+    need(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
+    lg = cfg.logging
+    need(lg.rollouts_every >= 0, "logging.rollouts_every", f"must be >= 0 (0: no dumps), got {lg.rollouts_every}")
+    if lg.wandb.enabled:
+        need(bool(lg.wandb.project.strip()), "logging.wandb.project", "must be a non-empty project name")
+        need(
+            lg.wandb.run_name is None or bool(lg.wandb.run_name.strip()),
+            "logging.wandb.run_name",
+            "must be a name or null",
+        )
+        need(
+            all(t.strip() and len(t) <= 64 for t in lg.wandb.tags),
+            "logging.wandb.tags",
+            "wandb takes tags of 1-64 characters",
+        )
+    if lg.mlflow.enabled:
+        need(bool(lg.mlflow.experiment.strip()), "logging.mlflow.experiment", "must be a non-empty experiment name")
+        need(
+            lg.mlflow.run_name is None or bool(lg.mlflow.run_name.strip()),
+            "logging.mlflow.run_name",
+            "must be a name or null",
+        )
+        uri = lg.mlflow.tracking_uri
+        need(
+            uri is None or bool(uri.strip()), "logging.mlflow.tracking_uri", "must be a URI, or null for run_dir/mlruns"
+        )
+    if cfg.toy.enabled:
+        need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
+        need(not cfg.data.train_files, "data.train_files", "must be empty when toy.enabled")
+    else:
+        need(bool(cfg.model.path), "model.path", "a Hugging Face model directory is required")
+        need(bool(cfg.data.train_files), "data.train_files", "at least one parquet or JSONL file is required")

@@ -1,0 +1,119 @@
+"""The evaluation loop that validation during training and `python -m trapo eval` share: generate with a
+rollout engine, grade every response against its gold, score each benchmark (avg@n).
+
+    results, grades = evaluate(engine, tokenizer, benchmarks, n_for=..., temperature=..., ...)
+    scores = pooled_scores(engine, tokenizer, benchmarks, shard=rank, shards=world, gather=..., ...)
+
+Requests are seeded per (benchmark, question), so a score does not depend on how the questions were
+split over ranks or chunks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from trapo.algorithm.pass_at_k import avg_at_k
+from trapo.algorithm.rewards import answer_rewards, extract_answer
+from trapo.data import Benchmark, tokenize_prompts
+from trapo.engine.rollout import request_seed
+
+
+def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=None) -> list[dict]:
+    """Per response: extracted answer and grade (`math_rewards`: Math-Verify; a letter gold compares letters)."""
+    answers = [extract_answer(t) for t in texts]  # once: graded and kept
+    rewards = answer_rewards(answers, [gold] * len(texts), timeout, verifier)
+    return [{"answer": a, "correct": r == 1.0} for a, r in zip(answers, rewards)]
+
+
+def evaluate(
+    engine,
+    tokenizer,
+    benchmarks: list[Benchmark],
+    *,
+    n_for,
+    temperature: float,
+    max_tokens: int,
+    template: str,
+    max_prompt_tokens: int,
+    seed: int = 0,
+    done: dict | None = None,
+    on_question=None,
+    chunk: int = 64,
+    verifier=None,
+) -> tuple[dict, dict]:
+    """Generate, grade and score; returns (results per benchmark, grades per benchmark).
+
+    grades[name]: [questions][n] correct flags, for metrics a caller adds (pass@k,
+    or scores pooled over ranks).
+    n_for(name) -> samples per question. `done` maps (benchmark, uid) to a
+    finished question's record (from samples.jsonl) that is reused as is;
+    `on_question(record)` is called once per newly finished question, in
+    chunks of `chunk` questions, so a caller can persist progress.
+    """
+    done = done or {}
+    todo = {b.name: [q for q in b.questions if (b.name, q.uid) not in done] for b in benchmarks}
+    # Every prompt is checked (length) before any generation starts.
+    prompts = {name: tokenize_prompts(qs, template, tokenizer, max_prompt_tokens) for name, qs in todo.items()}
+    results, grades_by_name = {}, {}
+    for bench in benchmarks:
+        n = n_for(bench.name)
+        started = time.perf_counter()
+        records = [done[(bench.name, q.uid)] for q in bench.questions if (bench.name, q.uid) in done]
+        todo_b, prompts_b = todo[bench.name], prompts[bench.name]
+        for start in range(0, len(todo_b), chunk):
+            part = todo_b[start : start + chunk]
+            outs = engine.generate(
+                prompts_b[start : start + chunk],
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                seeds=[request_seed(seed, bench.name, q.uid) for q in part] if temperature > 0 else None,
+            )
+            for q, group in zip(part, outs):
+                grades = grade_responses([r.text for r in group], q.answer, verifier=verifier)
+                rec = {
+                    "benchmark": bench.name,
+                    "id": q.uid,
+                    "question": q.question,
+                    "gold": q.answer,
+                    "responses": [
+                        {"text": r.text, "tokens": len(r.token_ids), "truncated": r.truncated, **g}
+                        for r, g in zip(group, grades)
+                    ],
+                }
+                records.append(rec)
+                if on_question:
+                    on_question(rec)
+        grades = [[r["correct"] for r in rec["responses"]] for rec in records]
+        tokens = [r["tokens"] for rec in records for r in rec["responses"]]
+        metrics = {f"avg@{n}": avg_at_k(grades)}
+        if n == 1:
+            metrics["pass@1"] = metrics["avg@1"]
+        grades_by_name[bench.name] = grades
+        results[bench.name] = {
+            "questions": len(records),
+            "samples": n,
+            "metrics": metrics,
+            "score": metrics[f"avg@{n}"],
+            "tokens_generated": sum(tokens),
+            "mean_response_length": sum(tokens) / len(tokens) if tokens else 0.0,
+            "seconds": round(time.perf_counter() - started, 3),
+            "source": bench.source,
+        }
+    return results, grades_by_name
+
+
+def pooled_scores(engine, tokenizer, benchmarks: list[Benchmark], *, shard: int, shards: int, gather, **kwargs):
+    """avg@n per benchmark and their mean over `shards` evaluators, or None without benchmarks.
+
+    This one evaluates every `shards`-th question from `shard` (`evaluate` with
+    `kwargs`); `gather(grades)` returns every shard's grades (a collective across
+    processes, or `lambda g: [g]` alone).
+    """
+    if not benchmarks:
+        return None
+    mine = [Benchmark(b.name, b.questions[shard::shards], b.source) for b in benchmarks]
+    _, grades = evaluate(engine, tokenizer, mine, **kwargs)
+    everyone = gather(grades)
+    scores = {name: avg_at_k([g for part in everyone for g in part[name]]) for name in grades}
+    return {**scores, "mean": sum(scores.values()) / len(scores)}
