@@ -1,4 +1,4 @@
-"""The README's generated blocks are rewritten from outputs, never typed in."""
+"""The generated blocks of README.md and docs/ are rewritten from outputs, never typed in."""
 
 import json
 
@@ -30,7 +30,7 @@ def test_make_train_block_from_a_run(tmp_path):
 def test_reproduce_block_rewrites_links_from_the_readme(tmp_path):
     docs = tmp_path / "docs" / "reproduce-toy"
     docs.mkdir(parents=True)
-    (docs / "results.md").write_text("| a | b |\n\n![fig](figure4.png) [web](https://x.org/a.png)\n")
+    (docs / "results.md").write_text("| a | b |\n\n![fig](figure4.png) [web](https://x.org/a.png) [s](#x)\n")
     (docs / "results.json").write_text(json.dumps({"minutes": 33.3}))
     target = tmp_path / "README.md"
     target.write_text("x\n<!-- generated:reproduce-toy -->\nold 0.602\n<!-- /generated:reproduce-toy -->\n")
@@ -38,21 +38,56 @@ def test_reproduce_block_rewrites_links_from_the_readme(tmp_path):
     text = target.read_text()
     assert "old 0.602" not in text and "took 33.3 min" in text
     assert "![fig](docs/reproduce-toy/figure4.png)" in text and "(https://x.org/a.png)" in text
+    assert "[s](#x)" in text  # an anchor stays an anchor
+
+
+def test_reproduce_block_links_point_from_its_docs_page(tmp_path):
+    docs = tmp_path / "docs" / "reproduce-toy"
+    docs.mkdir(parents=True)
+    (docs / "results.md").write_text("![fig](figure4.png)\n")
+    (docs / "results.json").write_text(json.dumps({"minutes": 1.0}))
+    page = tmp_path / "docs" / "reproduce-toy.md"
+    page.write_text("# toy\n<!-- generated:reproduce-toy -->\n<!-- /generated:reproduce-toy -->\n")
+    assert readme.main(["--reproduce", str(docs), "--file", str(page)]) == 0
+    assert "![fig](reproduce-toy/figure4.png)" in page.read_text()
+
+
+def test_each_block_lives_in_its_own_file_and_holds_what_the_code_writes():
+    assert readme.BLOCKS["make-train"] == readme.README
+    for name, path in readme.BLOCKS.items():
+        text = path.read_text()
+        assert text.count(f"<!-- generated:{name} -->") == 1 and text.count(f"<!-- /generated:{name} -->") == 1, path
+        others = [f for f in [readme.README, *sorted(readme.DOCS.glob("*.md"))] if f != path]
+        assert not [f for f in others if f"<!-- generated:{name} -->" in f.read_text()], name
+    # the reproduction's block, rebuilt from docs/reproduce-toy/ for its page, is the page's block as it is
+    page = readme.BLOCKS["reproduce-toy"]
+    body = readme.reproduce_block(readme.DOCS / "reproduce-toy", page)
+    assert readme.replace_block(page.read_text(), "reproduce-toy", body) == page.read_text()
+
+
+def test_a_missing_block_writes_nothing(tmp_path):
+    run = tmp_path / "toy"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"steps": 3, "heldout_accuracy_after": 0.5, "selection": None}))
+    target = tmp_path / "page.md"
+    target.write_text("no markers here\n")
+    assert readme.main(["--train", str(run), "--file", str(target)]) == 2
+    assert target.read_text() == "no markers here\n"
 
 
 def test_memory_plan_block_comes_from_the_doctor():
     body = readme.plan_block()
     assert body.count("memory plan: configs/trapo_1k_3k.yaml on 8 x") == 2
     assert "`python -m trapo doctor --plan --config configs/trapo_1k_3k.yaml --gpus 8 --gpu-memory-gb 141`" in body
-    text = readme.README.read_text()
-    assert readme.replace_block(text, "memory-plan", body) == text  # the README holds the current output
+    text = readme.BLOCKS["memory-plan"].read_text()
+    assert readme.replace_block(text, "memory-plan", body) == text  # docs/memory-plan.md holds the current output
 
 
 def _toolbox_rows() -> list[tuple[str, str]]:
-    """(key, default) of each row of the README's toolbox table."""
+    """(key, default) of each row of the toolbox table in docs/configuration.md."""
     import re
 
-    text = readme.README.read_text()
+    text = (readme.DOCS / "configuration.md").read_text()
     start = text.index("<!-- toolbox-keys")
     table = text[start:].split("\n\n", 1)[0]
     return re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", table, flags=re.M)
@@ -73,3 +108,10 @@ def test_toolbox_table_names_real_keys_with_their_defaults():
             assert dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}, key
             node = getattr(node, part)
         assert yaml.safe_dump(node).removesuffix("...\n").strip() == default, (key, node)
+
+
+def test_without_a_block_it_says_where_each_lives(capsys):
+    assert readme.main([]) == 0
+    out = capsys.readouterr().out
+    assert "make-train: README.md" in out and "memory-plan: docs/memory-plan.md" in out
+    assert "reproduce-toy: docs/reproduce-toy.md" in out

@@ -1,17 +1,22 @@
-"""Rewrite the README's generated blocks from the outputs that produce them.
+"""Rewrite the generated blocks of README.md and docs/ from the outputs that produce them.
 
     python -m trapo readme --train outputs/toy      # after `make train`
     make readme-figures                             # both steps
     python -m trapo readme --reproduce docs/reproduce-toy   # after `make reproduce-toy` (it runs this)
     python -m trapo readme --plan                   # the memory plans of the paper's 7B config
+    python -m trapo readme                          # which block lives in which file
 
 A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`
-lines; everything between them is replaced, so the README never quotes a
-figure no code printed. Blocks: `make-train` (the summary `make train` prints,
-from its run's summary.json) and `reproduce-toy` (the reproduction's results.md,
-its image links made relative to the README) and `memory-plan` (what
-`python -m trapo doctor --plan` prints for configs/trapo_1k_3k.yaml on 8 x 80 and
-8 x 141 GiB).
+lines; everything between them is replaced, so the documentation never quotes a
+figure no code printed. Each block lives in one file (`BLOCKS`):
+
+- `make-train` in README.md: the summary `make train` prints, from its run's summary.json;
+- `reproduce-toy` in docs/reproduce-toy.md: the reproduction's results.md, its relative links
+  rewritten to point from that file;
+- `memory-plan` in docs/memory-plan.md: what `python -m trapo doctor --plan` prints for
+  configs/trapo_1k_3k.yaml on 8 x 80 and 8 x 141 GiB, and every paper config's verdict.
+
+`--file PATH` writes the blocks asked for into PATH instead (tests use it).
 """
 
 from __future__ import annotations
@@ -26,14 +31,22 @@ from pathlib import Path
 from trapo import runtime
 from trapo.training.metrics import summary_text
 
-README = runtime.ROOT / "README.md"
+ROOT = runtime.ROOT
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# Every generated block and the file it lives in.
+BLOCKS = {
+    "make-train": README,
+    "reproduce-toy": DOCS / "reproduce-toy.md",
+    "memory-plan": DOCS / "memory-plan.md",
+}
 
 
 def replace_block(text: str, name: str, body: str) -> str:
     """`text` with the block `name` holding `body`; ValueError if the markers are missing."""
     pattern = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n)(.*?)(<!-- /generated:{re.escape(name)} -->)", re.S)
     if not pattern.search(text):
-        raise ValueError(f"README has no block '{name}' (<!-- generated:{name} --> ... <!-- /generated:{name} -->)")
+        raise ValueError(f"no block '{name}' (<!-- generated:{name} --> ... <!-- /generated:{name} -->)")
     return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(3), text, count=1)
 
 
@@ -42,12 +55,13 @@ def train_block(run_dir: Path) -> str:
     return f"```\n{summary_text(summary)}\n```"
 
 
-def reproduce_block(docs: Path, readme: Path = README) -> str:
-    """results.md of a reproduction, with its run time and its relative links pointing from the README."""
+def reproduce_block(docs: Path, target: Path = BLOCKS["reproduce-toy"]) -> str:
+    """results.md of a reproduction, with its run time and its relative links pointing from `target`, the
+    file the block is written into."""
     body = (docs / "results.md").read_text()
     minutes = json.loads((docs / "results.json").read_text()).get("minutes")
-    prefix = Path(os.path.relpath(docs.resolve(), readme.resolve().parent)).as_posix()
-    body = re.sub(r"\]\((?![a-z]+:|/)([^)]+)\)", lambda m: f"]({prefix}/{m.group(1)})", body)
+    prefix = Path(os.path.relpath(docs.resolve(), target.resolve().parent)).as_posix()
+    body = re.sub(r"\]\((?![a-z]+:|/|#)([^)]+)\)", lambda m: f"]({prefix}/{m.group(1)})", body)
     return f"`make reproduce-toy` took {minutes} min for this run.\n\n{body}"
 
 
@@ -79,11 +93,11 @@ def verdicts_table(cards: tuple[int, ...]) -> str:
         "| config | GPUs | start-up | rollouts | update | KV sequences held / needed | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
-    for path in sorted(Path(README.parent / "configs").glob("*.yaml")):
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = load_config(str(path))
         if cfg.toy.enabled:
             continue
-        ds = _json.loads((README.parent / cfg.train.deepspeed_config).read_text())
+        ds = _json.loads((ROOT / cfg.train.deepspeed_config).read_text())
         arch = model_arch(cfg.model.path)
         for gb in cards:
             plan = memory_plan(cfg, 8, gb * GiB, arch, ds)
@@ -101,21 +115,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
     parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
     parser.add_argument("--plan", action="store_true", help="the memory-plan block (trapo.commands.doctor --plan)")
-    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument(
+        "--file", "--readme", dest="file", type=Path, help="write the blocks into this file instead of their own"
+    )
     args = parser.parse_args(argv)
-    text = args.readme.read_text()
+    wanted = [
+        name
+        for name, on in (("make-train", args.train), ("reproduce-toy", args.reproduce), ("memory-plan", args.plan))
+        if on
+    ]
+    if not wanted:
+        for name, path in BLOCKS.items():
+            print(f"{name}: {path.relative_to(ROOT).as_posix()}")
+        return 0
+    texts: dict[Path, str] = {}  # every file is written only once all its blocks were built
     try:
-        if args.train:
-            text = replace_block(text, "make-train", train_block(args.train))
-        if args.reproduce:
-            text = replace_block(text, "reproduce-toy", reproduce_block(args.reproduce, args.readme))
-        if args.plan:
-            text = replace_block(text, "memory-plan", plan_block())
+        for name in wanted:
+            target = args.file or BLOCKS[name]
+            if name == "make-train":
+                body = train_block(args.train)
+            elif name == "reproduce-toy":
+                body = reproduce_block(args.reproduce, target)
+            else:
+                body = plan_block()
+            text = texts[target] if target in texts else target.read_text()
+            try:
+                texts[target] = replace_block(text, name, body)
+            except ValueError as err:
+                raise ValueError(f"{target}: {err}") from None
     except (OSError, ValueError) as err:
         print(f"trapo.commands.readme: {err}", file=sys.stderr)
         return 2
-    args.readme.write_text(text)
-    print(f"updated {args.readme}", file=sys.stderr)
+    for target, text in texts.items():
+        target.write_text(text)
+        print(f"updated {target}", file=sys.stderr)
     return 0
 
 
