@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test eval data doctor report readme-figures reproduce-toy lint bench clean-venv
+.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ train: $(STAMP)
 # or two runs at once) run in turn on one worker (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+# The edit loop: every test that starts no trainer and no evaluation engine (marker toy_run), in about a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not toy_run"
 
 # `make eval` alone: the latest `make train` checkpoint on the toy held-out split and a
 # 32-question slice of each shipped benchmark. `make eval MODEL=dir BENCH=math,arc_c,gpqa`

@@ -6,9 +6,8 @@
 The same as `python -m trapo train` (trapo/commands/train.py), as a file the `deepspeed` launcher can run.
 """
 
-import sys
-
+from trapo import console
 from trapo.commands.train import main
 
 if __name__ == "__main__":
-    sys.exit(main(prog="trapo_train.py"))
+    console.exit_now(main(prog="trapo_train.py"))  # a finished run: no interpreter teardown (see exit_now)

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trapo"
 # Lowest first: a module may import its own layer and the ones before it.
-LAYERS = ["shared", "algorithm", "engine", "training", "commands", "entry"]
+LAYERS = ["vocabulary", "algorithm", "engine", "training", "commands", "entry"]
 SHARED_FLAT = {"config", "data", "console", "runtime"}
 MAX_LINES = 500
 
@@ -28,7 +28,7 @@ def layer_of(name: str) -> str:
     if len(parts) > 1 and parts[1] in LAYERS:
         return parts[1]
     if name == "trapo" or parts[1] in SHARED_FLAT:
-        return "shared"
+        return "vocabulary"
     raise AssertionError(f"{name}: in no layer; a module goes into trapo/<layer>/ or is shared vocabulary")
 
 

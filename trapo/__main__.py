@@ -49,4 +49,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trapo import console
+
+    console.exit_now(main())  # the command's work is closed: no interpreter teardown (see exit_now)

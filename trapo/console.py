@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 _terminal: TextIO | None = None  # the real terminal's stderr once `capture` ran
 _terminal_out: TextIO | None = None  # and its stdout
@@ -97,3 +97,20 @@ class _DropRotaryReloadWarning(logging.Filter):
 
 def silence_benign_library_warnings() -> None:
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRotaryReloadWarning())
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code`, skipping the interpreter's teardown. For a command's entry point once its
+    work is closed: checkpoints and files written, loggers and the grading worker closed, every rank past
+    its last collective.
+
+    The teardown does nothing a finished command needs, and it is slow: after a toy run on the 2-core CPU
+    machines it took about 6 s per process (vLLM's engine shutdown about 2 s, then freeing the libraries'
+    objects), for every rank of every run. Python-level buffers are flushed here; the log file is written
+    at the file-descriptor level, so nothing is lost."""
+    for stream in (_terminal_out, _terminal, sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):  # a full disk or a closed stream: exit anyway
+                stream.flush()
+    logging.shutdown()
+    os._exit(code)

@@ -278,3 +278,6 @@ def weight_push(cfg) -> None:
 
 if __name__ == "__main__":
     main()
+    from trapo import console
+
+    console.exit_now(0)  # as the entry points do: no interpreter teardown after the work is closed

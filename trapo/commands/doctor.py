@@ -96,7 +96,7 @@ def plan_mode(args: argparse.Namespace) -> int:
         cards.append(f"{args.gpus} x {gb} GiB: {'fits' if other.fits else 'does NOT fit'} (peak {peak:.1f} GiB)")
     print("other cards: " + "; ".join(cards))
     if not plan.fits:
-        print(f"trapo.commands.doctor: does not fit: {plan.problems[0]}", file=sys.stderr)
+        print(f"trapo doctor: does not fit: {plan.problems[0]}", file=sys.stderr)
         return 1
     return 0
 
@@ -317,7 +317,7 @@ def preflight(args: argparse.Namespace) -> int:
                        plan.problems[0] if plan.problems else "")  # fmt: skip
         if rank == 0:
             print(checks.table(), file=console.terminal_out(), flush=True)
-            print(f"trapo.commands.doctor: {len(checks.rows) - checks.failed} passed, {checks.failed} failed",
+            print(f"trapo doctor: {len(checks.rows) - checks.failed} passed, {checks.failed} failed",
                   file=console.terminal_out(), flush=True)  # fmt: skip
     return 1 if checks.failed else 0
 
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = args.config or str(runtime.ROOT / "configs" / "toy.yaml")
         return preflight(args)
     except (BadInput, ConfigError) as err:
-        print(f"trapo.commands.doctor: {err}", file=sys.stderr)
+        print(f"trapo doctor: {err}", file=sys.stderr)
         return 2
 
 

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         done = _load_done(samples, settings)
         (out / "run.json").write_text(json.dumps(settings, indent=2))
     except DataError as err:
-        print(f"trapo.commands.eval: {err}", file=sys.stderr)
+        print(f"trapo eval: {err}", file=sys.stderr)
         return 2
 
     from transformers import AutoTokenizer, GenerationConfig
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 on_question=persist,
             )
         except DataError as err:
-            print(f"trapo.commands.eval: {err}", file=sys.stderr)
+            print(f"trapo eval: {err}", file=sys.stderr)
             return 2
     if args.pass_k:
         for name, r in results.items():

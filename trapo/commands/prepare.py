@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare(args)
         return 0
     except DataError as err:
-        print(f"trapo.commands.prepare: {err}", file=sys.stderr)
+        print(f"trapo prepare: {err}", file=sys.stderr)
         return 2
 
 

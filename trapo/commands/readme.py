@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:
                 raise ValueError(f"{target}: {err}") from None
     except (OSError, ValueError) as err:
-        print(f"trapo.commands.readme: {err}", file=sys.stderr)
+        print(f"trapo readme: {err}", file=sys.stderr)
         return 2
     for target, text in texts.items():
         target.write_text(text)

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = write_report(args.run_dir, args.out)
     except ReportError as err:
-        print(f"trapo.commands.report: {err}", file=sys.stderr)
+        print(f"trapo report: {err}", file=sys.stderr)
         return 2
     skipped = report.read_text().count("_Skipped:")
     print(f"wrote {report} ({len(PLOTS) - skipped} plots, {skipped} skipped)")

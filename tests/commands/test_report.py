@@ -275,7 +275,7 @@ def test_module_entry_point_exit_status(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 2
     assert str(missing) in proc.stderr

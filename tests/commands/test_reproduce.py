@@ -11,7 +11,7 @@ import pytest
 from trapo import runtime
 from trapo.commands import reproduce as rp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("df, expected", [(1, 12.7062), (4, 2.7764), (7, 2.3646), (30, 2.0423)])
@@ -97,6 +97,7 @@ def test_analyse_pairs_methods_within_seeds():
     assert "| TraPO | 16 |" in md and "| Supervised, 64 labeled only | 4 |" in md
 
 
+@pytest.mark.toy_run
 @pytest.mark.two_cores
 def test_reproduce_smallest_configuration(tmp_path):
     env = runtime.subprocess_env()

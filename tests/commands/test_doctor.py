@@ -4,9 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from trapo import runtime
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def doctor(*args):
@@ -24,6 +26,7 @@ def status(stdout: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.toy_run
 def test_preflight_on_cpu_runs_the_trainer_and_checks_the_push():
     """make doctor on the toy: versions, collectives, two real steps, the push checked, the checkpoint read."""
     out = doctor()

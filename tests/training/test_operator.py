@@ -8,11 +8,13 @@ import sys
 import time
 
 import pytest
-from test_trainer_e2e import ROOT, free_port, metrics, overrides, train
+from toyrun import ROOT, STRAIGHT, free_port, metrics, overrides, train
 
 from trapo import runtime
 from trapo.training.loggers import read_wandb_history
 from trapo.training.tensorboard_writer import read_histogram_tags, read_scalars
+
+pytestmark = pytest.mark.toy_run  # every test here starts trainers (make test-fast leaves them out)
 
 
 def at(row, key):
@@ -84,10 +86,10 @@ def test_quiet_terminal_loggers_and_rollout_dumps(toy_dir, tmp_path, monkeypatch
             assert all(a == d["pseudo_label"] for a, w in zip(d["answers"], d["rewards"]) if w)
 
 
-def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path):
-    common = dict(mode="trapo", max_steps=4, save_steps=0)
-    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
-    straight = metrics(tmp_path / "straight")
+@pytest.mark.xdist_group("straight_run")
+def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path, straight_run):
+    common = {**STRAIGHT, "save_steps": 0}  # the checkpoint comes from the signal alone
+    straight = metrics(straight_run)
 
     args = overrides(toy_dir, tmp_path, run_name="stopped", **common)
     proc = subprocess.Popen([sys.executable, "trapo_train.py", *args], cwd=ROOT, env=runtime.subprocess_env(),

@@ -1,6 +1,6 @@
 """The trainer on CUDA: bf16, vLLM sleep mode, offload, the health metric after every wake, resume.
 
-Skipped without a CUDA GPU (CI has none). On a GPU node: `pytest -m gpu tests/test_gpu.py`
+Skipped without a CUDA GPU (CI has none). On a GPU node: `pytest -m gpu tests/training/test_gpu.py`
 (two-rank and tensor-parallel cases need two GPUs). Tolerances are bf16's, not bit equality:
 vLLM's and the trainer's kernels differ on GPU, and the rollouts are not bit-reproducible there.
 """
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_trainer_e2e import metrics, overrides, run, train
+from toyrun import metrics, overrides, run, train
 
 pytestmark = [
     pytest.mark.gpu,

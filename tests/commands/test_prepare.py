@@ -1,4 +1,5 @@
-"""trapo.commands.prepare: source layouts, cleaning counts, decontamination, splits, determinism, errors, trainer reads it."""
+"""trapo.commands.prepare: source layouts, cleaning counts, decontamination, splits, determinism, errors,
+trainer reads it."""
 
 import json
 import os
@@ -13,7 +14,7 @@ import yaml
 from trapo.commands.prepare import NGRAM, PAPER_FILES, Contamination, main, parser, prepare
 from trapo.data import THINK_SYSTEM, DataError, load_questions, render_prompt, template_messages
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A MATH-500 question of data/benchmarks/math.parquet (row 0), planted in the training sources.
 MATH500_Q = (
     "Convert the point $(0,3)$ in rectangular coordinates to polar coordinates.  Enter your answer in the form "

@@ -10,58 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from toyrun import ROOT, SCENARIO, STRAIGHT, TOY, free_port, metrics, overrides, run, train
 
 from trapo import runtime
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
-TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]  # as conftest's toy_dir
-
-
-def overrides(toy_dir, out, **kv):
-    base = {
-        "output_dir": str(out),
-        "progress_bar": "false",
-        "train.rollout_batch_size": 16,
-        "train.update_batch_size": 16,
-        "selection.warmup_epochs": 1,
-        "save_steps": 0,
-        "keep_checkpoints": "null",
-    }
-    base.update(kv)
-    return [f"toy.dir={toy_dir}", *TOY, *(f"{k}={v}" for k, v in base.items())]
-
-
-def run(cmd, timeout=600):
-    out = subprocess.run(cmd, cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    return out
-
-
-def free_port() -> int:
-    """A port no one listens on now, for a launcher's --master_port: a fixed one can still be held by the
-    last run's exiting processes, or by another test's run under `make test`'s two workers."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def train(args, nproc=1, check=True):
-    if nproc == 1:
-        cmd = [sys.executable, "trapo_train.py", *args]
-    else:
-        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        cmd = [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()), "trapo_train.py", *args]
-    out = run(cmd)
-    if check:
-        assert out.returncode == 0, out.stderr[-4000:]
-    return out
-
-
-def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+pytestmark = pytest.mark.toy_run  # every test here starts trainers (make test-fast leaves them out)
 
 
 # Each baseline mode, each switch riding along on one of them: gradient checkpointing,
@@ -251,10 +204,10 @@ def test_eval_cli_writes_outputs_and_resumes_without_regenerating(toy_dir, tmp_p
     assert other.returncode == 2 and "holds an evaluation with other settings" in other.stderr
 
 
-def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path):
-    common = dict(mode="trapo", max_steps=4, save_steps=2)
-    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
-    straight = metrics(tmp_path / "straight")
+@pytest.mark.xdist_group("straight_run")
+def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path, straight_run):
+    common = STRAIGHT
+    straight = metrics(straight_run)
 
     crashed = run(
         [sys.executable, SCENARIO, "crash_at_commit", "4", *overrides(toy_dir, tmp_path, run_name="resumed", **common)]
@@ -268,20 +221,22 @@ def test_resume_after_kill_during_save_matches_uninterrupted(toy_dir, tmp_path):
     assert sorted(os.listdir(ckpts)) == ["step-2", "step-4"]
     resumed = metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("straight", "resumed")]
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (straight_run, tmp_path / "resumed")]
     assert summaries[1]["heldout_before"] == summaries[0]["heldout_before"] is not None  # kept in the checkpoint
     for a, b in zip(straight, resumed):  # CPU fp32: the same rollouts, rewards and losses
         for key in ("loss", "pg_loss", "reward_labeled", "pass_rate_unlabeled", "response_tokens", "selection"):
             assert a.get(key) == b.get(key), (a["step"], key)
 
 
-def test_full_disk_stops_cleanly_and_a_damaged_latest_falls_back_both_resuming_exactly(toy_dir, tmp_path, small_disk):
+@pytest.mark.xdist_group("straight_run")
+def test_full_disk_stops_cleanly_and_a_damaged_latest_falls_back_both_resuming_exactly(
+    toy_dir, tmp_path, small_disk, straight_run
+):
     """The disk fills during the step-4 save: one line naming the cause and step-2, status 74, no partial
     left, the traceback in log.txt; with space back, resume_from=latest equals an uninterrupted run. Then a
     truncated shard in step-4: it is set aside, step-2 is resumed, and the run again equals the straight one."""
-    common = dict(mode="trapo", max_steps=4, save_steps=2)
-    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
-    straight = metrics(tmp_path / "straight")
+    common = STRAIGHT
+    straight = metrics(straight_run)
 
     def same_as_straight(run_dir):
         rows = metrics(run_dir)

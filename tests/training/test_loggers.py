@@ -1,4 +1,5 @@
-"""trapo.training.loggers: TensorBoard, wandb (offline) and MLflow (file store) fed by one object, read back from disk."""
+"""trapo.training.loggers: TensorBoard, wandb (offline) and MLflow (file store) fed by one object, read back
+from disk."""
 
 import math
 import sys

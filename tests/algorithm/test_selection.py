@@ -224,9 +224,10 @@ def test_state_round_trip_mid_epoch_and_old_checkpoints():
     assert chosen(a) == {5, 2}  # -2, -3
 
 
+@pytest.mark.toy_run
 def test_toy_run_logs_entropy_selection(toy_dir, tmp_path):
     """One toy run: warm-up epoch of 2 steps, then the entropy strategy selects 25% of the 48 unlabeled."""
-    from test_trainer_e2e import metrics, overrides, train
+    from toyrun import metrics, overrides, train
 
     kv = {
         "mode": "trapo",

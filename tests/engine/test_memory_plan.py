@@ -10,7 +10,7 @@ import pytest
 from trapo.config import ConfigError, load_config
 from trapo.engine.memory_plan import BUILTIN, GiB, memory_plan, model_arch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "trapo_1k_3k.yaml")
 
 
@@ -168,4 +168,4 @@ def test_cli_exit_codes():
         ["--config", "configs/toy.yaml", "--gpus", "1"],
     ):
         run = doctor("--plan", *args, "--gpu-memory-gb", "80")
-        assert run.returncode == 2 and run.stderr.startswith("trapo.commands.doctor: ") and run.stderr.count("\n") == 1, args
+        assert run.returncode == 2 and run.stderr.startswith("trapo doctor: ") and run.stderr.count("\n") == 1, args

@@ -1,0 +1,60 @@
+"""Toy training runs for the tests: each run is a subprocess (a trainer owns a process: its distributed world
+and its vLLM engine), launched like a user does (`trapo_train.py`, or the `deepspeed` launcher for 2 ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from trapo import runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
+STRAIGHT = dict(mode="trapo", max_steps=4, save_steps=2)  # the uninterrupted reference of the resume tests
+TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]  # as conftest's toy_dir
+
+
+def overrides(toy_dir, out, **kv):
+    base = {
+        "output_dir": str(out),
+        "progress_bar": "false",
+        "train.rollout_batch_size": 16,
+        "train.update_batch_size": 16,
+        "selection.warmup_epochs": 1,
+        "save_steps": 0,
+        "keep_checkpoints": "null",
+    }
+    base.update(kv)
+    return [f"toy.dir={toy_dir}", *TOY, *(f"{k}={v}" for k, v in base.items())]
+
+
+def run(cmd, timeout=600):
+    out = subprocess.run(cmd, cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    return out
+
+
+def free_port() -> int:
+    """A port no one listens on now, for a launcher's --master_port: a fixed one can still be held by the
+    last run's exiting processes, or by another test's run under `make test`'s two workers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args, nproc=1, check=True):
+    if nproc == 1:
+        cmd = [sys.executable, "trapo_train.py", *args]
+    else:
+        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        cmd = [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()), "trapo_train.py", *args]
+    out = run(cmd)
+    if check:
+        assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

@@ -1,0 +1,14 @@
+"""Toy runs that several tests compare with, run once per session (per xdist worker: the tests that share one
+are in one xdist group, so one worker runs them all and the run happens once)."""
+
+import pytest
+from toyrun import STRAIGHT, overrides, train
+
+
+@pytest.fixture(scope="session")
+def straight_run(toy_dir, tmp_path_factory):
+    """The run directory of an uninterrupted `STRAIGHT` run: killed, stopped or disk-full runs that resume must
+    equal it. (Saving is read-only for the run's state, so runs with another save cadence compare with it too.)"""
+    out = tmp_path_factory.mktemp("straight")
+    train(overrides(toy_dir, out, run_name="straight", **STRAIGHT))
+    return out / "straight"
