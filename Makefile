@@ -32,8 +32,8 @@ endif
 train: $(STAMP)
 	$(PY) trapo_train.py resume_from=latest
 
-# Two pytest-xdist workers: the single-process toy runs use one core each; the two_cores tests (two ranks
-# or two runs at once) run in turn on one worker (tests/conftest.py).
+# Two pytest-xdist workers, one per core; --dist loadgroup keeps the tests that share a toy run on one
+# worker, so the run happens once (tests/training/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 

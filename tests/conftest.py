@@ -1,3 +1,9 @@
+"""Fixtures for the whole suite. The tests mirror the package's layers: tests/algorithm, tests/engine,
+tests/training and tests/commands test the modules of that layer; the project-wide checks (config, data,
+layers, docs, wiring) sit here at the top. Toy-run helpers: tests/toyrun.py; shared toy runs:
+tests/training/conftest.py. `make test-fast` leaves out the tests marked toy_run (they start trainers)."""
+
+import fcntl
 import os
 
 from trapo import runtime
@@ -10,13 +16,20 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def toy_dir(tmp_path_factory):
-    """A small toy task built once per session: 16 labeled, 48 unlabeled, 16 test questions."""
+def toy_dir(tmp_path_factory, worker_id):
+    """A small toy task built once per session: 16 labeled, 48 unlabeled, 16 test questions. Under
+    pytest-xdist the workers share it: the first to take the lock builds it, the others then find it built
+    (`build_assets` reuses a directory whose manifest matches)."""
     from trapo.commands.toy import build_assets
     from trapo.config import ToyConfig
 
-    d = tmp_path_factory.mktemp("toy")
-    build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent  # the session's directory, above each worker's own
+    d = root / "toy-shared"
+    with open(root / "toy-shared.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
     return str(d)
 
 
@@ -46,12 +59,3 @@ def small_disk(tmp_path, request):
         return
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs two pytest-xdist workers (`--dist loadgroup`): the tests marked two_cores (two ranks
-    or two runs at once, some on fixed ports) go to one xdist group, so they run one after another, each
-    beside the other worker's single-process tests instead of beside each other."""
-    for item in items:
-        if item.get_closest_marker("two_cores"):
-            item.add_marker(pytest.mark.xdist_group("two_cores"))

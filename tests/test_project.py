@@ -23,6 +23,36 @@ def test_entry_point_help_names_the_launch_command():
     assert out.returncode == 0 and "deepspeed trapo_train.py --config configs/<exp>.yaml" in out.stdout
 
 
+def _python(*args):
+    from trapo import runtime
+
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True
+    )
+
+
+def test_one_entry_point_lists_every_command_and_dispatches():
+    out = _python("-m", "trapo", "--help")
+    assert out.returncode == 0
+    listed = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["train", "eval", "prepare", "doctor", "report", "reproduce", "readme"]
+    # `deepspeed --module trapo doctor ...` runs `python -m trapo --local_rank=N doctor ...`
+    out = _python("-m", "trapo", "--local_rank=0", "doctor", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m trapo doctor")
+    out = _python("-m", "trapo", "train", "--help")
+    assert out.returncode == 0 and "deepspeed trapo_train.py --config configs/<exp>.yaml" in out.stdout
+    out = _python("-m", "trapo", "evaluate")
+    assert out.returncode == 2 and "unknown command 'evaluate'" in out.stderr
+
+
+def test_old_module_invocations_name_the_new_command():
+    for name in ("eval", "prepare", "doctor", "report", "reproduce", "readme"):
+        out = _python("-m", f"trapo.{name}", "--help")
+        assert out.returncode == 1 and out.stdout == ""
+        assert out.stderr == f"python -m trapo.{name} is now `python -m trapo {name}` (same arguments)\n"
+    assert _python("-m", "trapo.commands.report", "--help").returncode == 0  # the modules themselves still run
+
+
 def test_public_names_import():
     from trapo.algorithm.loss import group_advantages, policy_loss  # noqa: F401
     from trapo.algorithm.passrate import PassRateTracker, reliable_mask, tcs  # noqa: F401

@@ -140,11 +140,11 @@ def test_reproduce_smallest_configuration(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and again.stderr.count("reusing") == 6
     other = subprocess.run(
-        [*cmd[:5], "8", cmd[6], "0", "--methods", "supervised", *cmd[10:]],
+        [*cmd[:6], "2", cmd[7], "0", "--methods", "trapo", *cmd[11:]],  # 8 steps, the smallest other budget
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
-    assert other.returncode == 0 and "ran 16 steps, not 32: running again" in other.stderr, other.stderr[-2000:]
+    assert other.returncode == 0 and "ran 16 steps, not 8: running again" in other.stderr, other.stderr[-2000:]

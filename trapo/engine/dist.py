@@ -18,6 +18,25 @@ import torch
 import torch.distributed as dist
 
 
+def import_deepspeed():
+    """`import deepspeed`, without the MLflow import its autotuner tries at import time.
+
+    DeepSpeed imports `mlflow` whenever it is installed (it is, for `logging.mlflow`): 1.7 s of every
+    process's start-up on the 2-core CPU machines, for an autotuner we never run. The module is hidden only
+    while DeepSpeed imports; our MLflow logger imports it as usual later."""
+    import sys
+
+    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: the autotuner's has_mlflow = False
+        try:
+            import deepspeed
+        finally:
+            del sys.modules["mlflow"]
+    import deepspeed
+
+    return deepspeed
+
+
 def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank), initialising the process group once (nccl on GPU, gloo on CPU).
 
@@ -25,7 +44,7 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
     `timeout_message`); None keeps torch's default."""
     import datetime
 
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if "RANK" not in os.environ:
         with socket.socket() as s:
