@@ -35,7 +35,7 @@ train: $(STAMP)
 # Two pytest-xdist workers, one per core; --dist loadgroup keeps the tests that share a toy run on one
 # worker, so the run happens once (tests/training/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --junitxml=outputs/make-test.xml
 
 # The edit loop: every test that starts no trainer and no evaluation engine (marker toy_run), in about a minute.
 test-fast: $(STAMP)
@@ -75,11 +75,12 @@ CONFIG ?=
 doctor: $(STAMP)
 	$(PY) -m trapo doctor $(if $(CONFIG),--config $(CONFIG))
 
-# The README's generated blocks (the make train summary) from a fresh run.
+# The README's generated blocks: the make train summary from a fresh run, and how the last `make test`
+# ended (its report, outputs/make-test.xml) when there is one.
 readme-figures: $(STAMP)
 	rm -rf outputs/toy
 	$(PY) trapo_train.py
-	$(PY) -m trapo readme --train outputs/toy
+	$(PY) -m trapo readme --train outputs/toy $(if $(wildcard outputs/make-test.xml),--test outputs/make-test.xml)
 
 # PNG plots and report.md of any run directory: `make report RUN=outputs/toy`.
 RUN ?= outputs/toy

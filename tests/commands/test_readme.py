@@ -27,6 +27,22 @@ def test_make_train_block_from_a_run(tmp_path):
     assert readme.main(["--train", str(tmp_path / "none"), "--readme", str(target)]) == 2  # no summary.json
 
 
+def test_make_test_block_from_pytests_junit_report(tmp_path):
+    report = tmp_path / "make-test.xml"
+    report.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1" '
+        'skipped="4" tests="470" time="583.4" timestamp="2026-11-25T14:00:00"></testsuite></testsuites>'
+    )
+    target = tmp_path / "README.md"
+    target.write_text("before\n<!-- generated:make-test -->\nold\n<!-- /generated:make-test -->\nafter\n")
+    assert readme.main(["--test", str(report), "--file", str(target)]) == 0
+    assert target.read_text() == (
+        "before\n<!-- generated:make-test -->\n```\n$ make test\n"
+        "465 passed, 4 skipped, 1 failed in 9:43 (two pytest-xdist workers)\n```\n"
+        "<!-- /generated:make-test -->\nafter\n"
+    )
+
+
 def test_reproduce_block_rewrites_links_from_the_readme(tmp_path):
     docs = tmp_path / "docs" / "reproduce-toy"
     docs.mkdir(parents=True)

@@ -1,6 +1,7 @@
 """Rewrite the generated blocks of README.md and docs/ from the outputs that produce them.
 
     python -m trapo readme --train outputs/toy      # after `make train`
+    python -m trapo readme --test outputs/make-test.xml   # after `make test` (it writes that file)
     make readme-figures                             # both steps
     python -m trapo readme --reproduce docs/reproduce-toy   # after `make reproduce-toy` (it runs this)
     python -m trapo readme --plan                   # the memory plans of the paper's 7B config
@@ -11,6 +12,7 @@ lines; everything between them is replaced, so the documentation never quotes a
 figure no code printed. Each block lives in one file (`BLOCKS`):
 
 - `make-train` in README.md: the summary `make train` prints, from its run's summary.json;
+- `make-test` in README.md: how the last `make test` ended, from the JUnit XML it writes;
 - `reproduce-toy` in docs/reproduce-toy.md: the reproduction's results.md, its relative links
   rewritten to point from that file;
 - `memory-plan` in docs/memory-plan.md: what `python -m trapo doctor --plan` prints for
@@ -37,6 +39,7 @@ DOCS = ROOT / "docs"
 # Every generated block and the file it lives in.
 BLOCKS = {
     "make-train": README,
+    "make-test": README,
     "reproduce-toy": DOCS / "reproduce-toy.md",
     "memory-plan": DOCS / "memory-plan.md",
 }
@@ -53,6 +56,19 @@ def replace_block(text: str, name: str, body: str) -> str:
 def train_block(run_dir: Path) -> str:
     summary = json.loads((run_dir / "summary.json").read_text())
     return f"```\n{summary_text(summary)}\n```"
+
+
+def test_block(report: Path) -> str:
+    """The end of a `make test` run: counts and wall time from pytest's JUnit XML (`--junitxml`)."""
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.parse(report).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    minutes, seconds = divmod(round(float(suite.get("time"))), 60)
+    counts = [f"{total - failed - errors - skipped} passed", f"{skipped} skipped"]
+    counts += [f"{n} {word}" for n, word in ((failed, "failed"), (errors, "errors")) if n]
+    return f"```\n$ make test\n{', '.join(counts)} in {minutes}:{seconds:02d} (two pytest-xdist workers)\n```"
 
 
 def reproduce_block(docs: Path, target: Path = BLOCKS["reproduce-toy"]) -> str:
@@ -113,6 +129,7 @@ def verdicts_table(cards: tuple[int, ...]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
+    parser.add_argument("--test", type=Path, help="the JUnit XML of `make test` (outputs/make-test.xml)")
     parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
     parser.add_argument("--plan", action="store_true", help="the memory-plan block (trapo.commands.doctor --plan)")
     parser.add_argument(
@@ -121,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wanted = [
         name
-        for name, on in (("make-train", args.train), ("reproduce-toy", args.reproduce), ("memory-plan", args.plan))
+        for name, on in (
+            ("make-train", args.train),
+            ("make-test", args.test),
+            ("reproduce-toy", args.reproduce),
+            ("memory-plan", args.plan),
+        )
         if on
     ]
     if not wanted:
@@ -134,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             target = args.file or BLOCKS[name]
             if name == "make-train":
                 body = train_block(args.train)
+            elif name == "make-test":
+                body = test_block(args.test)
             elif name == "reproduce-toy":
                 body = reproduce_block(args.reproduce, target)
             else:
