@@ -3,8 +3,9 @@ tests/training and tests/commands test the modules of that layer; the project-wi
 layers, docs, wiring) sit here at the top. Toy-run helpers: tests/toyrun.py; shared toy runs:
 tests/training/conftest.py. `make test-fast` leaves out the tests marked toy_run (they start trainers)."""
 
-import fcntl
 import os
+import subprocess
+import sys
 
 from trapo import runtime
 
@@ -15,22 +16,33 @@ runtime.configure()
 import pytest  # noqa: E402
 
 
+def _session_root(tmp_path_factory, worker_id):
+    """The session's temporary directory, shared by the pytest-xdist workers (each has its own below it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root if worker_id == "master" else root.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _toy_built_in_the_background(tmp_path_factory, worker_id):
+    """Under pytest-xdist the first worker starts building the shared toy task in a child process at once:
+    a worker that needs it later finds it built, or waits less, instead of idling through the whole build."""
+    if worker_id != "gw0":
+        yield
+        return
+    script = os.path.join(os.path.dirname(__file__), "toyrun.py")
+    root = _session_root(tmp_path_factory, worker_id)
+    builder = subprocess.Popen([sys.executable, script, str(root)], env=runtime.subprocess_env())
+    yield
+    builder.wait()
+
+
 @pytest.fixture(scope="session")
 def toy_dir(tmp_path_factory, worker_id):
-    """A small toy task built once per session: 16 labeled, 48 unlabeled, 16 test questions. Under
-    pytest-xdist the workers share it: the first to take the lock builds it, the others then find it built
-    (`build_assets` reuses a directory whose manifest matches)."""
-    from trapo.commands.toy import build_assets
-    from trapo.config import ToyConfig
+    """A small toy task built once per session (tests/toyrun.py `TOY`): 16 labeled, 48 unlabeled, 16 test
+    questions, shared by the pytest-xdist workers."""
+    from toyrun import build_shared_toy
 
-    root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        root = root.parent  # the session's directory, above each worker's own
-    d = root / "toy-shared"
-    with open(root / "toy-shared.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
-    return str(d)
+    return build_shared_toy(_session_root(tmp_path_factory, worker_id))
 
 
 @pytest.fixture(scope="session")
