@@ -4,8 +4,6 @@ layers, docs, wiring) sit here at the top. Toy-run helpers: tests/toyrun.py; sha
 tests/training/conftest.py. `make test-fast` leaves out the tests marked toy_run (they start trainers)."""
 
 import os
-import subprocess
-import sys
 
 from trapo import runtime
 
@@ -20,20 +18,6 @@ def _session_root(tmp_path_factory, worker_id):
     """The session's temporary directory, shared by the pytest-xdist workers (each has its own below it)."""
     root = tmp_path_factory.getbasetemp()
     return root if worker_id == "master" else root.parent
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _toy_built_in_the_background(tmp_path_factory, worker_id):
-    """Under pytest-xdist the first worker starts building the shared toy task in a child process at once:
-    a worker that needs it later finds it built, or waits less, instead of idling through the whole build."""
-    if worker_id != "gw0":
-        yield
-        return
-    script = os.path.join(os.path.dirname(__file__), "toyrun.py")
-    root = _session_root(tmp_path_factory, worker_id)
-    builder = subprocess.Popen([sys.executable, script, str(root)], env=runtime.subprocess_env())
-    yield
-    builder.wait()
 
 
 @pytest.fixture(scope="session")

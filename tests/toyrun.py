@@ -73,8 +73,3 @@ def build_shared_toy(root) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
     return str(d)
-
-
-if __name__ == "__main__":  # python tests/toyrun.py ROOT: the background build of tests/conftest.py
-    runtime.configure()
-    build_shared_toy(sys.argv[1])
