@@ -10,4 +10,4 @@ from trapo import console
 from trapo.commands.train import main
 
 if __name__ == "__main__":
-    console.exit_now(main(prog="trapo_train.py"))  # a finished run: no interpreter teardown (see exit_now)
+    console.exit_now(main())  # a finished run: no interpreter teardown (see exit_now)

@@ -3,6 +3,7 @@ tests/training and tests/commands test the modules of that layer; the project-wi
 layers, docs, wiring) sit here at the top. Toy-run helpers: tests/toyrun.py; shared toy runs:
 tests/training/conftest.py. `make test-fast` leaves out the tests marked toy_run (they start trainers)."""
 
+import fcntl
 import os
 
 from trapo import runtime
@@ -23,10 +24,19 @@ def _session_root(tmp_path_factory, worker_id):
 @pytest.fixture(scope="session")
 def toy_dir(tmp_path_factory, worker_id):
     """A small toy task built once per session (tests/toyrun.py `TOY`): 16 labeled, 48 unlabeled, 16 test
-    questions, shared by the pytest-xdist workers."""
-    from toyrun import build_shared_toy
+    questions. The pytest-xdist workers share it: the first to take the lock builds it, the others then find
+    it built (`build_assets` reuses a directory whose manifest matches)."""
+    from trapo.commands.toy import build_assets
+    from trapo.config import ToyConfig
 
-    return build_shared_toy(_session_root(tmp_path_factory, worker_id))
+    root = _session_root(tmp_path_factory, worker_id)
+    with open(root / "toy-shared.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_assets(
+            ToyConfig(dir=str(root / "toy-shared"), labeled=16, unlabeled=48, test=16, sft_steps=150),
+            log=lambda m: None,
+        )
+    return str(root / "toy-shared")
 
 
 @pytest.fixture(scope="session")

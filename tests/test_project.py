@@ -41,6 +41,10 @@ def test_one_entry_point_lists_every_command_and_dispatches():
     assert out.returncode == 0 and out.stdout.startswith("usage: python -m trapo doctor")
     out = _python("-m", "trapo", "train", "--help")
     assert out.returncode == 0 and "deepspeed trapo_train.py --config configs/<exp>.yaml" in out.stdout
+    assert out.stdout.startswith("usage: python -m trapo train")
+    for name in ("eval", "reproduce", "readme"):  # their parsers take argparse's default prog
+        assert _python("-m", "trapo", name, "--help").stdout.startswith(f"usage: python -m trapo {name}"), name
+    assert _python("trapo_train.py", "--help").stdout.startswith("usage: trapo_train.py")
     out = _python("-m", "trapo", "evaluate")
     assert out.returncode == 2 and "unknown command 'evaluate'" in out.stderr
 

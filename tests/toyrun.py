@@ -1,12 +1,10 @@
 """Toy training runs for the tests: each run is a subprocess (a trainer owns a process: its distributed world
 and its vLLM engine), launched like a user does (`trapo_train.py`, or the `deepspeed` launcher for 2 ranks)."""
 
-import fcntl
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from trapo import runtime
 
@@ -60,16 +58,3 @@ def train(args, nproc=1, check=True):
 def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def build_shared_toy(root) -> str:
-    """The session's toy task (as `TOY` says) under `root`, built by whichever process takes the lock first;
-    the others find it built (`build_assets` reuses a directory whose manifest matches)."""
-    from trapo.commands.toy import build_assets
-    from trapo.config import ToyConfig
-
-    d = Path(root) / "toy-shared"
-    with open(Path(root) / "toy-shared.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        build_assets(ToyConfig(dir=str(d), labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
-    return str(d)

@@ -42,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"python -m trapo: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    if name == "train":
-        return module.main(rest, prog="python -m trapo train")
-    return module.main(rest)
+    sys.argv[0] = f"python -m trapo {name}"  # argparse's default prog: every command's usage line names itself
+    return importlib.import_module(COMMANDS[name][0]).main(rest)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,9 @@ def _traceback_to_log(log: Path | None) -> None:
             traceback.print_exc(file=sys.stderr)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     runtime.configure()  # before vLLM or torch is imported: see trapo/runtime.py
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML experiment config (default: the toy task)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.clip_eps=0.28")
