@@ -13,7 +13,7 @@ def test_reference_logprobs_need_a_reference_model():
 
 
 def test_unpushed_maps_fused_engine_parameters_to_checkpoint_names():
-    from trapo.engine.rollout import unpushed
+    from trapo.engine.vllm_rollout import unpushed
 
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
              "model.layers.0.mlp.gate_up_proj.weight", "lm_head.weight"]  # fmt: skip

@@ -89,7 +89,7 @@ def main() -> None:
     elif scenario == "skip_push":
         # A weight push that silently does nothing: from step 2 on the engine samples from the
         # initial weights, which the engine-vs-policy log-prob difference must show.
-        from trapo.engine.rollout import RolloutEngine
+        from trapo.engine.vllm_rollout import VllmEngine as RolloutEngine
 
         def push(self, named_tensors):
             for _ in named_tensors:  # consumed (the gather is collective), never loaded
@@ -101,7 +101,7 @@ def main() -> None:
     elif scenario == "partial_push":
         # A push whose iterator leaves out one tensor (a name the engine does not know, as a renamed
         # parameter would): the push must fail naming the engine parameter that got nothing.
-        from trapo.engine.rollout import RolloutEngine
+        from trapo.engine.vllm_rollout import VllmEngine as RolloutEngine
 
         real_push = RolloutEngine.push_weights
 
@@ -209,7 +209,7 @@ def placement(model_dir) -> None:
 
     import numpy as np
 
-    from trapo.engine.rollout import RolloutEngine
+    from trapo.engine.vllm_rollout import VllmEngine as RolloutEngine
 
     random.seed(12345), np.random.seed(12345), torch.manual_seed(12345)  # the trainer's streams
     before = (random.random(), float(np.random.rand()), float(torch.rand(1)))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from trapo import runtime
 from trapo.algorithm.pass_at_k import mean_pass_at_k
+from trapo.config import ConfigError
 from trapo.data import Benchmark, DataError, benchmarks_dir, resolve_benchmarks, stop_token_ids
 from trapo.training.evaluation import evaluate
 
@@ -128,7 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output dir (default: <model>/../eval or outputs/eval)")
     parser.add_argument("--overwrite", action="store_true", help="discard earlier samples in --out")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument(
+        "--backend", default="vllm", choices=["vllm", "hf"], help="who generates: vLLM, or transformers (no vLLM)"
+    )
+    parser.add_argument("--hf-max-batch", type=int, default=256, help="hf backend: sequences generated at once")
     args = parser.parse_args(argv)
+    try:
+        from trapo.engine.rollout import require_backend
+
+        require_backend(args.backend, key="--backend", fix="--backend hf")
+    except ConfigError as err:
+        print(f"trapo eval: {err}", file=sys.stderr)
+        return 2
 
     try:
         model = Path(args.model) if args.model else latest_toy_checkpoint()
@@ -153,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "n": {b.name: n_for(b.name) for b in benchmarks},
         }
+        if args.backend != "vllm":  # another sampler: its samples are not mixed with vLLM's
+            settings["backend"] = args.backend
         if args.overwrite:
             samples.unlink(missing_ok=True)
             (out / "run.json").unlink(missing_ok=True)
@@ -164,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer, GenerationConfig
 
-    from trapo.engine.rollout import RolloutEngine
     from trapo.runtime import dtype_name
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -172,13 +185,24 @@ def main(argv: list[str] | None = None) -> int:
         generation_eos = GenerationConfig.from_pretrained(model).eos_token_id
     except OSError:  # no generation_config.json
         generation_eos = None
-    engine = RolloutEngine(
-        str(model),
-        dtype=dtype_name(args.dtype),
-        max_model_len=args.max_prompt_tokens + args.max_tokens,
-        seed=args.seed,
-        stop_token_ids=stop_token_ids(tokenizer, generation_eos),
-    )
+    stops = stop_token_ids(tokenizer, generation_eos)
+    if args.backend == "hf":
+        from trapo.engine.hf_rollout import HfEngine
+
+        engine = HfEngine.from_pretrained(
+            str(model), tokenizer, dtype=args.dtype, stop_token_ids=stops, max_batch=args.hf_max_batch
+        )
+    else:
+        from trapo.engine.vllm_rollout import VllmEngine
+
+        engine = VllmEngine(
+            str(model),
+            tokenizer=tokenizer,
+            dtype=dtype_name(args.dtype),
+            max_model_len=args.max_prompt_tokens + args.max_tokens,
+            seed=args.seed,
+            stop_token_ids=stops,
+        )
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
     with open(samples, "a") as f:

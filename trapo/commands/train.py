@@ -6,7 +6,7 @@
 
 Without --config the embedded toy task runs: a tiny Qwen2 and synthetic
 arithmetic built by the project, trained with the real stack (DeepSpeed
-ZeRO-3, colocated vLLM, Math-Verify). Configuration errors exit with status 2
+ZeRO-3, colocated vLLM or rollout.backend=hf, Math-Verify). Configuration errors exit with status 2
 and a message naming the key, before anything is loaded.
 """
 
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        from trapo.engine.rollout import require_backend
+
+        require_backend(cfg.rollout.backend)  # no vLLM for backend vllm: stop before anything is built
     except ConfigError as err:
         print(f"trapo_train: {err}", file=sys.stderr)
         return 2

@@ -39,6 +39,14 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    # Who generates: "vllm", a colocated vLLM engine per rank (weights pushed after each update), or "hf",
+    # the policy's own transformers model (no vLLM needed, nothing to push; slower at scale: no paged
+    # attention, no CUDA graphs). trapo/engine/rollout.py.
+    backend: str = "vllm"
+    # hf backend: sequences generated at once per rank (questions' G samples together). Its KV cache is
+    # batch x (prompt + max_tokens) x layers x 2 x kv_heads x head_dim x dtype bytes: lower it when it
+    # does not fit beside the policy.
+    hf_max_batch: int = 256
     n: int = 8  # G, rollouts per question
     temperature: float = 1.0
     top_p: float = 1.0
@@ -81,7 +89,8 @@ class TrainConfig:
     # Response tokens per chunk of the LM head (trapo.algorithm.logits.lm_head_token_stats).
     loss_chunk_tokens: int = 256
     # GPU: move the bf16 partitions and gradient buffers to host memory while vLLM generates, so that
-    # its KV cache (sized at engine build) can be mapped again beside what stays; None: on with a GPU.
+    # its KV cache (sized at engine build) can be mapped again beside what stays; None: on with a GPU and
+    # rollout.backend vllm (the hf backend generates with those partitions, so it keeps them).
     # (DeepSpeed 0.19 moves the fp32 master and Adam moments only for its own FusedAdam; with our
     # torch AdamW they stay on the GPU.)
     offload_during_rollout: bool | None = None

@@ -19,6 +19,19 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(cfg.dist_timeout_minutes > 0, "dist_timeout_minutes", f"must be > 0, got {cfg.dist_timeout_minutes}")
     need(cfg.keep_checkpoints is None or cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 or null")
     r, t, s = cfg.rollout, cfg.train, cfg.selection
+    need(r.backend in ("vllm", "hf"), "rollout.backend", f"must be vllm or hf, got {r.backend!r}")
+    need(r.hf_max_batch >= 1, "rollout.hf_max_batch", f"must be >= 1, got {r.hf_max_batch}")
+    need(
+        not (r.backend == "hf" and cfg.train.offload_during_rollout),
+        "train.offload_during_rollout",
+        "the hf backend generates with the policy's own partitions, so they cannot move to host memory; "
+        "leave it unset (null) or false",
+    )
+    need(
+        not (r.backend == "hf" and r.tensor_parallel_size != 1),
+        "rollout.tensor_parallel_size",
+        "the hf backend generates on each rank alone (ZeRO-3 gathers the whole model there); set it to 1",
+    )
     need(r.n >= 2, "rollout.n", f"GRPO needs at least 2 rollouts per question, got {r.n}")
     need(r.temperature > 0, "rollout.temperature", f"must be > 0 for sampling, got {r.temperature}")
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")

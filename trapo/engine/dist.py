@@ -9,6 +9,7 @@ the group (a unit test, a tool) acts as a world of one in `barrier`,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterable, Iterator
@@ -172,3 +173,28 @@ def gathered_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
                 # A copy: the gathered buffer is freed when the context exits,
                 # and vLLM may keep a tensor until its fused partner arrives.
                 yield name, p.data.detach().clone()
+
+
+@contextlib.contextmanager
+def gathered_for_generation(engine):
+    """Every parameter of a ZeRO-3 DeepSpeed `engine`'s module whole on every rank for a stretch of forwards
+    (generation), gathered once on entry and partitioned again on exit. Collective; nothing below ZeRO-3.
+
+    ZeRO-3's module hooks would release each layer after its forward and gather it again for the next
+    token, so they are taken off meanwhile and registered again after (DeepSpeed 0.19 does the same in
+    runtime/zero/stage3.py `unwrap_model_for_generation`; here the hooks come back also after an error).
+    """
+    import deepspeed
+
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None or not engine.zero_optimization_partition_weights():
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)

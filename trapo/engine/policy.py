@@ -167,8 +167,11 @@ class Policy:
         bias = top_p_bias_warning(self.rollout_is, cfg.rollout.top_p)
         if bias:
             console.warn_once("rollout_is_top_p", bias)
-        self.offload_states = _offloadable_states(on_gpu if t.offload_during_rollout is None else
-                                                  t.offload_during_rollout)  # fmt: skip
+        # The hf backend generates with the bf16 partitions themselves: they stay (validation refuses true).
+        offload = t.offload_during_rollout
+        if offload is None:
+            offload = on_gpu and cfg.rollout.backend == "vllm"
+        self.offload_states = _offloadable_states(offload)
         self.offloaded = False
         self._host: dict[int, torch.Tensor] = {}  # host copies of the fp32 master and Adam moments, by tensor
         self.moved = {"offload_s": 0.0, "reload_s": 0.0, "bytes": 0}  # the last offload's figures (metrics.jsonl)

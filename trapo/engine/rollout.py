@@ -1,28 +1,22 @@
-"""The colocated vLLM engine: one `vllm.LLM` in the trainer process per rank.
+"""What both rollout backends share: the `Rollout` record, per-request seeds, one decode per round, and the
+choice of backend (`rollout.backend`).
 
-Rollouts go in as token ids (no re-tokenisation) and come out as token ids
-and text. After each update the trainer streams the policy's weights into the
-engine with `push_weights`: vLLM's in-place `reload_weights` consumes an
-iterator, so a generator that gathers one ZeRO-3 module at a time keeps peak
-extra memory at one layer. On GPU the engine sleeps while the policy trains.
+- vllm: a colocated `vllm.LLM` per rank (trapo/engine/vllm_rollout.py); weights pushed after each update.
+- hf:   the policy's own transformers model generates (trapo/engine/hf_rollout.py); nothing to push.
+
+Both take prompts as token ids and return token ids; the text grading reads is decoded here, once for all
+of a `generate` call's responses (`decode_responses`), not token by token inside the engine.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import random
-import time
-from collections.abc import Iterable
+import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from trapo.config import Config
-from trapo.runtime import dtype_name
+from trapo.config import Config, ConfigError
 
-if TYPE_CHECKING:
-    import torch
+BACKENDS = ("vllm", "hf")
 
 
 @dataclass
@@ -43,289 +37,46 @@ def request_seed(*parts) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def unpushed(names: list[str], packed: dict[str, list[str]], pushed: set[str]) -> list[str]:
-    """The engine parameters none of whose checkpoint tensors were pushed (pure).
-
-    names: the engine's parameter names; packed: vLLM's packed_modules_mapping, e.g.
-    "model.layers.0.self_attn.qkv_proj.weight" is filled from the q_proj, k_proj and v_proj tensors.
-    """
-    missing = []
-    for name in names:
-        module, _, leaf = name.rpartition(".")
-        owner, _, short = module.rpartition(".")
-        parts = packed.get(short, [short])
-        needed = [".".join(p for p in (owner, part, leaf) if p) for part in parts]
-        if not all(n in pushed for n in needed):
-            missing.append(name)
-    return missing
+def decode_responses(tokenizer, responses: list[list[int]], stop_token_ids: list[int]) -> list[str]:
+    """The text of each response, decoded in one `batch_decode`: a final stop token is left out (the
+    Rollout's text excludes it) and special tokens are skipped, as vLLM's detokenizer does."""
+    stops = set(stop_token_ids)
+    bodies = [ids[:-1] if ids and ids[-1] in stops else ids for ids in responses]
+    return tokenizer.batch_decode(bodies, skip_special_tokens=True)
 
 
-class RolloutEngine:
-    """One colocated `vllm.LLM` per rank, or per group of `tensor_parallel_size` consecutive ranks.
+def require_backend(backend: str, key: str = "rollout.backend", fix: str = "rollout.backend=hf") -> None:
+    """Stop before any work when `backend` cannot run here; the message names the setting (`key`) and `fix`."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"{key}: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            f"{key}: vllm is not installed in this environment; install it (make setup) or set "
+            f"{fix} to generate with the policy's own transformers model"
+        )
 
-    The engine joins the trainer's process group through vLLM's `external_launcher`
-    backend: it reads RANK / LOCAL_RANK and sits on the rank's own device (the default
-    uni-process executor would put every rank's engine on cuda:0). With tensor
-    parallelism, the ranks of a group build one engine together and `generate` is
-    collective within the group: every member submits the group's requests in the
-    same order and keeps its own share of the outputs.
-    """
 
-    @classmethod
-    def for_run(
-        cls, cfg: Config, model_dir: str, *, rank: int, world: int, hf_overrides: dict, stop_token_ids: list[int]
-    ) -> RolloutEngine:
-        """This rank's engine for a training run: sized by `rollout.*`, one seed per engine (the ranks of a
-        tensor-parallel group share one), and sampled tokens' log-probs kept (logprob_diff_rollout_vs_policy)."""
-        r = cfg.rollout
-        return cls(
-            model_dir,
-            dtype=dtype_name(cfg.model.dtype),
-            max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
-            seed=cfg.seed + rank // r.tensor_parallel_size,
-            tensor_parallel_size=r.tensor_parallel_size,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            cpu_kv_cache_gb=r.cpu_kv_cache_gb,
-            enable_sleep_mode=r.enable_sleep_mode,
-            enable_prefix_caching=r.enable_prefix_caching,
-            hf_overrides=hf_overrides,
+def open_engine(cfg: Config, policy, *, model_dir: str, tokenizer, rank: int, world: int, stop_token_ids: list[int]):
+    """This rank's rollout engine for a training run, by `rollout.backend`."""
+    r = cfg.rollout
+    if r.backend == "hf":
+        from trapo.engine.hf_rollout import HfEngine
+
+        return HfEngine(
+            policy.model,
+            tokenizer,
             stop_token_ids=stop_token_ids,
-            sampled_logprobs=True,
-            # The most sequences an engine runs at once in training: its questions (a tensor-parallel
-            # group pools its ranks') x G. Validation queues beyond it.
-            max_num_seqs=cfg.train.rollout_batch_size // world * r.tensor_parallel_size * r.n,
+            max_batch=r.hf_max_batch,
+            zero3_engine=policy.engine,
         )
+    from trapo.engine.vllm_rollout import VllmEngine
 
-    def __init__(
-        self,
-        model_dir: str,
-        *,
-        dtype: str,
-        max_model_len: int,
-        seed: int,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.4,
-        cpu_kv_cache_gb: float = 0.25,
-        enable_sleep_mode: bool = True,
-        enable_prefix_caching: bool = True,
-        hf_overrides: dict | None = None,
-        stop_token_ids: list[int] | None = None,
-        sampled_logprobs: bool = False,
-        max_num_seqs: int | None = None,
-    ):
-        # The process environment (an in-process engine: VLLM_ENABLE_V1_MULTIPROCESSING=0) is set
-        # by the entry point, see trapo/runtime.py.
-        import numpy as np
-        import torch
-        import torch.distributed as torch_dist
-        from vllm import LLM
-
-        self.on_gpu = torch.cuda.is_available()
-        self.stop_token_ids = list(stop_token_ids or [])
-        self.sampled_logprobs = sampled_logprobs
-        kwargs = dict(
-            model=model_dir,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size,
-            # Log-probs of the distribution each token was drawn from (after temperature and top-p),
-            # comparable with the trainer's log-probs at the sampling temperature.
-            logprobs_mode="processed_logprobs",
-        )
-        self.group = None
-        if torch_dist.is_initialized():
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            from trapo.engine import dist
-
-            self.group = dist.tensor_parallel_group(tensor_parallel_size)
-        elif tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 needs a launcher (torch.distributed) with that many ranks")
-        if hf_overrides:
-            kwargs["hf_overrides"] = hf_overrides  # rope_parameters etc., as the policy uses
-        if max_num_seqs:
-            # The engine's batch is the config's (questions per engine x G), not vLLM's serving default of
-            # 1,024 sequences; CUDA graphs are captured up to that size, not to 512, so their pool is smaller.
-            kwargs["max_num_seqs"] = max_num_seqs
-            if self.on_gpu:
-                kwargs["compilation_config"] = {"max_cudagraph_capture_size": max_num_seqs}
-        if self.on_gpu:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
-        else:
-            # The CPU backend sizes its KV cache from this, not from a memory fraction;
-            # CUDA graphs / compilation do not apply.
-            kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * 2**30), enforce_eager=True)
-            # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill,
-            # which CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts.
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
-        # vLLM's workers reseed Python's, NumPy's, torch's and every CUDA generator while the engine is
-        # built (vllm/utils/torch_utils.py set_random_seed, called from v1/worker/cpu_worker.py and
-        # gpu_worker.py): keep all of the trainer's streams as they were.
-        python_state, numpy_state = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if self.on_gpu else []):
-            self.llm = LLM(**kwargs)
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-        self.weights_asleep = self.kv_asleep = False
-        self.sleep_enabled = self.on_gpu and enable_sleep_mode
-        self.check_placement()
-        # Every engine parameter and vLLM's fused modules (q/k/v -> qkv_proj, gate/up -> gate_up_proj),
-        # to check that a push reaches them all (the names are the same on every tensor-parallel rank).
-        (engine_params,) = {
-            json.dumps(names)  # hashable, so the set checks every tensor-parallel rank reports the same
-            for names in self.llm.apply_model(
-                lambda model: [[n for n, _ in model.named_parameters()], getattr(model, "packed_modules_mapping", {})]
-            )
-        }
-        self._engine_names, self._engine_packed = json.loads(engine_params)
-
-    # ------------------------------------------------------------------ what the engine runs
-
-    def device(self) -> str:
-        """The device the engine's weights sit on, e.g. "cuda:3" or "cpu"."""
-        (device,) = set(self.llm.apply_model(lambda model: str(next(model.parameters()).device)))
-        return device
-
-    def check_placement(self) -> None:
-        """The engine must sit on this rank's own device: cuda:LOCAL_RANK on GPU, the CPU otherwise."""
-        expected = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if self.on_gpu else "cpu"
-        found = self.device()
-        if found != expected:
-            raise RuntimeError(
-                f"vLLM engine of rank {os.environ.get('RANK', '0')} sits on {found}, expected {expected} "
-                "(LOCAL_RANK); check CUDA_VISIBLE_DEVICES and the launcher"
-            )
-
-    def effective_config(self) -> dict:
-        """What the engine's model uses: RoPE theta (read off its rotary embedding), positions, vocab, dtype."""
-
-        def rope_base(model) -> float:
-            rotary = next(m for m in model.modules() if hasattr(m, "cos_sin_cache") and hasattr(m, "base"))
-            return float(rotary.base)
-
-        (theta,) = set(self.llm.apply_model(rope_base))
-        mc = self.llm.llm_engine.model_config
-        return {
-            "rope_theta": theta,
-            "max_position_embeddings": mc.hf_text_config.max_position_embeddings,
-            "vocab_size": mc.get_vocab_size(),
-            "dtype": str(mc.dtype).removeprefix("torch."),
-        }
-
-    # ------------------------------------------------------------------ sampling
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float = 1.0,
-        max_tokens: int,
-        seeds: list[int] | None = None,
-    ) -> list[list[Rollout]]:
-        """n samples per prompt. With `seeds` (one per prompt) sampling depends
-        only on the seed and the weights, not on batch composition, so a resumed
-        run draws the same rollouts. Returns [len(prompts)][n].
-
-        Collective within a tensor-parallel group: the members' requests are
-        gathered (identical lists count once) and each member gets its own back.
-        """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        if self.weights_asleep:
-            raise RuntimeError("generate: the engine is asleep (its weights were released); push weights first")
-        if self.kv_asleep:  # woken only now: until here the trainer's states had the memory
-            self.llm.wake_up(tags=["kv_cache"])
-            self.kv_asleep = False
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
-        requests, mine = self._group_requests(prompts, seeds)
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=max_tokens,
-                seed=seed,
-                stop_token_ids=self.stop_token_ids,
-                logprobs=0 if self.sampled_logprobs else None,  # 0: the sampled token's own only
-            )
-            for _, seed in requests
-        ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p, _ in requests], params, use_tqdm=False
-        )  # one RequestOutput per request, in order
-        return [[self._rollout(c) for c in out.outputs] for out in outputs[mine]]
-
-    def _group_requests(self, prompts, seeds) -> tuple[list[tuple], slice]:
-        """(the requests every member of the group submits, this rank's slice of them)."""
-        own = list(zip(prompts, seeds if seeds is not None else [None] * len(prompts)))
-        if self.group is None or self.group.size == 1:
-            return own, slice(None)
-        from trapo.engine import dist
-
-        members = dist.all_gather(own, group=self.group.handle)
-        if all(m == own for m in members):  # the same requests on every member (e.g. greedy evaluation)
-            return own, slice(None)
-        start = sum(len(m) for m in members[: self.group.rank])
-        return [r for m in members for r in m], slice(start, start + len(own))
-
-    def _rollout(self, completion) -> Rollout:
-        logprobs = None
-        if self.sampled_logprobs and completion.logprobs is not None:
-            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-        return Rollout(list(completion.token_ids), completion.text, completion.finish_reason == "length", logprobs)
-
-    # ------------------------------------------------------------------ weights and memory
-
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, float]:
-        """Load Hugging Face-named tensors into the engine in place; wakes a sleeping engine's weights.
-
-        Returns (bytes pushed, seconds). The iterator may gather lazily; vLLM
-        fuses q/k/v and gate/up itself (`is_checkpoint_format=True`). Every
-        parameter must come: after a level-2 sleep the engine holds no weights,
-        and vLLM only logs a parameter that received nothing
-        (model_executor/model_loader/reload/inplace.py, "were not loaded"), so
-        a missing one is an error here. The KV cache stays asleep until the
-        next `generate`: the trainer's states are back on the device meanwhile.
-        """
-        pushed, names = [0], set()
-
-        def counted():
-            for name, tensor in named_tensors:
-                pushed[0] += tensor.numel() * tensor.element_size()
-                names.add(name)
-                yield name, tensor
-
-        start = time.perf_counter()
-        if self.weights_asleep:
-            self.llm.wake_up(tags=["weights"])
-            self.weights_asleep = False
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=counted(), is_checkpoint_format=True))
-        missing = unpushed(self._engine_names, self._engine_packed, names)
-        if missing:
-            raise RuntimeError(
-                f"weight push: {len(missing)} engine parameter(s) received no tensor, e.g. {missing[0]}; the engine "
-                "would sample from stale or released weights (the policy's parameter names do not match the engine's)"
-            )
-        # Cached prefixes were computed with the old weights.
-        self.llm.reset_prefix_cache()
-        return pushed[0], time.perf_counter() - start
-
-    def sleep(self) -> None:
-        """GPU: release the weights and the KV cache while the policy trains (level 2).
-
-        Level 1 would copy every weight to host memory and back only for the push
-        to overwrite them; level 2 drops them (vLLM keeps the model's buffers, such
-        as the rotary tables) and the next `push_weights` refills them. The KV
-        cache comes back at the next `generate`, at the size vLLM gave it when the
-        engine was built (v1/worker/gpu_worker.py sizes it once; `wake_up` maps
-        the same pool again, device_allocator/cumem.py): sleeping frees memory for
-        the update, it never makes the cache larger.
-        """
-        if self.sleep_enabled and not (self.weights_asleep and self.kv_asleep):
-            self.llm.sleep(level=2)
-            self.weights_asleep = self.kv_asleep = True
+    return VllmEngine.for_run(
+        cfg,
+        model_dir,
+        tokenizer=tokenizer,
+        rank=rank,
+        world=world,
+        hf_overrides=policy.overrides,
+        stop_token_ids=stop_token_ids,
+    )

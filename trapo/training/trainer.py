@@ -1,7 +1,7 @@
-"""The TraPO / GRPO training loop: DeepSpeed ZeRO-3 policy, colocated vLLM rollouts, pass-rate gate.
+"""The TraPO / GRPO training loop: DeepSpeed ZeRO-3 policy, colocated rollouts, pass-rate gate.
 
 One step, on every rank (each rank takes every world_size-th question of the batch):
-    1. rollouts   G samples per question from the rank's own vLLM engine
+    1. rollouts   G samples per question from the rank's own engine (rollout.backend: vLLM, or the policy)
     2. grading    Math-Verify vs gold (labeled), majority vote (unlabeled)
     3. pass rates gathered from all ranks into the replicated PassRateTracker;
                   the gate M comes from the selection made at the last epoch end;
@@ -9,11 +9,11 @@ One step, on every rank (each rank takes every world_size-th question of the bat
                   step and 1-3 repeat on the epoch's next batches (trapo/training/sampling.py)
     4. update     Dr.GRPO advantages, L = J_labeled + M * J_unlabeled, token-budget
                   micro-batches, one DeepSpeed optimizer step per update batch
-    5. push       the new weights, gathered block by block, into vLLM
+    5. push       the new weights, gathered block by block, into vLLM (the hf backend is the policy: no push)
     6. log        statistics summed over ranks; at an epoch's end the tracker appends
                   the epoch's pass rates to every trajectory and selects the reliable
                   unlabeled questions for the next epoch
-The components do the work: `Policy` (trapo/engine/policy.py), `RolloutEngine`
+The components do the work: `Policy` (trapo/engine/policy.py), the rollout engine
 (trapo/engine/rollout.py), `grade` (trapo/training/grading.py), `PassRateTracker`
 (trapo/algorithm/passrate.py), `trapo.training.metrics` and `trapo.engine.checkpoint`.
 """
@@ -38,7 +38,7 @@ from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
-from trapo.engine.rollout import Rollout, RolloutEngine, request_seed
+from trapo.engine.rollout import Rollout, open_engine, request_seed, require_backend
 from trapo.training import metrics, rollout_dump, sampling
 from trapo.training.evaluation import pooled_scores
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
@@ -51,6 +51,7 @@ from trapo.training.update import update_policy
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        require_backend(cfg.rollout.backend)  # vLLM missing: one line before any work
         self.rank, self.world, self.local_rank = dist.init_distributed(cfg.dist_timeout_minutes)
         self.is_main = self.rank == 0
         self.run_dir = cfg.run_dir
@@ -69,14 +70,14 @@ class Trainer:
         self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         generation = getattr(self.policy.model, "generation_config", None)
-        self.rollout = RolloutEngine.for_run(
-            cfg, self.model_dir, rank=self.rank, world=self.world, hf_overrides=self.policy.overrides,
+        self.rollout = open_engine(
+            cfg, self.policy, model_dir=self.model_dir, tokenizer=self.tokenizer, rank=self.rank, world=self.world,
             stop_token_ids=stop_token_ids(self.tokenizer, generation and generation.eos_token_id),
         )  # fmt: skip
-        r = cfg.rollout
-        console.say(same_model(self.policy.effective_config(), self.rollout.effective_config()))
-        engines = ", ".join(f"rank {i} {d}" for i, d in enumerate(dist.all_gather(self.rollout.device())))
-        console.say(f"vLLM engines (tensor parallel {r.tensor_parallel_size}): {engines}")
+        if self.rollout.name == "vllm":  # a separate model: it must run what the policy runs
+            console.say(same_model(self.policy.effective_config(), self.rollout.effective_config()))
+        devices = dist.all_gather(self.rollout.device())
+        console.say(self.rollout.describe(devices, cfg.rollout.tensor_parallel_size))
         self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
         selection = cfg.selection
         if selection.random_seed is None:  # the random-selection control follows the run's seed
@@ -224,14 +225,14 @@ class Trainer:
 
     @contextlib.contextmanager
     def _engine_turn(self):
-        """GPU: the device's memory is vLLM's for a while. The trainer's movable states go to host memory
-        first, so that the KV cache, woken by `generate`, fits beside what stays; then vLLM sleeps (its
-        weights and KV cache released) before they come back."""
+        """Generation's turn. vLLM on GPU: the trainer's movable states go to host memory first, so that the
+        KV cache, woken by `generate`, fits beside what stays; vLLM sleeps (weights and KV cache released)
+        before they come back. hf: the policy's ZeRO-3 parameters are gathered once for the whole turn."""
         self.policy.offload()
         try:
-            yield
+            with self.rollout.turn():
+                yield
         finally:
-            self.rollout.sleep()
             self.policy.reload()
 
     def _end_epoch(self) -> dict:

@@ -1,0 +1,254 @@
+"""The hf rollout backend (`rollout.backend: hf`): the policy's own transformers model generates.
+
+No second copy of the weights and nothing to push after an update: the engine is the policy. It needs no
+vLLM, so it runs where vLLM does not build (a new CUDA, a new GPU generation, ROCm) or is not installed.
+
+- ZeRO-3: the parameters are gathered once per turn (`dist.gathered_for_generation`: a round's rollouts, an
+  evaluation), not once per forward, and partitioned again after it.
+- Batched: up to `max_batch` sequences at once (the G samples of several questions), left-padded, with a
+  KV cache; longest prompts first, so a batch's prompts are of similar length. Finished sequences leave the
+  batch (and the cache) once a quarter of it has finished, so the long tail runs on a small batch.
+- Sampling as vLLM does it: temperature, then top-p, and the sampled token's log-prob under that processed
+  distribution (`processed_logprobs`), which the trainer compares with its own (logprob_diff_rollout_vs_policy).
+- Seeded per request: the sampling noise of token t of sample j of a request is a hash of (the request's seed,
+  j, t, the token id), so a sample depends on its seed and the weights only, never on the other requests
+  in the batch: a resumed run and a repeated evaluation draw the same responses (`sample_tokens`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from trapo.engine import dist
+from trapo.engine.rollout import Rollout, decode_responses, request_seed
+
+MASK32 = 0xFFFFFFFF
+_COMPACT_SHARE = 0.25  # finished share of a batch at which it is compacted
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' "lowbias32") of an int64 tensor holding values in [0, 2^32).
+
+    Multiplications are split into 16-bit halves of the constant, so no intermediate passes 2^63
+    (no reliance on signed overflow wrapping)."""
+
+    def mul(v: torch.Tensor, c: int) -> torch.Tensor:
+        return ((((v * (c >> 16)) & 0xFFFF) << 16) + v * (c & 0xFFFF)) & MASK32
+
+    x = x ^ (x >> 16)
+    x = mul(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[b, vocab] uniforms in (0, 1), a pure function of (keys [b], step, token id): 24 bits, so every value
+    is exact in fp32 and never 0 or 1."""
+    row = mix32((keys + step * 0x9E3779B1) & MASK32)  # [b]
+    column = mix32(torch.arange(vocab, device=keys.device, dtype=torch.int64) ^ 0x85EBCA6B)  # [V]
+    h = mix32(row[:, None] ^ column[None, :])  # [b, V]
+    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits [b, V] with every token outside the nucleus set to -inf: the most likely tokens whose mass
+    reaches top_p (the token that crosses it included; at least one token)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)  # mass of the tokens above
+    drop_sorted = mass_before >= top_p
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_tokens(
+    logits: torch.Tensor, *, temperature: float, top_p: float, keys: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under the distribution it was drawn from.
+
+    logits [b, V] (fp32); keys [b] int64 in [0, 2^32): each row's sample key; step: the token's index in
+    its response. temperature 0: greedy, with the log-prob of the unscaled distribution. Otherwise
+    p = softmax(top_p_filter(logits / T)) and the token is argmax(log p + Gumbel noise), the Gumbel-max
+    draw from p, with the noise from `uniform_noise` (no generator state). Returns (tokens [b], logprobs [b]).
+    """
+    if temperature == 0:
+        logp = logits.log_softmax(-1)
+        tokens = logp.argmax(-1)
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    logp = top_p_filter(logits / temperature, top_p).log_softmax(-1)
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, step, logits.shape[-1])))
+    tokens = (logp + gumbel).argmax(-1)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+class HfEngine:
+    """Generation with a transformers causal LM: the policy's module under DeepSpeed in training (pass its
+    DeepSpeed engine as `zero3_engine`), or a plain model in `trapo eval`."""
+
+    name = "hf"
+    weights_asleep = False  # nothing is ever released: the weights are the policy's
+
+    def __init__(self, model, tokenizer, *, stop_token_ids: list[int], max_batch: int = 256, zero3_engine=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_batch = max_batch
+        self.zero3_engine = zero3_engine
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.stop_token_ids or [0])[0]
+        self._turns = 0  # open turns (a turn inside a turn gathers nothing more)
+        self._calls = 0  # generate calls without seeds: their requests are keyed by this count
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, tokenizer, *, dtype: str, stop_token_ids: list[int], max_batch: int = 256):
+        """A plain model (no DeepSpeed) on this process's GPU, or the CPU: what `trapo eval --backend hf` runs."""
+        from transformers import AutoModelForCausalLM
+
+        from trapo.runtime import torch_dtype
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).to(device)
+        return cls(model.eval(), tokenizer, stop_token_ids=stop_token_ids, max_batch=max_batch)
+
+    # ------------------------------------------------------------------ what the engine runs
+
+    def device(self) -> str:
+        return str(next(self.model.parameters()).device)
+
+    def describe(self, devices: list[str], tensor_parallel_size: int) -> str:
+        del tensor_parallel_size  # each rank generates alone
+        return "hf rollouts: each rank generates with its own policy model (no engine copy, no weight push): " + (
+            ", ".join(f"rank {i} {d}" for i, d in enumerate(devices))
+        )
+
+    def push_weights(self, named_tensors) -> tuple[int, float]:
+        """Nothing to push: the engine is the policy. The iterator is not consumed (no gathering happens)."""
+        del named_tensors
+        return 0, 0.0
+
+    def sleep(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def turn(self):
+        """A stretch of generation: the ZeRO-3 parameters whole on every rank (collective), the model in eval
+        mode (no dropout, no gradient checkpointing) with transformers' sdpa attention, which reads the
+        left-padding mask (packed training rows use trapo/engine/packing.py's kernel); restored after."""
+        if self._turns:
+            yield self
+            return
+        model = self.model
+        was_training, attention = model.training, model.config._attn_implementation
+        gather = dist.gathered_for_generation(self.zero3_engine) if self.zero3_engine else contextlib.nullcontext()
+        with gather:
+            model.eval()
+            if attention != "sdpa":
+                model.set_attn_implementation("sdpa")
+            self._turns += 1
+            try:
+                yield self
+            finally:
+                self._turns -= 1
+                if attention != "sdpa":
+                    model.set_attn_implementation(attention)
+                model.train(was_training)
+
+    # ------------------------------------------------------------------ sampling
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float = 1.0,
+        max_tokens: int,
+        seeds: list[int] | None = None,
+    ) -> list[list[Rollout]]:
+        """n samples per prompt, [len(prompts)][n]. Sample j of a prompt with seed s is drawn with the key
+        request_seed(s, j): the same on every rank, in every batch. Without seeds, the keys follow this
+        engine's count of unseeded calls (reproducible from a fresh engine, as vLLM's engine seed is)."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        if seeds is None:
+            seeds = [request_seed("unseeded", self._calls, i) for i in range(len(prompts))]
+            self._calls += 1
+        requests = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        keys = [request_seed(seeds[i], j) for i, j in requests]
+        order = sorted(range(len(requests)), key=lambda k: (-len(prompts[requests[k][0]]), k))
+        sampled: list = [None] * len(requests)
+        with self.turn():
+            for start in range(0, len(order), self.max_batch):
+                chunk = order[start : start + self.max_batch]
+                outs = self._generate_batch(
+                    [prompts[requests[k][0]] for k in chunk], [keys[k] for k in chunk],
+                    temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                )  # fmt: skip
+                for k, out in zip(chunk, outs):
+                    sampled[k] = out
+        texts = decode_responses(self.tokenizer, [ids for ids, _, _ in sampled], self.stop_token_ids)
+        rollouts = [Rollout(ids, text, cut, lps) for (ids, lps, cut), text in zip(sampled, texts)]
+        return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(
+        self, prompts: list[list[int]], keys: list[int], *, temperature: float, top_p: float, max_tokens: int
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """(token ids, log-probs, truncated) per prompt: one left-padded batch with a KV cache."""
+        from transformers import DynamicCache
+
+        device = torch.device(self.device())
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt's own positions from 0, as in training
+        stops = torch.tensor(self.stop_token_ids or [-1], device=device)
+        keys_t = torch.tensor(keys, dtype=torch.int64, device=device)
+        tokens = torch.full((b, max_tokens), -1, dtype=torch.long, device=device)  # -1 after a row's end
+        logprobs = torch.zeros((b, max_tokens), dtype=torch.float32, device=device)
+        rows = torch.arange(b, device=device)  # the batch row each live row stands for
+        done = torch.zeros(b, dtype=torch.bool, device=device)  # finished, still in the batch until compaction
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        position = positions[:, -1] + 1
+        for t in range(max_tokens):
+            token, lp = sample_tokens(
+                out.logits[:, -1].float(), temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t
+            )
+            live = ~done
+            tokens[rows[live], t] = token[live]
+            logprobs[rows[live], t] = lp[live]
+            done = done | torch.isin(token, stops)
+            if t + 1 == max_tokens:
+                break
+            finished = int(done.sum())  # the step's one host synchronisation (model.generate has one too)
+            if finished == len(rows):
+                break
+            if finished >= _COMPACT_SHARE * len(rows):  # drop finished rows from the batch and the cache
+                keep = (~done).nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                rows, done, mask, token, position = rows[keep], done[keep], mask[keep], token[keep], position[keep]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+            out = self.model(
+                input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
+                past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            position = position + 1
+        results = []
+        stop_set = set(self.stop_token_ids)
+        for row_tokens, row_lps in zip(tokens.tolist(), logprobs.tolist()):
+            length = row_tokens.index(-1) if -1 in row_tokens else max_tokens
+            kept = row_tokens[:length]
+            results.append((kept, row_lps[:length], length == max_tokens and kept[-1] not in stop_set))
+        return results
