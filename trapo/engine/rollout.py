@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 from trapo.config import Config, ConfigError
@@ -45,11 +46,21 @@ def decode_responses(tokenizer, responses: list[list[int]], stop_token_ids: list
     return tokenizer.batch_decode(bodies, skip_special_tokens=True)
 
 
+def installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it (vLLM's import takes seconds)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None  # None: import blocked (as the tests block vLLM)
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def require_backend(backend: str, key: str = "rollout.backend", fix: str = "rollout.backend=hf") -> None:
     """Stop before any work when `backend` cannot run here; the message names the setting (`key`) and `fix`."""
     if backend not in BACKENDS:
         raise ConfigError(f"{key}: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    if backend == "vllm" and not installed("vllm"):
         raise ConfigError(
             f"{key}: vllm is not installed in this environment; install it (make setup) or set "
             f"{fix} to generate with the policy's own transformers model"

@@ -1,0 +1,123 @@
+"""The hf rollout backend alone: its sampling math, and generation with a real (random) toy-shaped Qwen2 on CPU,
+compared with transformers' own `generate` and a plain forward."""
+
+import math
+
+import pytest
+import torch
+
+from trapo.commands.toy import _model, _tokenizer
+from trapo.engine.hf_rollout import HfEngine, mix32, sample_tokens, top_p_filter, uniform_noise
+from trapo.engine.rollout import decode_responses, request_seed
+
+
+def lowbias32(x: int) -> int:
+    """Wellons' lowbias32 in plain Python integers: the reference for the tensor version."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_mix32_equals_the_integer_hash_without_overflow():
+    values = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFF]
+    assert mix32(torch.tensor(values, dtype=torch.int64)).tolist() == [lowbias32(v) for v in values]
+
+
+def test_uniform_noise_is_a_function_of_key_step_and_token_only():
+    keys = torch.tensor([7, 8, 9], dtype=torch.int64)
+    u = uniform_noise(keys, 3, 50)
+    assert u.shape == (3, 50) and bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(uniform_noise(keys[1:2], 3, 50), u[1:2])  # another batch: the same row
+    assert not torch.equal(uniform_noise(keys, 4, 50), u)  # another step: other noise
+    assert abs(float(uniform_noise(torch.arange(200), 0, 500).mean()) - 0.5) < 0.01
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([[math.log(0.15), math.log(0.5), math.log(0.05), math.log(0.3)]])
+    kept = lambda p: torch.isfinite(top_p_filter(logits, p))[0].tolist()  # noqa: E731
+    assert kept(0.5) == [False, True, False, False]
+    assert kept(0.7) == [False, True, False, True]  # 0.5 < 0.7: the 0.3 token crosses it and stays
+    assert kept(0.85) == [True, True, False, True]
+    assert kept(1.0) == [True, True, True, True]
+    assert kept(0.01) == [False, True, False, False]  # at least one token
+
+
+def test_sampling_draws_from_the_processed_distribution_and_reports_its_logprob():
+    probs = torch.tensor([0.1, 0.6, 0.05, 0.25])
+    rows = 40000
+    logits = probs.log().repeat(rows, 1) * 2.0  # temperature 2 undoes the scale
+    tokens, lps = sample_tokens(logits, temperature=2.0, top_p=1.0, keys=torch.arange(rows), step=0)
+    freq = torch.bincount(tokens, minlength=4).double() / rows
+    assert torch.allclose(freq, probs.double(), atol=0.01), freq
+    assert torch.allclose(lps, probs.log()[tokens], atol=1e-5)
+    # top-p 0.8: only {0.6, 0.25} remain, renormalised; vLLM's processed log-probs are of that distribution
+    tokens, lps = sample_tokens(logits, temperature=2.0, top_p=0.8, keys=torch.arange(rows), step=0)
+    assert set(tokens.tolist()) == {1, 3}
+    assert abs(float((tokens == 1).double().mean()) - 0.6 / 0.85) < 0.01
+    assert torch.allclose(lps[tokens == 1], torch.tensor(math.log(0.6 / 0.85)), atol=1e-5)
+    # greedy: the argmax, and the log-prob of the unscaled distribution
+    tokens, lps = sample_tokens(logits[:2], temperature=0.0, top_p=1.0, keys=torch.arange(2), step=0)
+    assert tokens.tolist() == [1, 1] and torch.allclose(lps, logits[0].log_softmax(-1)[1].repeat(2))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    corpus = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
+    tokenizer = _tokenizer(corpus)
+    model = _model(tokenizer, seed=3).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "17+25=", "3+4=5 and 12+9=", "8")]
+    return model, tokenizer, prompts
+
+
+def test_greedy_equals_transformers_generate_with_left_padding(tiny):
+    model, tokenizer, prompts = tiny
+    stop = tokenizer.eos_token_id
+    engine = HfEngine(model, tokenizer, stop_token_ids=[stop], max_batch=8)
+    ours = engine.generate(prompts, n=1, temperature=0.0, max_tokens=10)
+    for prompt, (r,) in zip(prompts, ours):
+        ref = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=10, eos_token_id=stop, pad_token_id=stop,
+        )[0, len(prompt):].tolist()  # fmt: skip
+        ref = ref[: ref.index(stop) + 1] if stop in ref else ref
+        assert r.token_ids == ref
+        assert r.truncated == (len(ref) == 10 and ref[-1] != stop)
+        assert r.text == decode_responses(tokenizer, [ref], [stop])[0]
+
+
+def test_sampled_logprobs_equal_a_plain_forward_and_samples_do_not_depend_on_the_batch(tiny):
+    model, tokenizer, prompts = tiny
+    vocab = model.config.vocab_size
+    stops = list(range(0, vocab, 3))  # many stop tokens: rows end at different steps (the batch compacts)
+    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64)
+    seeds = [request_seed(0, 5, i) for i in range(len(prompts))]
+    batch = engine.generate(prompts, n=6, temperature=0.9, max_tokens=12, seeds=seeds)
+    lengths = {len(r.token_ids) for g in batch for r in g}
+    assert len(lengths) > 2, lengths  # finished rows left the batch while others went on
+    for i, prompt in enumerate(prompts):
+        alone = engine.generate([prompt], n=6, temperature=0.9, max_tokens=12, seeds=[seeds[i]])[0]
+        assert [r.token_ids for r in alone] == [r.token_ids for r in batch[i]]
+        for r in batch[i]:
+            ids = torch.tensor([prompt + r.token_ids])
+            with torch.no_grad():
+                logp = (model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.9).log_softmax(-1)
+            expected = logp.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(r.logprobs), expected, atol=1e-5)
+            assert r.token_ids[-1] in stops or (r.truncated and len(r.token_ids) == 12)
+            assert all(t not in stops for t in r.token_ids[:-1])
+    other = engine.generate(prompts, n=6, temperature=0.9, max_tokens=12, seeds=[s + 1 for s in seeds])
+    assert [r.token_ids for g in other for r in g] != [r.token_ids for g in batch for r in g]
+
+
+def test_the_model_is_left_as_it_was(tiny):
+    model, tokenizer, prompts = tiny
+    model.train()
+    model.set_attn_implementation("eager")
+    HfEngine(model, tokenizer, stop_token_ids=[tokenizer.eos_token_id]).generate(
+        prompts[:1], n=2, temperature=1.0, max_tokens=3
+    )
+    assert model.training and model.config._attn_implementation == "eager"
+    model.eval()
+    model.set_attn_implementation("sdpa")

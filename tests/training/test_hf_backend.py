@@ -1,0 +1,49 @@
+"""rollout.backend=hf end to end on the toy, in processes where vLLM cannot be imported (tests/scripts/without_vllm.py):
+it trains, its rollouts agree with the policy, a kill-free stop at step 6 and a resume equal 12 straight steps;
+and backend vllm there stops with one line naming the key."""
+
+import os
+import sys
+
+import pytest
+from toyrun import ROOT, metrics, overrides, run
+
+WITHOUT_VLLM = os.path.join(ROOT, "tests", "scripts", "without_vllm.py")
+HF = {"rollout.backend": "hf", "mode": "trapo", "save_steps": 6}
+SAME = ("loss", "pg_loss", "reward_labeled", "pass_rate_labeled", "pass_rate_unlabeled", "response_tokens", "selection")
+
+
+def without_vllm(args):
+    out = run([sys.executable, WITHOUT_VLLM, *args])
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+@pytest.mark.toy_run
+def test_hf_backend_trains_without_vllm_and_resumes_exactly(toy_dir, tmp_path):
+    without_vllm(overrides(toy_dir, tmp_path, run_name="straight", max_steps=12, **HF))
+    straight = metrics(tmp_path / "straight")
+    assert [r["step"] for r in straight] == list(range(1, 13))
+    assert all(r["logprob_diff_rollout_vs_policy"] < 1e-4 for r in straight), [
+        r["logprob_diff_rollout_vs_policy"] for r in straight
+    ]
+    assert all(r["pushed_gb"] == 0 for r in straight)  # the engine is the policy: nothing to push
+    assert any(r.get("selection", {}).get("tcs_selected") is not None for r in straight)  # past the warm-up
+
+    without_vllm(overrides(toy_dir, tmp_path, run_name="resumed", max_steps=6, **HF))
+    out = without_vllm(overrides(toy_dir, tmp_path, run_name="resumed", max_steps=12, resume_from="latest", **HF))
+    assert "step-6 at step 6" in out.stderr
+    resumed = metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    for a, b in zip(straight, resumed):  # CPU fp32: the same rollouts, rewards, pass rates and losses
+        for key in SAME:
+            assert a.get(key) == b.get(key), (a["step"], key)
+
+
+@pytest.mark.toy_run
+def test_backend_vllm_without_vllm_is_one_line_naming_the_fix(toy_dir, tmp_path):
+    out = run([sys.executable, WITHOUT_VLLM, *overrides(toy_dir, tmp_path, run_name="novllm", max_steps=1)])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(lines) == 1 and "rollout.backend" in lines[0] and "rollout.backend=hf" in lines[0], out.stderr
+    assert not (tmp_path / "novllm").exists()  # stopped before any work
