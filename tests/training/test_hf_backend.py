@@ -2,6 +2,7 @@
 it trains, its rollouts agree with the policy, a kill-free stop at step 6 and a resume equal 12 straight steps;
 and backend vllm there stops with one line naming the key."""
 
+import json
 import os
 import sys
 
@@ -47,3 +48,19 @@ def test_backend_vllm_without_vllm_is_one_line_naming_the_fix(toy_dir, tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert len(lines) == 1 and "rollout.backend" in lines[0] and "rollout.backend=hf" in lines[0], out.stderr
     assert not (tmp_path / "novllm").exists()  # stopped before any work
+
+
+@pytest.mark.toy_run
+def test_eval_backend_hf_greedy_writes_what_vllm_writes(toy_dir, tmp_path):
+    """Greedy decoding in fp32: both backends take the same argmax at every step, so they write the same texts."""
+    model = os.path.join(toy_dir, "seed-0", "model")
+    test = os.path.join(toy_dir, "seed-0", "test.jsonl")
+    common = ["-m", "trapo", "eval", "--model", model, "--benchmarks", test, "--n", "1", "--temperature", "0",
+              "--template", "plain", "--max-tokens", "12", "--max-prompt-tokens", "16"]  # fmt: skip
+    texts = {}
+    for backend in ("hf", "vllm"):
+        out = run([sys.executable, *common, "--backend", backend, "--out", str(tmp_path / backend)])
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = (tmp_path / backend / "samples.jsonl").read_text().splitlines()
+        texts[backend] = [json.loads(r)["responses"][0]["text"] for r in rows]
+    assert len(texts["hf"]) == 16 and texts["hf"] == texts["vllm"]
