@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy lint bench clean-venv
+.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy lint bench clean-venv gpu-kit gpu-check
 
 setup: $(STAMP)
 
@@ -112,6 +112,22 @@ bench: $(STAMP)
 	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_step.py
 	$(PY) bench/bench_update.py
+
+# A lent GPU machine (Python 3.12, torch, transformers; no DeepSpeed, Math-Verify or vLLM, no index):
+# `make gpu-kit` here downloads what it lacks into .gpukit/ (git-ignored, about 21 MiB); there,
+# `make gpu-check [PART=1|2|3]` installs it offline and checks the trainer on the GPU, writing
+# docs/gpu/<date>-<gpu>.md. GPU_CHECK_DRY_RUN=1 runs the same script on CPU with the toy (CI does).
+gpu-kit: $(STAMP)
+	$(PY) -m trapo gpu-kit
+
+PART ?=
+ifeq ($(GPU_CHECK_DRY_RUN),1)
+gpu-check: $(STAMP)
+	$(PY) -m trapo gpu-check --dry-run $(if $(PART),--part $(PART))
+else
+gpu-check:
+	python3 -m trapo gpu-check $(if $(PART),--part $(PART))
+endif
 
 clean-venv:
 	rm -rf $(VENV)

@@ -20,6 +20,8 @@ COMMANDS = {
     "report": ("trapo.commands.report", "plots and report.md of a run directory"),
     "reproduce": ("trapo.commands.reproduce", "the paper's claims on the toy task (make reproduce-toy)"),
     "readme": ("trapo.commands.readme", "rewrite the generated blocks of README.md and docs/ from outputs"),
+    "gpu-kit": ("trapo.commands.gpu_kit", "wheels a lent GPU machine lacks, for an offline install (make gpu-kit)"),
+    "gpu-check": ("trapo.commands.gpu_check", "what works on this GPU, in parts of < 9 minutes (make gpu-check)"),
 }
 
 

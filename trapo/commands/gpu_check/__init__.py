@@ -1,0 +1,288 @@
+"""`make gpu-check`: what works on a GPU machine, in minutes, with one line per check and a report.
+
+    make gpu-kit                      # where the package index is reachable: the wheels, into .gpukit/
+    make gpu-check [PART=1|2|3]       # on the GPU machine (offline), one part per 10-minute call
+    GPU_CHECK_DRY_RUN=1 make gpu-check  # the same script on CPU, toy and tiny shapes (CI runs it)
+
+First the environment (nvidia-smi, nvcc, torch, CUDA and package versions), printed before anything can
+fail; then the kit, installed offline (`pip --no-index --target .gpucheck/site`) as a layer over the
+machine's own Python, so its torch is the one used (a venv made from that Python, itself a venv, would
+see the base interpreter's packages, not its torch). Each check runs in its own process with a time
+limit, so one failure does not stop the others. Parts (at most ~9 minutes each on one H100):
+
+1. the doctor (rollout.backend=hf) and `pytest -m gpu`;
+2. bench/bench_update_gpu.py at the 1.5B shape: tokens/s, MFU, peak memory against the plan, the
+   attention kernel packed rows ran, packing against padding;
+3. a bf16 toy run with the hf backend through the `deepspeed` launcher, killed mid-run (SIGKILL) and
+   resumed, against an uninterrupted run; two training steps at the 1.5B shape with 512-token answers,
+   each phase's time and peak memory against the memory plan (shape_step.py).
+
+The report goes to docs/gpu/<date>-<gpu>[-part<n>].md (and to $OUT, where the device tool collects files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trapo import runtime
+
+ROOT = runtime.ROOT
+WORK = ROOT / ".gpucheck"
+KIT = ROOT / ".gpukit"
+SMALL_TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "train.rollout_batch_size=16",
+             "train.update_batch_size=16", "selection.warmup_epochs=1"]  # fmt: skip
+
+
+PROBE = """
+import importlib.metadata as m
+import torch
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPUs", torch.cuda.device_count())
+def version(*names):
+    for name in names:
+        try:
+            return m.version(name)
+        except m.PackageNotFoundError:
+            pass
+    return "missing"
+print(", ".join(f"{p} {version(p, p + '-cpu')}" for p in
+      ("transformers", "deepspeed", "math-verify", "tokenizers", "accelerate", "vllm")))
+"""
+
+
+class Check:
+    """One line per check, kept for the report."""
+
+    def __init__(self):
+        self.rows: list[tuple[str, bool, str]] = []
+        self.logs: dict[str, str] = {}
+
+    def add(self, name: str, ok: bool, figure: str, log: str = "") -> None:
+        self.rows.append((name, ok, figure))
+        if log:
+            self.logs[name] = log
+        print(f"[{'PASS' if ok else 'FAIL'}] {name}: {figure}", flush=True)
+
+
+def shell(cmd: list[str] | str, env: dict, timeout: float, **kw) -> tuple[int, str]:
+    """(exit status, stdout + stderr); 124 when it ran past `timeout` seconds (its process group killed)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, shell=isinstance(cmd, str), **kw)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, out + f"\n(killed after {timeout:.0f} s)"
+
+
+def tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+# ----------------------------------------------------------------------------- environment and kit
+
+
+def environment(dry_run: bool, env: dict) -> list[str]:
+    """What the machine is, printed first: a failed call still says where it ran."""
+    lines = []
+    for title, cmd in (("nvidia-smi", "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
+                       ("nvcc", "nvcc --version | tail -2"), ("python", f"{sys.executable} --version")):  # fmt: skip
+        code, out = shell(cmd, env, 60)
+        found = out.strip().replace("\n", "; ")
+        lines.append(f"{title}: {found if code == 0 and found else 'not available'}")
+    code, out = shell([sys.executable, "-c", PROBE], env, 120)
+    lines += out.strip().splitlines()[-2:] if code == 0 else [f"package probe failed: {tail(out, 3)}"]
+    for line in lines:
+        print(f"  {line}", flush=True)
+    return lines
+
+
+def install_kit(check: Check, env: dict, dry_run: bool) -> None:
+    from trapo.commands.gpu_kit import KitError, verify
+
+    try:
+        wheels = verify(KIT)
+    except (KitError, OSError) as err:
+        if dry_run:
+            check.add("kit", True, f"not checked (dry run; {str(err)[:80]})")
+            return
+        check.add("kit", False, f"{err}; run `make gpu-kit` where the package index is reachable")
+        return
+    size = sum(w["bytes"] for w in wheels) / 2**20
+    if dry_run:  # the kit's wheels are for Python 3.12; the dry run uses this checkout's .venv
+        check.add("kit", True, f"{len(wheels)} wheels, {size:.1f} MiB, checksums verified (dry run: not installed)")
+        return
+    site = WORK / "site"
+    shutil.rmtree(site, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--target", str(site), *map(str, sorted(KIT.glob("*.whl")))]  # fmt: skip
+    code, out = shell(cmd, env, 300)
+    probe = "import deepspeed, math_verify, transformers; print(deepspeed.__version__, transformers.__version__)"
+    if code == 0:
+        code, out = shell([sys.executable, "-c", probe], env, 300)
+    check.add("kit", code == 0, f"{len(wheels)} wheels ({size:.1f} MiB) installed offline: deepspeed, "
+              f"transformers {out.split()[-2:] if code == 0 else ''}", tail(out))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def doctor(check: Check, env: dict, dry_run: bool) -> None:
+    code, out = shell([sys.executable, "-m", "trapo", "doctor", "rollout.backend=hf"], env, 420)
+    summary = next((line for line in out.splitlines() if line.startswith("trapo doctor:")), "no summary")
+    failed = [line.strip() for line in out.splitlines() if "FAIL" in line][:3]
+    check.add("doctor (rollout.backend=hf)", code == 0, summary + ("; " + " | ".join(failed) if failed else ""),
+              tail(out, 40))  # fmt: skip
+
+
+def pytest_gpu(check: Check, env: dict, dry_run: bool) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/training/test_gpu.py"]
+    code, out = shell(cmd, env, 480)
+    summary = next((line for line in reversed(out.splitlines()) if re.search(r"passed|failed|skipped|error", line)),
+                   "no summary")  # fmt: skip
+    ok = code == 0 or (dry_run and code == 5)  # 5: nothing collected/ran (every GPU test skips on CPU)
+    check.add("pytest -m gpu", ok, summary.strip("= "), tail(out, 60))
+
+
+def bench_update(check: Check, env: dict, dry_run: bool) -> None:
+    cmd = [sys.executable, "bench/bench_update_gpu.py", *(["--cpu-smoke"] if dry_run else [])]
+    code, out = shell(cmd, env, 480)
+    lines = [line for line in out.splitlines() if line and not line.startswith("[")]
+    check.add("bench_update_gpu (1.5B shape)" if not dry_run else "bench_update_gpu (tiny shape)", code == 0,
+              " | ".join(lines[-6:]) if code == 0 else "failed", tail(out, 40))  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], env: dict) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
+            str(free_port()), "trapo_train.py", *args]  # fmt: skip
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
+    """Straight 8 steps; a run killed with SIGKILL after step 5 (checkpoint at 4), resumed to 8; compared."""
+    out_dir = WORK / "toy-runs"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    dtype = "float32" if dry_run else "bfloat16"
+    common = [f"output_dir={out_dir}", "rollout.backend=hf", f"model.dtype={dtype}", "max_steps=8", "save_steps=2",
+              "progress_bar=false", "toy.dir=" + str(WORK / "toy-assets"), *(SMALL_TOY if dry_run else [])]  # fmt: skip
+    log = []
+    code, out = shell(_launch([*common, "run_name=straight"], env), env, 300)
+    log.append(tail(out, 15))
+    if code != 0:
+        check.add("toy kill and resume (hf, bf16, launcher)", False, f"the straight run failed ({code})", out)
+        return
+    proc = subprocess.Popen(_launch([*common, "run_name=killed"], env), cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and len(_metrics(out_dir / "killed")) < 5 and proc.poll() is None:
+        time.sleep(0.2)
+    killed_at = len(_metrics(out_dir / "killed"))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    code, out = shell(_launch([*common, "run_name=killed", "resume_from=latest"], env), env, 300)
+    log.append(tail(out, 15))
+    straight, resumed = _metrics(out_dir / "straight"), _metrics(out_dir / "killed")
+    steps_ok = [r["step"] for r in resumed] == list(range(1, 9))
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(straight, resumed)]
+    rewards = all(a["reward_labeled"] == b["reward_labeled"] for a, b in zip(straight, resumed))
+    health = max((r["logprob_diff_rollout_vs_policy"] or 0.0) for r in straight + resumed) if resumed else float("inf")
+    ok = code == 0 and steps_ok and max(diffs, default=1.0) < 1e-3 and health < 5e-2 and 0 < killed_at < 8
+    check.add(f"toy kill and resume (hf, {dtype}, launcher)", ok,
+              f"killed after step {killed_at}, resumed to {len(resumed)}: max |loss diff| vs straight "
+              f"{max(diffs, default=float('nan')):.2e}, labeled rewards equal: {rewards}, "
+              f"max logprob_diff_rollout_vs_policy {health:.2e}", "\n".join(log))  # fmt: skip
+
+
+def shape_step(check: Check, env: dict, dry_run: bool) -> None:
+    cmd = [sys.executable, "-m", "trapo.commands.gpu_check.shape_step", "--work", str(WORK / "shape"),
+           *(["--dry-run"] if dry_run else [])]  # fmt: skip
+    code, out = shell(cmd, env, 480)
+    result = next((json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{")), None)
+    if code != 0 or result is None:
+        check.add("1.5B-shape training step", False, f"failed ({code})", tail(out, 40))
+        return
+    timing, peak, plan = result["timing_s"], result.get("peak_gib") or {}, result.get("plan_gib") or {}
+    phases = ", ".join(f"{k} {timing[k]:.2f} s" + (f" peak {peak[k]:.1f} GiB" if k in peak else "")
+                       for k in ("rollout", "grading", "update", "weight_push", "step") if k in timing)  # fmt: skip
+    against = f"; plan: rollout {plan.get('rollout')} GiB, update {plan.get('update')} GiB" if plan else ""
+    name = "1.5B-shape training step" if not dry_run else "shape step (tiny shape, dry run)"
+    check.add(name, True, f"{result['params'] / 1e9:.2f}B params, mean answer {result['mean_response_tokens']:.0f} "
+              f"tokens: {phases}{against}", json.dumps(result))  # fmt: skip
+
+
+PARTS = {1: [doctor, pytest_gpu], 2: [bench_update], 3: [kill_resume, shape_step]}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(check: Check, env_lines: list[str], part: int | None, dry_run: bool, seconds: float) -> Path:
+    gpu = next((line for line in env_lines if line.startswith("nvidia-smi:")), "")
+    name = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", gpu.split(":", 1)[-1].split(",")[0].lower())
+    name = name.strip("-") or "unknown-gpu"
+    stem = f"{datetime.date.today().isoformat()}-{name}" + (f"-part{part}" if part else "")
+    lines = [f"# GPU check {stem}", "", f"`make gpu-check{f' PART={part}' if part else ''}`"
+             f"{' (GPU_CHECK_DRY_RUN=1: CPU, toy and tiny shapes; not GPU figures)' if dry_run else ''}, "
+             f"{seconds / 60:.1f} min. Written by trapo/commands/gpu_check.", "", "## Environment", "", "```",
+             *env_lines, "```", "", "## Checks", "", "| check | result | figures |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {n} | {'pass' if ok else 'FAIL'} | {fig.replace('|', '/')} |" for n, ok, fig in check.rows]
+    for n, log in check.logs.items():
+        lines += ["", f"### {n}", "", "```", log, "```"]
+    folder = WORK / "reports" if dry_run else ROOT / "docs" / "gpu"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}.md"
+    path.write_text("\n".join(lines) + "\n")
+    if os.environ.get("OUT"):  # the device tool brings back what is under $OUT
+        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trapo gpu-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", type=int, choices=sorted(PARTS), help="one part (default: all)")
+    parser.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
+                        help="on CPU with the toy and tiny shapes (also GPU_CHECK_DRY_RUN=1)")  # fmt: skip
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    WORK.mkdir(exist_ok=True)
+    site = WORK / "site"
+    path = [str(site)] if not args.dry_run else []
+    env = runtime.subprocess_env(PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([*path, env["PYTHONPATH"]])
+    print(f"gpu-check{' (dry run on CPU)' if args.dry_run else ''}: environment", flush=True)
+    env_lines = environment(args.dry_run, env)
+    check = Check()
+    install_kit(check, env, args.dry_run)
+    for part in [args.part] if args.part else sorted(PARTS):
+        for fn in PARTS[part]:
+            try:
+                fn(check, env, args.dry_run)
+            except Exception as err:  # noqa: BLE001 - a check's own failure is its finding; the others run
+                check.add(fn.__name__, False, f"{type(err).__name__}: {err}")
+    path = report(check, env_lines, args.part, args.dry_run, time.perf_counter() - started)
+    failed = sum(not ok for _, ok, _ in check.rows)
+    print(f"gpu-check: {len(check.rows) - failed} passed, {failed} failed; report {path.relative_to(ROOT)}")
+    return 1 if failed else 0

@@ -1,0 +1,100 @@
+"""Training steps at a real model's shape with random weights (no hub), each phase's time and peak memory beside
+the memory plan's: one check of `make gpu-check`, run in a process of its own.
+
+    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run]
+
+The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (--dry-run: the toy's shape), the questions and
+tokenizer the toy's; rollout.backend=hf with 512-token answers (random weights rarely stop early), 64
+questions x 8, bf16, ZeRO-3, gradient checkpointing. Two steps: the second has Adam moments, as the
+plan's rollout and update phases assume. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=16384,
+                       tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
+
+
+def build_model(work: Path, dry_run: bool) -> tuple[Path, Path]:
+    """(model dir with the toy's tokenizer, the toy's training file)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from trapo.commands.toy import MODEL_SHAPE, build_assets
+    from trapo.config import ToyConfig
+
+    toy = build_assets(ToyConfig(dir=str(work / "toy"), sft_steps=50))
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    shape = dict(vocab_size=320, **MODEL_SHAPE) if dry_run else R1_DISTILL_1P5B
+    model_dir = work / "model"
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir, toy / "train.jsonl"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trapo import runtime
+
+    runtime.configure()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    import torch
+
+    from trapo.config import load_config
+    from trapo.engine.memory_plan import memory_plan, model_arch
+    from trapo.training.trainer import Trainer
+
+    started = time.perf_counter()
+    model_dir, train_file = build_model(work, args.dry_run)
+    build_s = time.perf_counter() - started
+    answer = 32 if args.dry_run else 512
+    overrides = [
+        "toy.enabled=false", f"model.path={model_dir}", f"data.train_files=[{train_file}]", "data.test_files=[]",
+        f"model.dtype={'float32' if args.dry_run else 'bfloat16'}",  # bf16 on GPU; CPU trains in fp32
+        "model.gradient_checkpointing=true", "rollout.backend=hf", "rollout.n=8",
+        f"rollout.max_tokens={answer}", "train.rollout_batch_size=64", "train.update_batch_size=64",
+        "train.micro_batch_tokens=16384", "max_steps=2", "save_steps=0", f"output_dir={work / 'runs'}",
+        "run_name=shape-step", "progress_bar=false", "eval.steps=0", "selection.warmup_epochs=1",
+    ]  # fmt: skip
+    cfg = load_config(str(runtime.ROOT / "configs" / "toy.yaml"), overrides)
+    trainer = Trainer(cfg)
+    try:
+        logs = [trainer.train_step() for _ in range(2)]
+    finally:
+        trainer.close()
+    last = logs[-1]
+    result = {
+        "model_build_s": round(build_s, 1),
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in trainer.policy.model.parameters()),
+        "mean_response_tokens": last["response_tokens"] / (64 * 8) if "response_tokens" in last else None,
+        "timing_s": last["timing"],
+        "peak_gib": last.get("peak_gb"),
+        "logprob_diff_rollout_vs_policy": last["logprob_diff_rollout_vs_policy"],
+    }
+    if torch.cuda.is_available():
+        ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+        total = torch.cuda.get_device_properties(0).total_memory
+        plan = memory_plan(cfg, 1, total, model_arch(str(model_dir)), ds_config)
+        result["plan_gib"] = {phase: round(plan.peak(phase) / 2**30, 2) for phase in plan.phases}
+        result["plan_fits"] = plan.fits
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    from trapo import console
+
+    console.exit_now(main())
