@@ -31,11 +31,9 @@ runtime.configure()  # before torch is imported
 
 import torch  # noqa: E402
 
+from trapo.commands.gpu_check.shape_step import R1_DISTILL_1P5B  # noqa: E402
 from trapo.commands.toy import MODEL_SHAPE  # noqa: E402
 
-R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=16384,
-                       tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
 TINY = dict(vocab_size=320, **MODEL_SHAPE)  # the toy's shape
 
 
@@ -123,6 +121,60 @@ def main() -> None:
         print(f"{name:22s} {tps:10.0f} {mfu:6.1%} {peak:9.2f} {sec:9.3f}")
     print(f"peak memory ours/full logits: {rows[0][3] / rows[1][3]:.2f}; time ours/full logits: "
           f"{rows[0][4] / rows[1][4]:.2f}")  # fmt: skip
+    policy._token_stats = ours
+    plan_line(cfg, model_dir, rows[0][3], gpu)
+    packing_vs_padding(policy, cfg, shape, args, gpu)
+
+
+def plan_line(cfg, model_dir: str, measured_gib: float, gpu: bool) -> None:
+    """The memory plan's update phase for this shape and micro-batch, beside the measured peak."""
+    import json
+    from pathlib import Path
+
+    from trapo.engine.memory_plan import memory_plan, model_arch
+
+    if not gpu:
+        print("memory plan: (GPU only)")
+        return
+    ds_config = json.loads(Path(ROOT, cfg.train.deepspeed_config).read_text())
+    plan = memory_plan(cfg, 1, torch.cuda.get_device_properties(0).total_memory, model_arch(model_dir), ds_config)
+    planned = plan.peak("update") / 2**30
+    print(f"memory plan, update phase: {planned:.2f} GiB planned, {measured_gib:.2f} GiB measured "
+          f"(measured/planned {measured_gib / planned:.2f})")  # fmt: skip
+
+
+def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
+    """Sequences of mixed lengths (a quarter to all of --length), packed rows vs right-padded micro-batches:
+    the same update, tokens/s of each and which attention kernel the packed rows ran."""
+    import dataclasses
+
+    from trapo.engine import packing
+    from trapo.engine.batch import TrainSequence
+
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.length // 4, args.length + 1, (args.seqs,), generator=g).tolist()
+    seqs = [TrainSequence(torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist(), n // 4,
+                          advantage=1.0 if i % 2 else -1.0, weight=1.0, labeled=True)
+            for i, n in enumerate(lengths)]  # fmt: skip
+    batch = {"sequences": len(seqs), "tokens": sum(n - n // 4 for n in lengths)}
+    speed = {}
+    for packed in (True, False):
+        policy.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed))
+        times = []
+        for _ in range(args.steps + 1):
+            if gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            policy.update(seqs, 0, batch)
+            if gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        speed[packed] = sum(lengths) / statistics.median(times[1:])
+    policy.cfg = cfg
+    why = f" ({packing.KERNEL['why']})" if packing.KERNEL["why"] else ""
+    print(f"packed rows ran: {packing.KERNEL['name']}{why}")
+    print(f"mixed lengths {min(lengths)}-{max(lengths)}: packed {speed[True]:.0f} tokens/s, padded "
+          f"{speed[False]:.0f} tokens/s, packed/padded {speed[True] / speed[False]:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

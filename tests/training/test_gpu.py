@@ -1,7 +1,9 @@
-"""The trainer on CUDA: bf16, vLLM sleep mode, offload, the health metric after every wake, resume.
+"""The trainer on CUDA: bf16, vLLM sleep mode, offload, the health metric after every wake, resume; the hf
+backend; the packed rows' varlen attention kernel.
 
 Skipped without a CUDA GPU (CI has none). On a GPU node: `pytest -m gpu tests/training/test_gpu.py`
-(two-rank and tensor-parallel cases need two GPUs). Tolerances are bf16's, not bit equality:
+(two-rank and tensor-parallel cases need two GPUs; the vLLM cases need vLLM, the others do not: `make
+gpu-check` runs them on a machine without it). Tolerances are bf16's, not bit equality:
 vLLM's and the trainer's kernels differ on GPU, and the rollouts are not bit-reproducible there.
 """
 
@@ -12,6 +14,8 @@ import pytest
 import torch
 from toyrun import metrics, overrides, run, train
 
+from trapo.engine.rollout import installed
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU node: pytest -m gpu)"),
@@ -20,8 +24,52 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GPU_RUN = {"model.dtype": "bfloat16", "rollout.enable_sleep_mode": "true", "train.offload_during_rollout": "true",
            "rollout.gpu_memory_utilization": 0.3}  # fmt: skip
 BF16_HEALTH = 5e-2  # engine vs policy log-prob difference per token; stale weights after a wake jump far above
+needs_vllm = pytest.mark.skipif(not installed("vllm"), reason="needs vLLM (the hf backend cases run without it)")
+HF_RUN = {"model.dtype": "bfloat16", "rollout.backend": "hf"}
 
 
+def test_hf_backend_bf16_health_and_resume(toy_dir, tmp_path):
+    """The policy generates (ZeRO-3 gathered once per round): its log-probs agree with the update's forward,
+    and a resume from step 2 follows the straight run (bf16: the same kernels, close, not bit-equal)."""
+    common = dict(mode="trapo", max_steps=4, save_steps=2, **HF_RUN)
+    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
+    straight = metrics(tmp_path / "straight")
+    for r in straight:
+        assert r["logprob_diff_rollout_vs_policy"] < BF16_HEALTH, r
+        assert r["pushed_gb"] == 0 and r["peak_gb"]["rollout"] > 0
+    train(overrides(toy_dir, tmp_path, run_name="resumed", **{**common, "max_steps": 2}))
+    train(overrides(toy_dir, tmp_path, run_name="resumed", resume_from="latest", **common))
+    resumed = metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.1, abs=1e-3), (a["step"], a["loss"], b["loss"])
+
+
+def test_packed_rows_run_the_varlen_kernel_and_match_per_sequence_attention():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trapo.engine import packing
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    model.set_attn_implementation(packing.register_attention())
+    lengths = [37, 120, 5, 64]
+    ids = torch.randint(0, 512, (1, sum(lengths)), device="cuda")
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, packed_bounds=bounds).logits
+        assert packing.KERNEL["name"].startswith("torch varlen_attn"), packing.KERNEL
+        for a, b in zip(bounds, bounds[1:]):  # each sequence alone: what the pack must equal
+            alone = model(input_ids=ids[:, a:b], position_ids=positions[:, a:b]).logits
+            assert (packed[:, a:b].float() - alone.float()).abs().max() < 0.1
+
+
+@needs_vllm
 def test_bf16_sleep_offload_health_after_every_wake_and_resume(toy_dir, tmp_path):
     common = dict(mode="trapo", max_steps=4, save_steps=2, **GPU_RUN)
     train(overrides(toy_dir, tmp_path, run_name="straight", **common))
@@ -37,6 +85,7 @@ def test_bf16_sleep_offload_health_after_every_wake_and_resume(toy_dir, tmp_path
         assert a["loss"] == pytest.approx(b["loss"], rel=0.1, abs=1e-3), (a["step"], a["loss"], b["loss"])
 
 
+@needs_vllm
 @pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 def test_two_ranks_and_tensor_parallel_rollouts_on_gpu(toy_dir, tmp_path):
     for tp in (1, 2):
@@ -47,7 +96,8 @@ def test_two_ranks_and_tensor_parallel_rollouts_on_gpu(toy_dir, tmp_path):
 
 
 def test_doctor_passes_on_this_gpu():
-    out = run([sys.executable, "-m", "trapo", "doctor"])
+    backend = [] if installed("vllm") else ["rollout.backend=hf"]
+    out = run([sys.executable, "-m", "trapo", "doctor", *backend])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "bus" in out.stdout and "peak" in out.stdout
 
