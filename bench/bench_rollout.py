@@ -1,10 +1,16 @@
-"""Rollout throughput: our engine wrapper vs calling vllm.LLM.generate directly.
+"""Rollout throughput of our two backends, each against the plain call it wraps, on the toy model.
 
-Same engine, model (the toy), prompts, sampling settings and seeds; the two are
-timed alternately over several rounds and the medians compared.
-Target: wrapper throughput >= 95% of raw vLLM.
+    python bench/bench_rollout.py                 # vLLM: our VllmEngine vs vllm.LLM.generate (target >= 0.95)
+    python bench/bench_rollout.py --backend hf    # hf: our HfEngine vs transformers' model.generate (>= 0.95),
+                                                  # and, with vLLM installed, against our vLLM backend
+
+Same model (the toy), prompts (128 questions), n = 8 samples each, 12 new tokens at most, temperature 1;
+the paths are timed alternately over several rounds and the medians compared. The vLLM run also prints
+what vLLM's own detokenizer costs (detokenize=True, the default) against our detokenize=False and one
+batch_decode per call.
 """
 
+import argparse
 import os
 import statistics
 import sys
@@ -18,44 +24,108 @@ runtime.configure()  # before torch and vLLM are imported
 
 from trapo.commands.toy import build_assets  # noqa: E402
 from trapo.config import ToyConfig  # noqa: E402
-from trapo.data import load_questions, tokenize_prompts  # noqa: E402
-from trapo.engine.rollout import RolloutEngine  # noqa: E402
+from trapo.data import load_questions, stop_token_ids, tokenize_prompts  # noqa: E402
 
 ROUNDS, N, MAX_TOKENS = 7, 8, 12
 
 
-def main() -> None:
-    from transformers import AutoTokenizer
+def timed(paths: dict, rounds: int = ROUNDS) -> dict[str, float]:
+    """Median tokens/s of each path (a function returning its token count), run alternately after a warm-up."""
+    for fn in paths.values():
+        fn()
+    speeds: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            tokens = fn()
+            speeds[name].append(tokens / (time.perf_counter() - start))
+    return {name: statistics.median(v) for name, v in speeds.items()}
+
+
+def report(title: str, speeds: dict[str, float], ours: str, reference: str, target: float | None) -> None:
+    print(title)
+    for name, tps in speeds.items():
+        print(f"  {name:<34}: {tps:8.0f} tokens/s (median)")
+    ratio = speeds[ours] / speeds[reference]
+    verdict = f"  (target >= {target}: {'met' if ratio >= target else 'MISSED'})" if target else ""
+    print(f"  ratio {ours} / {reference}: {ratio:.3f}{verdict}")
+
+
+def vllm_paths(model_dir, tokenizer, prompts, seeds) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    root = build_assets(ToyConfig(dir="outputs/toy-assets", sft_steps=600))
-    tok = AutoTokenizer.from_pretrained(root / "model")
-    prompts = tokenize_prompts(load_questions([str(root / "train.jsonl")]), "plain", tok, 16)[:128]
-    seeds = list(range(len(prompts)))
-    engine = RolloutEngine(str(root / "model"), dtype="float32", max_model_len=32, seed=0)
+    from trapo.engine.vllm_rollout import VllmEngine
+
+    engine = VllmEngine(str(model_dir), tokenizer=tokenizer, dtype="float32", max_model_len=32, seed=0)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def ours() -> int:
         out = engine.generate(prompts, n=N, temperature=1.0, max_tokens=MAX_TOKENS, seeds=seeds)
         return sum(len(r.token_ids) for g in out for r in g)
 
-    def raw() -> int:
-        params = [SamplingParams(n=N, temperature=1.0, max_tokens=MAX_TOKENS, seed=s) for s in seeds]
-        out = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return sum(len(c.token_ids) for o in out for c in o.outputs)
+    def raw(detokenize: bool):
+        def call() -> int:
+            params = [SamplingParams(n=N, temperature=1.0, max_tokens=MAX_TOKENS, seed=s, detokenize=detokenize)
+                      for s in seeds]  # fmt: skip
+            out = engine.llm.generate(requests, params, use_tqdm=False)
+            return sum(len(c.token_ids) for o in out for c in o.outputs)
 
-    ours(), raw()  # warm-up
-    t_ours, t_raw = [], []
-    for _ in range(ROUNDS):
-        for fn, times in ((raw, t_raw), (ours, t_ours)):
-            start = time.perf_counter()
-            tokens = fn()
-            times.append(tokens / (time.perf_counter() - start))
-    ratio = statistics.median(t_ours) / statistics.median(t_raw)
-    print(f"rollout: {len(prompts)} prompts x n={N}, {MAX_TOKENS} new tokens max, {ROUNDS} rounds")
-    print(f"  raw vllm.LLM.generate : {statistics.median(t_raw):8.0f} tokens/s (median)")
-    print(f"  trapo RolloutEngine   : {statistics.median(t_ours):8.0f} tokens/s (median)")
-    print(f"  ratio ours/raw        : {ratio:.3f}  (target >= 0.95: {'met' if ratio >= 0.95 else 'MISSED'})")
+        return call
+
+    return {"trapo VllmEngine": ours, "raw vllm.LLM.generate": raw(True), "raw, detokenize=False": raw(False)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trapo.engine.rollout import installed
+
+    root = build_assets(ToyConfig(dir="outputs/toy-assets", sft_steps=600))
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    prompts = tokenize_prompts(load_questions([str(root / "train.jsonl")]), "plain", tokenizer, 16)[:128]
+    seeds = list(range(len(prompts)))
+    setup = f"{len(prompts)} prompts x n={N}, {MAX_TOKENS} new tokens max, {ROUNDS} rounds, toy model, CPU fp32"
+    if args.backend == "vllm":
+        speeds = timed(vllm_paths(root / "model", tokenizer, prompts, seeds))
+        report(f"rollout, vLLM backend: {setup}", speeds, "trapo VllmEngine", "raw vllm.LLM.generate", 0.95)
+        cost = 1 - speeds["raw vllm.LLM.generate"] / speeds["raw, detokenize=False"]
+        print(f"  vLLM's detokenizer: {cost:.1%} of a raw generate's time (we decode once per call instead)")
+        return
+
+    from trapo.engine.hf_rollout import HfEngine
+
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32).eval()
+    stops = stop_token_ids(tokenizer, model.generation_config.eos_token_id)
+    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=len(prompts) * N)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def ours() -> int:
+        out = engine.generate(prompts, n=N, temperature=1.0, max_tokens=MAX_TOKENS, seeds=seeds)
+        return sum(len(r.token_ids) for g in out for r in g)
+
+    def plain() -> int:  # one left-padded batch, as ours runs it; tokens up to and including the stop
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                 num_return_sequences=N, max_new_tokens=MAX_TOKENS, eos_token_id=stops,
+                                 pad_token_id=tokenizer.pad_token_id)[:, width:]  # fmt: skip
+        stopped = torch.isin(out, torch.tensor(stops))
+        ends = torch.where(stopped.any(1), stopped.int().argmax(1) + 1, torch.full((len(out),), out.shape[1]))
+        return int(ends.sum())
+
+    paths = {"trapo HfEngine": ours, "transformers model.generate": plain}
+    if installed("vllm") and not torch.cuda.is_available():
+        paths.update({k: v for k, v in vllm_paths(root / "model", tokenizer, prompts, seeds).items() if "trapo" in k})
+    speeds = timed(paths)
+    report(f"rollout, hf backend: {setup}", speeds, "trapo HfEngine", "transformers model.generate", 0.95)
+    if "trapo VllmEngine" in speeds:
+        print(f"  hf backend / our vLLM backend: {speeds['trapo HfEngine'] / speeds['trapo VllmEngine']:.3f}")
 
 
 if __name__ == "__main__":
