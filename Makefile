@@ -109,9 +109,12 @@ bench: $(STAMP)
 	$(PY) bench/bench_grading.py
 	$(PY) bench/bench_vote.py
 	$(PY) bench/bench_loss_memory.py
-	$(PY) bench/bench_rollout.py
+	mkdir -p outputs/bench
+	$(PY) bench/bench_rollout.py | tee outputs/bench/rollout-vllm.txt
+	$(PY) bench/bench_rollout.py --backend hf | tee outputs/bench/rollout-hf.txt
 	$(PY) bench/bench_step.py
 	$(PY) bench/bench_update.py
+	$(PY) -m trapo readme --bench outputs/bench
 
 # A lent GPU machine (Python 3.12, torch, transformers; no DeepSpeed, Math-Verify or vLLM, no index):
 # `make gpu-kit` here downloads what it lacks into .gpukit/ (git-ignored, about 21 MiB); there,

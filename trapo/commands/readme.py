@@ -5,6 +5,7 @@
     make readme-figures                             # both steps
     python -m trapo readme --reproduce docs/reproduce-toy   # after `make reproduce-toy` (it runs this)
     python -m trapo readme --plan                   # the memory plans of the paper's 7B config
+    python -m trapo readme --bench outputs/bench    # after `make bench` (it runs this)
     python -m trapo readme                          # which block lives in which file
 
 A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`
@@ -16,7 +17,9 @@ figure no code printed. Each block lives in one file (`BLOCKS`):
 - `reproduce-toy` in docs/reproduce-toy.md: the reproduction's results.md, its relative links
   rewritten to point from that file;
 - `memory-plan` in docs/memory-plan.md: what `python -m trapo doctor --plan` prints for
-  configs/trapo_1k_3k.yaml on 8 x 80 and 8 x 141 GiB, and every paper config's verdict.
+  configs/trapo_1k_3k.yaml on 8 x 80 and 8 x 141 GiB, and every paper config's verdict;
+- `bench-rollout` in docs/benchmarks.md: what bench/bench_rollout.py printed for both backends
+  (`make bench` saves it as outputs/bench/rollout-vllm.txt and rollout-hf.txt).
 
 `--file PATH` writes the blocks asked for into PATH instead (tests use it).
 """
@@ -42,7 +45,9 @@ BLOCKS = {
     "make-test": README,
     "reproduce-toy": DOCS / "reproduce-toy.md",
     "memory-plan": DOCS / "memory-plan.md",
+    "bench-rollout": DOCS / "benchmarks.md",
 }
+BENCH_ROLLOUT = ("rollout-vllm.txt", "rollout-hf.txt")  # bench_rollout.py's output, per backend
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -126,12 +131,22 @@ def verdicts_table(cards: tuple[int, ...]) -> str:
     return "Per-GPU peak GiB by phase for every paper config:\n\n" + "\n".join(rows)
 
 
+def bench_block(folder: Path) -> str:
+    """bench_rollout.py's result lines (its title and the indented figures; the libraries' log lines dropped)."""
+    lines = []
+    for name in BENCH_ROLLOUT:
+        text = (folder / name).read_text()
+        lines += [line for line in text.splitlines() if line.startswith(("rollout", "  "))]
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
     parser.add_argument("--test", type=Path, help="the JUnit XML of `make test` (outputs/make-test.xml)")
     parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
     parser.add_argument("--plan", action="store_true", help="the memory-plan block (trapo.commands.doctor --plan)")
+    parser.add_argument("--bench", type=Path, help="the folder `make bench` saved bench_rollout.py's output in")
     parser.add_argument(
         "--file", "--readme", dest="file", type=Path, help="write the blocks into this file instead of their own"
     )
@@ -143,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             ("make-test", args.test),
             ("reproduce-toy", args.reproduce),
             ("memory-plan", args.plan),
+            ("bench-rollout", args.bench),
         )
         if on
     ]
@@ -160,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                 body = test_block(args.test)
             elif name == "reproduce-toy":
                 body = reproduce_block(args.reproduce, target)
+            elif name == "bench-rollout":
+                body = bench_block(args.bench)
             else:
                 body = plan_block()
             text = texts[target] if target in texts else target.read_text()

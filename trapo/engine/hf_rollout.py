@@ -226,9 +226,8 @@ class HfEngine:
             token, lp = sample_tokens(
                 out.logits[:, -1].float(), temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t
             )
-            live = ~done
-            tokens[rows[live], t] = token[live]
-            logprobs[rows[live], t] = lp[live]
+            tokens[rows, t] = torch.where(done, -1, token)  # no boolean indexing: no host sync per step
+            logprobs[rows, t] = torch.where(done, 0.0, lp)
             done = done | torch.isin(token, stops)
             if t + 1 == max_tokens:
                 break
