@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trapo.commands.toy import _model, _tokenizer
-from trapo.engine.hf_rollout import HfEngine, mix32, sample_tokens, top_p_filter, uniform_noise
+from trapo.engine.hf_rollout import HfEngine, mix32, sample_tokens, top_p_filter, uniform_draws
 from trapo.engine.rollout import decode_responses, request_seed
 
 
@@ -25,13 +25,16 @@ def test_mix32_equals_the_integer_hash_without_overflow():
     assert mix32(torch.tensor(values, dtype=torch.int64)).tolist() == [lowbias32(v) for v in values]
 
 
-def test_uniform_noise_is_a_function_of_key_step_and_token_only():
+def test_uniform_draws_are_a_function_of_key_and_step_only():
     keys = torch.tensor([7, 8, 9], dtype=torch.int64)
-    u = uniform_noise(keys, 3, 50)
-    assert u.shape == (3, 50) and bool(((u > 0) & (u < 1)).all())
-    assert torch.equal(uniform_noise(keys[1:2], 3, 50), u[1:2])  # another batch: the same row
-    assert not torch.equal(uniform_noise(keys, 4, 50), u)  # another step: other noise
-    assert abs(float(uniform_noise(torch.arange(200), 0, 500).mean()) - 0.5) < 0.01
+    u = uniform_draws(keys, 3)
+    assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(uniform_draws(keys[1:2], 3), u[1:2])  # another batch: the same draw
+    assert not torch.equal(uniform_draws(keys, 4), u)  # another step: another draw
+    many = uniform_draws(torch.arange(100000), 0)
+    assert abs(float(many.mean()) - 0.5) < 0.005 and float(many.min()) < 1e-3 and float(many.max()) > 1 - 1e-3
+    counts = torch.bincount((many * 10).long(), minlength=10)  # deciles within 3% of 10,000 each
+    assert int(counts.min()) > 9700 and int(counts.max()) < 10300
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():

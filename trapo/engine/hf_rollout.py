@@ -10,8 +10,8 @@ vLLM, so it runs where vLLM does not build (a new CUDA, a new GPU generation, RO
   batch (and the cache) once a quarter of it has finished, so the long tail runs on a small batch.
 - Sampling as vLLM does it: temperature, then top-p, and the sampled token's log-prob under that processed
   distribution (`processed_logprobs`), which the trainer compares with its own (logprob_diff_rollout_vs_policy).
-- Seeded per request: the sampling noise of token t of sample j of a request is a hash of (the request's seed,
-  j, t, the token id), so a sample depends on its seed and the weights only, never on the other requests
+- Seeded per request: token t of sample j of a request is drawn with a uniform that is a hash of (the
+  request's seed, j, t), so a sample depends on its seed and the weights only, never on the other requests
   in the batch: a resumed run and a repeated evaluation draw the same responses (`sample_tokens`).
 """
 
@@ -44,13 +44,11 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """[b, vocab] uniforms in (0, 1), a pure function of (keys [b], step, token id): 24 bits, so every value
-    is exact in fp32 and never 0 or 1."""
-    row = mix32((keys + step * 0x9E3779B1) & MASK32)  # [b]
-    column = mix32(torch.arange(vocab, device=keys.device, dtype=torch.int64) ^ 0x85EBCA6B)  # [V]
-    h = mix32(row[:, None] ^ column[None, :])  # [b, V]
-    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+def uniform_draws(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """[b] uniforms in (0, 1) in float64, a pure function of (key, step): 48 bits from two hashes."""
+    first = mix32((keys + step * 0x9E3779B1) & MASK32)
+    second = mix32(first ^ 0x85EBCA6B)
+    return ((first >> 8).double() + ((second >> 8).double() + 0.5) / float(1 << 24)) / float(1 << 24)
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -73,16 +71,21 @@ def sample_tokens(
 
     logits [b, V] (fp32); keys [b] int64 in [0, 2^32): each row's sample key; step: the token's index in
     its response. temperature 0: greedy, with the log-prob of the unscaled distribution. Otherwise
-    p = softmax(top_p_filter(logits / T)) and the token is argmax(log p + Gumbel noise), the Gumbel-max
-    draw from p, with the noise from `uniform_noise` (no generator state). Returns (tokens [b], logprobs [b]).
+    p = softmax(top_p_filter(logits / T)) and the token is drawn by inverting p's cumulative sum at one
+    uniform from `uniform_draws` (no generator state; one draw per row, not one per vocabulary entry).
+    A token of probability 0 (outside the nucleus) is never drawn. Returns (tokens [b], logprobs [b]).
     """
     if temperature == 0:
         logp = logits.log_softmax(-1)
         tokens = logp.argmax(-1)
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     logp = top_p_filter(logits / temperature, top_p).log_softmax(-1)
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, step, logits.shape[-1])))
-    tokens = (logp + gumbel).argmax(-1)
+    cdf = logp.exp().cumsum(-1)  # [b, V]
+    target = (uniform_draws(keys, step) * cdf[:, -1].double()).to(cdf.dtype)  # [b], below the row's total
+    tokens = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]  # first token whose cdf passes it
+    # fp32 rounding can put the target at the total: take the last token that has probability instead.
+    last = logits.shape[-1] - 1 - torch.isfinite(logp).flip(-1).int().argmax(-1)
+    tokens = torch.minimum(tokens, last)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
