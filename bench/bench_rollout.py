@@ -25,7 +25,7 @@ from trapo.commands.toy import build_assets  # noqa: E402
 from trapo.config import ToyConfig  # noqa: E402
 from trapo.data import load_questions, stop_token_ids, tokenize_prompts  # noqa: E402
 
-ROUNDS, N, MAX_TOKENS = 9, 8, 12
+ROUNDS, N, MAX_TOKENS = 15, 8, 12
 
 
 def timed(paths: dict, rounds: int = ROUNDS) -> dict[str, float]:
@@ -101,7 +101,7 @@ def detokenizer_cost(model_dir, tokenizer, prompts) -> float:
 
         return run
 
-    speeds = timed({"detokenize=True": call(True), "detokenize=False + batch_decode": call(False)}, rounds=3)
+    speeds = timed({"detokenize=True": call(True), "detokenize=False + batch_decode": call(False)}, rounds=5)
     return 1 - speeds["detokenize=True"] / speeds["detokenize=False + batch_decode"]
 
 
