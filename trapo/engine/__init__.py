@@ -1,9 +1,12 @@
-"""What runs models on devices: the policy under DeepSpeed ZeRO-3, the colocated vLLM engine, and the state
+"""What runs models on devices: the policy under DeepSpeed ZeRO-3, the rollout engines, and the state
 they share with disk and with other ranks.
 
 - policy.py        the policy: built from a Hugging Face directory, forwarded in token-budget micro-batches,
                    updated, its full weights gathered block by block
-- rollout.py       one vLLM engine per rank (or tensor-parallel group): generate, push weights, sleep
+- rollout.py       what both rollout backends share: the Rollout record, per-request seeds, one decode per call
+- vllm_rollout.py  rollout.backend vllm: one vLLM engine per rank (or tensor-parallel group): generate, push, sleep
+- hf_rollout.py    rollout.backend hf: the policy's own model generates (ZeRO-3 gathered once per turn)
+- rollout_engine.py  the engine a run's config names
 - batch.py         graded rollouts -> training sequences, micro-batches, collation
 - packing.py       padding-free packing, token-balanced ranks, the update's efficiency
 - dist.py          the process group, small collectives, ZeRO-3 parameter gathering
