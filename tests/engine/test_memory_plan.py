@@ -169,3 +169,22 @@ def test_cli_exit_codes():
     ):
         run = doctor("--plan", *args, "--gpu-memory-gb", "80")
         assert run.returncode == 2 and run.stderr.startswith("trapo doctor: ") and run.stderr.count("\n") == 1, args
+
+
+def test_hf_backend_plan_by_hand():
+    """rollout.backend=hf on 8 x 80 GiB: no vLLM share; during rollouts every trainer state stays and the policy
+    generates: the whole model gathered (2 B x P), the KV cache of min(hf_max_batch, 64 / 8 x 8 = 64) sequences
+    of 1,024 + 8,192 tokens at 2 x 28 layers x 4 kv heads x 128 x 2 B = 57,344 B per token, the sampler's rows."""
+    plan = plan_for(8, 80, "rollout.backend=hf")
+    P = 7_615_616_512
+    assert not any(i.name.startswith("vLLM") for phase in plan.phases.values() for i in phase)
+    rollout = figures(plan, "rollout")
+    assert rollout["hf generation: the whole model gathered (2 B/param)"] == (2 * P, True)
+    assert plan.kv["bytes_per_token"] == 57_344 and plan.kv["sequences_held"] == 64
+    assert rollout["hf generation: KV cache (64 sequences x 9216 tokens)"] == (64 * 9216 * 57_344, True)
+    assert not any(name.endswith(": offloaded") for name in rollout)  # generation reads the bf16 partitions
+    assert plan.fits
+    # a batch too large for the card: the problem names the setting
+    big = plan_for(8, 80, "rollout.backend=hf", "rollout.hf_max_batch=512", "train.rollout_batch_size=512",
+                   "train.update_batch_size=512")  # fmt: skip
+    assert not big.fits and any("rollout.hf_max_batch" in p for p in big.problems), big.problems
