@@ -80,7 +80,8 @@ def main() -> None:
     dist.init_distributed()
     shape = TINY if args.cpu_smoke else R1_DISTILL_1P5B
     model_dir = tempfile.mkdtemp(prefix="bench-update-gpu-")
-    Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).save_pretrained(model_dir)
+    with torch.device("cuda" if gpu else "cpu"):  # random init on the GPU: seconds, not a minute of CPU
+        Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).save_pretrained(model_dir)
     overrides = ["model.dtype=bfloat16", "model.gradient_checkpointing=true", "loss.entropy_coef=0.01",
                  f"train.micro_batch_tokens={args.tokens}", f"rollout.max_tokens={args.length}"]  # fmt: skip
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)

@@ -73,8 +73,14 @@ class Check:
         print(f"[{'PASS' if ok else 'FAIL'}] {name}: {figure}", flush=True)
 
 
+PART_BUDGET = 510  # seconds a part may run: a device call lasts 10 minutes, the kit install included
+DEADLINE = [float("inf")]  # when the running part's budget ends (time.time())
+
+
 def shell(cmd: list[str] | str, env: dict, timeout: float, **kw) -> tuple[int, str]:
-    """(exit status, stdout + stderr); 124 when it ran past `timeout` seconds (its process group killed)."""
+    """(exit status, stdout + stderr); 124 when it ran past `timeout` seconds or the part's budget (its process
+    group killed)."""
+    timeout = max(1.0, min(timeout, DEADLINE[0] - time.time()))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, shell=isinstance(cmd, str), **kw)  # fmt: skip
     try:
@@ -147,7 +153,9 @@ def doctor(check: Check, env: dict, dry_run: bool) -> None:
 
 
 def pytest_gpu(check: Check, env: dict, dry_run: bool) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/training/test_gpu.py"]
+    # the doctor and the update benchmark are checks of their own here
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/training/test_gpu.py",
+           "-k", "not doctor_passes and not update_benchmark"]  # fmt: skip
     code, out = shell(cmd, env, 480)
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"passed|failed|skipped|error", line)),
                    "no summary")  # fmt: skip
@@ -197,7 +205,7 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
         return
     proc = subprocess.Popen(_launch([*common, "run_name=killed"], env), cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.time() + 240
+    deadline = min(time.time() + 240, DEADLINE[0] - 60)  # leave the resume a minute of the part's budget
     while time.time() < deadline and len(_metrics(out_dir / "killed")) < 5 and proc.poll() is None:
         time.sleep(0.2)
     killed_at = len(_metrics(out_dir / "killed"))
@@ -278,11 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     check = Check()
     install_kit(check, env, args.dry_run)
     for part in [args.part] if args.part else sorted(PARTS):
+        DEADLINE[0] = time.time() + PART_BUDGET - (time.perf_counter() - started if args.part else 0)
         for fn in PARTS[part]:
+            if DEADLINE[0] - time.time() < 30:
+                check.add(fn.__name__, False, f"not run: part {part}'s {PART_BUDGET} s budget is spent")
+                continue
             try:
                 fn(check, env, args.dry_run)
             except Exception as err:  # noqa: BLE001 - a check's own failure is its finding; the others run
                 check.add(fn.__name__, False, f"{type(err).__name__}: {err}")
+            # written after every check: a call cut short still brings back what ran
+            report(check, env_lines, args.part, args.dry_run, time.perf_counter() - started)
     path = report(check, env_lines, args.part, args.dry_run, time.perf_counter() - started)
     failed = sum(not ok for _, ok, _ in check.rows)
     print(f"gpu-check: {len(check.rows) - failed} passed, {failed} failed; report {path.relative_to(ROOT)}")
