@@ -176,8 +176,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trapo eval: {err}", file=sys.stderr)
         return 2
 
+    from trapo import console
+
+    # From here the libraries' output (vLLM and torch logs, warnings) goes to <out>/log.txt; ours to the terminal.
+    log = console.capture(out, 0, console.debug_requested("info"))
+    try:
+        return _run(args, model, out, samples, settings, benchmarks, n_for, done)
+    except Exception as err:  # noqa: BLE001 - one line here, the traceback in the log
+        import traceback
+
+        traceback.print_exc()  # into log.txt (the terminal when nothing was captured)
+        where = f"; traceback in {log}" if log else ""
+        print(f"trapo eval: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{where}",
+              file=console.terminal())  # fmt: skip
+        return 1
+
+
+def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks, n_for, done: dict) -> int:
+    """Load the model into the chosen engine, generate what is not done yet, grade, score, write the outputs."""
+    from tqdm import tqdm
     from transformers import AutoTokenizer, GenerationConfig
 
+    from trapo import console
     from trapo.runtime import dtype_name
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -205,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
-    with open(samples, "a") as f:
+    todo = sum(len(b.questions) for b in benchmarks) - reused
+    bar = tqdm(total=todo, desc="questions", file=console.terminal(), disable=todo == 0, dynamic_ncols=True)
+    with open(samples, "a") as f, bar:
 
         def persist(rec: dict) -> None:
             f.write(json.dumps(rec) + "\n")
             f.flush()
             generated[0] += 1
+            bar.update(1)
 
         try:
             results, grades = evaluate(
@@ -227,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 on_question=persist,
             )
         except DataError as err:
-            print(f"trapo eval: {err}", file=sys.stderr)
+            print(f"trapo eval: {err}", file=console.terminal())
             return 2
     if args.pass_k:
         for name, r in results.items():
@@ -237,10 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     table = markdown_table(results, model.parent.name if model.name == "hf" else model.name)
     (out / "results.md").write_text(table)
-    print(table)
+    print(table, file=console.terminal_out(), flush=True)
     print(
         f"generated {generated[0]} questions, reused {reused} finished ones from {samples}; outputs in {out}",
-        file=sys.stderr,
+        file=console.terminal(),
+        flush=True,
     )
     return 0
 
