@@ -40,7 +40,13 @@ def test_dry_run_prints_the_hostfile_and_the_resuming_launch(tmp_path):
     launch = lines[2].split()
     assert launch[:5] == ["deepspeed", "--hostfile", "outputs/hostfile-4242", "--master_addr", "node01"]
     assert launch[5] == "--master_port" and 1024 <= int(launch[6]) < 65536
-    assert launch[7:] == ["trapo_train.py", "--config", "configs/trapo_1k_3k.yaml", "resume_from=latest", "rollout.n=16"]
+    assert launch[7:] == [
+        "trapo_train.py",
+        "--config",
+        "configs/trapo_1k_3k.yaml",
+        "resume_from=latest",
+        "rollout.n=16",
+    ]
     # one node: local ranks, no hostfile (DeepSpeed would want ssh to it)
     env["FAKE_NODES"] = "node07"
     one = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True).stdout.splitlines()

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 from toyrun import ROOT, STRAIGHT, free_port, metrics, overrides, train
 
 from trapo import runtime
@@ -172,3 +173,25 @@ def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir
 
     train(overrides(toy_dir, tmp_path, run_name="two", max_steps=4, resume_from="latest"), nproc=2)
     assert [r["step"] for r in metrics(tmp_path / "two")] == [1, 2, 3, 4]
+
+
+def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(toy_dir, tmp_path, monkeypatch):
+    """2 steps, then resume_from=latest to 4: one wandb run id (offline: two folders of it), one MLflow run whose
+    history holds steps 1-4 once each; the ids in run_dir/trackers.json and in the checkpoint."""
+    args = dict(run_name="tracked", save_steps=2, **LOGGERS)
+    train(overrides(toy_dir, tmp_path, max_steps=2, **args))
+    train(overrides(toy_dir, tmp_path, max_steps=4, resume_from="latest", **args))
+    run = tmp_path / "tracked"
+    ids = json.loads((run / "trackers.json").read_text())
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and {f.name.rsplit("-", 1)[1] for f in folders} == {ids["wandb"]}
+    assert [sorted({s for s, _ in read_wandb_history(f)["loss"]}) for f in folders] == [[1, 2], [3, 4]]
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((run / "mlruns").as_uri())
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("trapo").experiment_id])
+    assert mlflow_run.info.run_id == ids["mlflow"] and mlflow_run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(ids["mlflow"], "loss")] == [1, 2, 3, 4]
+    state = torch.load(run / "checkpoints" / "step-4" / "trainer_state.pt", weights_only=True)
+    assert state["tracker_ids"] == ids

@@ -27,6 +27,7 @@ network, for tests and scripts.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import struct
@@ -106,12 +107,15 @@ class WandbLogger:
 
     name = "wandb"
 
-    def __init__(self, settings: WandbConfig, run_name: str, run_dir: Path, config: dict):
+    def __init__(self, settings: WandbConfig, run_name: str, run_dir: Path, config: dict, run_id: str | None = None):
+        """run_id: the id of the run to continue (a resumed training run); None starts a new one."""
         import wandb
 
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.run = wandb.init(
+                id=run_id,
+                resume="allow" if run_id else None,  # online: the same run, its history continued
                 project=settings.project,
                 name=settings.run_name or run_name,
                 mode=settings.mode,
@@ -128,17 +132,27 @@ class WandbLogger:
                 "or set logging.wandb.enabled=false"
             ) from err
 
+        # A resumed run's server-side history already holds the steps up to its last log; a step redone after
+        # the checkpoint (the same values: resume is exact) is not sent again (offline: nothing is known, 0).
+        self.next_step = int(self.run.step or 0)
+
+    @property
+    def id(self) -> str:
+        return self.run.id
+
     @property
     def dir(self) -> Path:
         """This run's folder (offline-run-... or run-...), holding its .wandb file."""
         return Path(self.run.dir).parent
 
     def log_step(self, step_log: Mapping) -> None:
-        self.run.log(step_scalars(step_log), step=int(step_log["step"]))
+        if int(step_log["step"]) >= self.next_step:
+            self.run.log(step_scalars(step_log), step=int(step_log["step"]))
 
     def log_selection(self, row: Mapping, step: int) -> None:
         # Same x as the step's own row (logged after it): wandb merges both into one history row.
-        self.run.log(epoch_scalars(row), step=int(step))
+        if step >= self.next_step:
+            self.run.log(epoch_scalars(row), step=int(step))
 
     def close(self) -> None:
         self.run.finish()
@@ -165,7 +179,8 @@ class MlflowLogger:
 
     name = "mlflow"
 
-    def __init__(self, settings: MlflowConfig, run_name: str, run_dir: Path, config: dict):
+    def __init__(self, settings: MlflowConfig, run_name: str, run_dir: Path, config: dict, run_id: str | None = None):
+        """run_id: the run to continue (a resumed training run), reopened as RUNNING; None creates one."""
         self.uri = (
             settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
         )
@@ -191,15 +206,28 @@ class MlflowLogger:
             experiment_id = (
                 experiment.experiment_id if experiment else self.client.create_experiment(settings.experiment)
             )
-            self.run_id = self.client.create_run(experiment_id, run_name=settings.run_name or run_name).info.run_id
-            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in _flat_params(config).items()])
+            self.next_step = 0
+            if run_id:  # its history up to the last step logged is there: later steps only (no repeats)
+                self.run_id = run_id
+                self.client.update_run(run_id, status="RUNNING")
+                logged = self.client.get_metric_history(run_id, "loss")
+                self.next_step = max((m.step for m in logged), default=-1) + 1
+            else:
+                self.run_id = self.client.create_run(experiment_id, run_name=settings.run_name or run_name).info.run_id
+                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in _flat_params(config).items()])
         except Exception as err:  # MlflowException, a refused connection, a permission error...
             raise ConfigError(
                 f"logging.mlflow: cannot open a run in experiment '{settings.experiment}' at {self.uri} "
                 f"({type(err).__name__}: {err}); check logging.mlflow.tracking_uri or set logging.mlflow.enabled=false"
             ) from err
 
+    @property
+    def id(self) -> str:
+        return self.run_id
+
     def _log(self, scalars: dict[str, float], step: int) -> None:
+        if step < self.next_step:
+            return
         now = int(time.time() * 1000)
         metrics = [self._metric(mlflow_key(k), v, now, step) for k, v in scalars.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
@@ -224,20 +252,21 @@ class Loggers:
         self.backends = backends
 
     @classmethod
-    def open(cls, cfg: Config, is_main: bool) -> Loggers:
+    def open(cls, cfg: Config, is_main: bool, run_ids: Mapping[str, str] | None = None) -> Loggers:
         """Check the packages (every rank), then on rank 0 open each enabled backend.
 
-        Raises ConfigError naming the key for a missing package or a backend that cannot start; the
-        backends opened before it are closed first.
+        run_ids: {"wandb": id, "mlflow": id} of the runs to continue (from the checkpoint a run resumed);
+        the ids in use are written to run_dir/trackers.json. Raises ConfigError naming the key for a missing
+        package or a backend that cannot start; the backends opened before it are closed first.
         """
         check_packages(cfg)
         if not is_main:
             return cls([])
-        lg, run_dir, config = cfg.logging, cfg.run_dir, to_dict(cfg)
+        lg, run_dir, config, ids = cfg.logging, cfg.run_dir, to_dict(cfg), dict(run_ids or {})
         makers = [
             (lg.tensorboard, lambda: _TensorBoard(run_dir)),
-            (lg.wandb.enabled, lambda: WandbLogger(lg.wandb, cfg.run_name, run_dir, config)),
-            (lg.mlflow.enabled, lambda: MlflowLogger(lg.mlflow, cfg.run_name, run_dir, config)),
+            (lg.wandb.enabled, lambda: WandbLogger(lg.wandb, cfg.run_name, run_dir, config, ids.get("wandb"))),
+            (lg.mlflow.enabled, lambda: MlflowLogger(lg.mlflow, cfg.run_name, run_dir, config, ids.get("mlflow"))),
         ]
         opened = cls([])
         try:
@@ -247,10 +276,16 @@ class Loggers:
         except BaseException:
             opened.close()
             raise
+        if opened.ids():
+            (run_dir / "trackers.json").write_text(json.dumps(opened.ids(), indent=2) + "\n")
         return opened
 
+    def ids(self) -> dict[str, str]:
+        """{"wandb": run id, "mlflow": run id} of the open tracker runs (for the checkpoint)."""
+        return {b.name: b.id for b in self.backends if hasattr(b, "id")}
+
     @classmethod
-    def open_everywhere(cls, cfg: Config, is_main: bool) -> Loggers:
+    def open_everywhere(cls, cfg: Config, is_main: bool, run_ids: Mapping[str, str] | None = None) -> Loggers:
         """`open` on every rank, then every rank learns whether rank 0's backends started (collective):
         a wandb that fails on rank 0 stops all ranks with its message, not rank 0 alone while the others
         wait for it until the distributed timeout."""
@@ -258,7 +293,7 @@ class Loggers:
 
         loggers, message = cls([]), None
         try:
-            loggers = cls.open(cfg, is_main)
+            loggers = cls.open(cfg, is_main, run_ids)
         except ConfigError as err:
             message = str(err)
         failures = [m for m in dist.all_gather(message) if m is not None]

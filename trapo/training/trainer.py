@@ -91,6 +91,7 @@ class Trainer:
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
         self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
         self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
+        self.tracker_ids: dict = {}  # the wandb / MLflow run ids a resumed run continues
         self._resume()
 
     # ------------------------------------------------------------------ one step
@@ -288,6 +289,7 @@ class Trainer:
             "best": self.best,
             "heldout_before": self.heldout_before,
             "world_size": self.world,
+            "tracker_ids": self.loggers.ids() or self.tracker_ids,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -304,6 +306,7 @@ class Trainer:
         self.last_selection = state["last_selection"]
         self.best = state["best"]
         self.heldout_before = state.get("heldout_before")  # absent in checkpoints from before it was kept
+        self.tracker_ids = state.get("tracker_ids") or {}
 
     def save(self) -> Path:
         final = ckpt.save(
@@ -398,7 +401,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
-        self.loggers = Loggers.open_everywhere(cfg, self.is_main)
+        self.loggers = Loggers.open_everywhere(cfg, self.is_main, self.tracker_ids)
         n_labeled = sum(q.labeled for q in self.questions)
         refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
         console.say(
