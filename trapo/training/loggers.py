@@ -277,6 +277,7 @@ class Loggers:
             opened.close()
             raise
         if opened.ids():
+            run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "trackers.json").write_text(json.dumps(opened.ids(), indent=2) + "\n")
         return opened
 
