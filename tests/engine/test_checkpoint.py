@@ -43,6 +43,7 @@ def test_trainer_state_round_trip(tmp_path):
     import torch
 
     from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
+    from trapo.training.loggers import Loggers
     from trapo.training.sampling import Cursor
     from trapo.training.trainer import Trainer, TrainingError
 
@@ -51,6 +52,7 @@ def test_trainer_state_round_trip(tmp_path):
         t.world, t.step, t.bad_steps, t.last_selection, t.best = world, 0, 0, None, None
         t.heldout_before, t.cursor, t.steps_per_epoch = None, Cursor(0, 0), 4
         t.tracker = PassRateTracker(torch.tensor([True, False, False]), SelectionConfig(warmup_epochs=1, top_p=0.5))
+        t.loggers, t.tracker_ids = Loggers([]), {}  # no tracker open (a resumed run keeps the ids it loaded)
         return t
 
     a = skeleton(world=2)
@@ -59,6 +61,7 @@ def test_trainer_state_round_trip(tmp_path):
     a.step, a.bad_steps, a.best = 7, 1, {"step": 6, "score": 0.4}
     a.cursor = Cursor(3, 1)  # dynamic sampling: refills consumed batches, the cursor ran ahead of the step
     a.heldout_before = {"test": 0.25, "mean": 0.25}
+    a.tracker_ids = {"wandb": "w1d", "mlflow": "0a1b"}  # the wandb / MLflow runs the run continues
     (tmp_path / ckpt.TRAINER_STATE).parent.mkdir(exist_ok=True)
     torch.save(a.state_dict(), tmp_path / ckpt.TRAINER_STATE)
 
@@ -66,6 +69,7 @@ def test_trainer_state_round_trip(tmp_path):
     b.load_state_dict(ckpt.read_trainer_state(tmp_path))
     assert (b.step, b.bad_steps, b.best, b.last_selection) == (7, 1, a.best, a.last_selection)
     assert b.heldout_before == a.heldout_before and b.cursor == Cursor(3, 1)
+    assert b.tracker_ids == {"wandb": "w1d", "mlflow": "0a1b"}
     assert torch.equal(b.tracker.trajectories, a.tracker.trajectories)
     assert torch.equal(b.tracker.selected, a.tracker.selected) and torch.equal(b.tracker.scores, a.tracker.scores)
     with pytest.raises(TrainingError, match="saved with 2 ranks, resuming with 1"):
