@@ -55,6 +55,20 @@ def full_logits_stats(policy):
     return stats
 
 
+def update_seconds(policy, seqs, batch: dict, steps: int, gpu: bool) -> float:
+    """Median seconds of `steps` `Policy.update` calls on the same sequences, after one warm-up."""
+    times = []
+    for _ in range(steps + 1):
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        policy.update(seqs, 0, batch)
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384, help="train.micro_batch_tokens")
@@ -98,19 +112,10 @@ def main() -> None:
     rows = []
     for name, stats in (("ours (chunked head)", ours), ("full logits", full_logits_stats(policy))):
         policy._token_stats = stats
-        times = []
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        for _ in range(args.steps + 1):
-            if gpu:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            policy.update(seqs, 0, batch)
-            if gpu:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        sec = statistics.median(times[1:])
+        sec = update_seconds(policy, seqs, batch, args.steps, gpu)
         peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
         mfu = 6 * params * tokens / sec / (args.peak_tflops * 1e12)
         rows.append((name, tokens / sec, mfu, peak, sec))
@@ -161,16 +166,7 @@ def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
     speed = {}
     for packed in (True, False):
         policy.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed))
-        times = []
-        for _ in range(args.steps + 1):
-            if gpu:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            policy.update(seqs, 0, batch)
-            if gpu:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        speed[packed] = sum(lengths) / statistics.median(times[1:])
+        speed[packed] = sum(lengths) / update_seconds(policy, seqs, batch, args.steps, gpu)
     policy.cfg = cfg
     why = f" ({packing.KERNEL['why']})" if packing.KERNEL["why"] else ""
     print(f"packed rows ran: {packing.KERNEL['name']}{why}")

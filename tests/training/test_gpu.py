@@ -28,21 +28,26 @@ needs_vllm = pytest.mark.skipif(not installed("vllm"), reason="needs vLLM (the h
 HF_RUN = {"model.dtype": "bfloat16", "rollout.backend": "hf"}
 
 
-def test_hf_backend_bf16_health_and_resume(toy_dir, tmp_path):
-    """The policy generates (ZeRO-3 gathered once per round): its log-probs agree with the update's forward,
-    and a resume from step 2 follows the straight run (bf16: the same kernels, close, not bit-equal)."""
-    common = dict(mode="trapo", max_steps=4, save_steps=2, **HF_RUN)
+def straight_and_resumed(toy_dir, tmp_path, settings: dict) -> list[dict]:
+    """4 steps straight, and 2 steps resumed to 4, which must follow it (bf16 on GPU: close, not bit-equal).
+    Returns the straight run's metrics rows."""
+    common = dict(mode="trapo", max_steps=4, save_steps=2, **settings)
     train(overrides(toy_dir, tmp_path, run_name="straight", **common))
-    straight = metrics(tmp_path / "straight")
-    for r in straight:
-        assert r["logprob_diff_rollout_vs_policy"] < BF16_HEALTH, r
-        assert r["pushed_gb"] == 0 and r["peak_gb"]["rollout"] > 0
     train(overrides(toy_dir, tmp_path, run_name="resumed", **{**common, "max_steps": 2}))
     train(overrides(toy_dir, tmp_path, run_name="resumed", resume_from="latest", **common))
-    resumed = metrics(tmp_path / "resumed")
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         assert a["loss"] == pytest.approx(b["loss"], rel=0.1, abs=1e-3), (a["step"], a["loss"], b["loss"])
+    return straight
+
+
+def test_hf_backend_bf16_health_and_resume(toy_dir, tmp_path):
+    """The policy generates (ZeRO-3 gathered once per round): its log-probs agree with the update's forward,
+    and a resume from step 2 follows the straight run."""
+    for r in straight_and_resumed(toy_dir, tmp_path, HF_RUN):
+        assert r["logprob_diff_rollout_vs_policy"] < BF16_HEALTH, r
+        assert r["pushed_gb"] == 0 and r["peak_gb"]["rollout"] > 0
 
 
 def test_packed_rows_run_the_varlen_kernel_and_match_per_sequence_attention():
@@ -71,18 +76,10 @@ def test_packed_rows_run_the_varlen_kernel_and_match_per_sequence_attention():
 
 @needs_vllm
 def test_bf16_sleep_offload_health_after_every_wake_and_resume(toy_dir, tmp_path):
-    common = dict(mode="trapo", max_steps=4, save_steps=2, **GPU_RUN)
-    train(overrides(toy_dir, tmp_path, run_name="straight", **common))
-    straight = metrics(tmp_path / "straight")
-    for r in straight:  # every step's rollouts came after a level-2 sleep, a push and a wake
+    for r in straight_and_resumed(toy_dir, tmp_path, GPU_RUN):
+        # every step's rollouts came after a level-2 sleep, a push and a wake
         assert r["logprob_diff_rollout_vs_policy"] < BF16_HEALTH, r
         assert r["peak_gb"]["update"] > 0 and r["peak_gb"]["rollout"] > 0
-    train(overrides(toy_dir, tmp_path, run_name="resumed", **{**common, "max_steps": 2}))
-    train(overrides(toy_dir, tmp_path, run_name="resumed", resume_from="latest", **common))
-    resumed = metrics(tmp_path / "resumed")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(straight, resumed):
-        assert a["loss"] == pytest.approx(b["loss"], rel=0.1, abs=1e-3), (a["step"], a["loss"], b["loss"])
 
 
 @needs_vllm

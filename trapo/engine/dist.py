@@ -38,6 +38,13 @@ def import_deepspeed():
     return deepspeed
 
 
+def free_port() -> int:
+    """A local TCP port no one listens on now (for a process group's or a launcher's master port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank), initialising the process group once (nccl on GPU, gloo on CPU).
 
@@ -48,10 +55,8 @@ def init_distributed(timeout_minutes: float | None = None) -> tuple[int, int, in
     deepspeed = import_deepspeed()
 
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        port = str(free_port())
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:

@@ -81,11 +81,12 @@ def sample_tokens(
         return tokens, logp.gather(-1, tokens[:, None])[:, 0]
     logp = top_p_filter(logits / temperature, top_p).log_softmax(-1)
     cdf = logp.exp().cumsum(-1)  # [b, V]
-    target = (uniform_draws(keys, step) * cdf[:, -1].double()).to(cdf.dtype)  # [b], below the row's total
+    total = cdf[:, -1]
+    target = (uniform_draws(keys, step) * total.double()).to(cdf.dtype)  # [b]
+    # Strictly below the total (fp32 rounding could reach it), so some token's cdf passes the target, and the
+    # first one that does rose there: its probability is > 0 (a token outside the nucleus never is drawn).
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
     tokens = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]  # first token whose cdf passes it
-    # fp32 rounding can put the target at the total: take the last token that has probability instead.
-    last = logits.shape[-1] - 1 - torch.isfinite(logp).flip(-1).int().argmax(-1)
-    tokens = torch.minimum(tokens, last)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 

@@ -17,6 +17,8 @@ Pure functions (no model, no distributed calls); `trapo.engine.policy` runs them
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -151,25 +153,37 @@ def _varlen(query: Tensor, key: Tensor, value: Tensor, bounds: list[int], scalin
 
     Causal within each sequence by `cu_seqlens`; no [S, S] mask and no per-sequence launches. Key-value
     heads are repeated for grouped-query attention where the kernel has no `enable_gqa`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, heads, d]
+    causal, gqa = _varlen_keywords()
+    kw = {"scale": scaling, **causal}
+    if q.shape[1] != k.shape[1]:
+        if gqa:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    cu, longest = _cu_seqlens(tuple(bounds), str(q.device))
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw).unsqueeze(0)
+
+
+@functools.cache
+def _varlen_keywords() -> tuple[dict, bool]:
+    """(how this torch's varlen_attn asks for causal attention, whether it takes enable_gqa), read once."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, heads, d]
     params = inspect.signature(varlen_attn).parameters
-    kw = {"scale": scaling}
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)  # causal
-    else:
-        kw["is_causal"] = True
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+    return ({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}), "enable_gqa" in params
+
+
+@functools.lru_cache(maxsize=8)
+def _cu_seqlens(bounds: tuple[int, ...], device: str) -> tuple[Tensor, int]:
+    """The pack's cumulative offsets on the device and its longest sequence: built once per micro-batch (every
+    layer reads the same; a host-to-device copy per layer would synchronise each one)."""
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw).unsqueeze(0)
+    return torch.tensor(bounds, dtype=torch.int32, device=device), longest
 
 
 def _varlen_works(module, query: Tensor, key: Tensor, scaling: float | None, **kw) -> bool:

@@ -172,15 +172,9 @@ def bench_update(check: Check, env: dict, dry_run: bool) -> None:
               " | ".join(lines) if code == 0 else "failed", tail(out, 40))  # fmt: skip
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args: list[str], env: dict) -> list[str]:
+    from trapo.engine.dist import free_port
+
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
             str(free_port()), "trapo_train.py", *args]  # fmt: skip
 
