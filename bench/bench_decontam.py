@@ -12,7 +12,8 @@ import random
 import time
 from collections import defaultdict
 
-from trapo.commands.prepare import NGRAM, Contamination, source_files, words
+from trapo.commands.prepare.cleaning import NGRAM, Contamination, words
+from trapo.commands.prepare.sources import source_files
 from trapo.data import benchmarks_dir, parquet_rows
 
 

@@ -5,12 +5,17 @@ tests/training/conftest.py. `make test-fast` leaves out the tests marked toy_run
 
 import fcntl
 import os
+import tempfile
 
 from trapo import runtime
 
 # Before torch is imported: bounded threads (on the 2-core CI machines unbounded OpenMP
 # makes timings swing 40x) and the in-process vLLM engine; see trapo/runtime.py.
 runtime.configure()
+# The suite never reaches the Hugging Face hub: hub ids resolve from a cache the test builds (`hub_cache`),
+# and a run that would download fails in one line instead of waiting on the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_CACHE"] = os.path.join(tempfile.gettempdir(), "trapo-tests-empty-hub-cache")
 
 import pytest  # noqa: E402
 
@@ -65,3 +70,34 @@ def small_disk(tmp_path, request):
         return
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An offline Hugging Face hub cache in a temp dir, laid out as huggingface_hub writes one
+    (`models--org--name/snapshots/<commit>/...`, `refs/<branch>` holding the commit), with HF_HUB_CACHE
+    pointing at it and HF_HUB_OFFLINE=1 set (in this process and in subprocesses started with os.environ).
+
+    `hub_cache.add(repo_id, files_dir, commit, ref="main", repo_type="model")` copies a directory in as a
+    snapshot and points `ref` at it; it returns the snapshot directory."""
+    import shutil
+
+    root = tmp_path / "hub"
+    root.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    class Cache:
+        path = root
+
+        @staticmethod
+        def add(repo_id, files_dir, commit, ref="main", repo_type="model"):
+            repo = root / f"{repo_type}s--{repo_id.replace('/', '--')}"
+            snapshot = repo / "snapshots" / commit
+            shutil.copytree(files_dir, snapshot)
+            (repo / "refs").mkdir(parents=True, exist_ok=True)
+            if ref:
+                (repo / "refs" / ref).write_text(commit)
+            return snapshot
+
+    return Cache

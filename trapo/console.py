@@ -64,6 +64,16 @@ def terminal_out() -> TextIO:
     return _terminal_out or sys.stdout
 
 
+def progress_bar(total: int, desc: str, enabled: bool = True, **options):
+    """A tqdm bar on the user's terminal, for work a command does in a loop; off when `enabled` is False (the
+    command's --no-progress), when the terminal is no tty (a log file, CI), or when there is nothing to do."""
+    from tqdm import tqdm
+
+    stream = terminal()
+    shown = enabled and total > 0 and hasattr(stream, "isatty") and stream.isatty()
+    return tqdm(total=total, desc=desc, file=stream, disable=not shown, dynamic_ncols=True, **options)
+
+
 def say(message: str) -> None:
     """One of our lines (rank 0's): to the terminal, and to the log file when the terminal is elsewhere."""
     if _rank != 0:

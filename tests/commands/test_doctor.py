@@ -41,7 +41,8 @@ def test_preflight_on_cpu_runs_the_trainer_and_checks_the_push():
 
 
 def test_preflight_names_a_missing_model_and_exits_non_zero():
-    out = doctor("--config", "configs/trapo_1k_3k.yaml")
+    out = doctor("--config", "configs/trapo_1k_3k.yaml")  # a hub id; the suite runs with HF_HUB_OFFLINE=1
     assert out.returncode == 1
-    assert status(out.stdout)["trial run"] == "FAIL"
-    assert "models/Qwen2.5-Math-7B: no config.json" in out.stdout and "fix: download the model" in out.stdout
+    assert status(out.stdout)["model"] == "FAIL" and status(out.stdout)["trial run"] == "FAIL"
+    assert "model.path Qwen/Qwen2.5-Math-7B: not a local directory, and not in the hub cache" in out.stdout
+    assert "HF_HUB_OFFLINE=1" in out.stdout and "fix: download it" in out.stdout

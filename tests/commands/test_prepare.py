@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from trapo.commands.prepare import NGRAM, PAPER_FILES, Contamination, main, parser, prepare
+from trapo.commands.prepare import PAPER_FILES, main, parser, prepare
+from trapo.commands.prepare.cleaning import NGRAM, Contamination
 from trapo.data import THINK_SYSTEM, DataError, load_questions, render_prompt, template_messages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

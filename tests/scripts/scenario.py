@@ -243,7 +243,7 @@ def weight_push(cfg) -> None:
     changed = sum(not torch.equal(start[n], w) for n, w in weights.items())
     from trapo.data import tokenize_prompts
 
-    questions = [q for b in t.test_benchmarks for q in b.questions]
+    questions = [q for b in t.evaluator.test_benchmarks for q in b.questions]
     prompts = tokenize_prompts(questions, cfg.data.prompt_template, t.tokenizer, cfg.data.max_prompt_tokens)
     vllm_out = [o[0].token_ids for o in t.rollout.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
     del t.policy._hf_ds  # transformers would otherwise build this reference model partitioned under ZeRO-3

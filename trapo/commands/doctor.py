@@ -5,6 +5,8 @@
     python -m trapo doctor --plan --config configs/trapo_1k_3k.yaml [key=value ...] --gpus 8 --gpu-memory-gb 80
 
 The checks (one table, a fix per failure, exit status 1 if any fails):
+- the model: model.path's config and tokenizer (a hub id: fetched once per node, its commit shown, and
+  whether its weights are cached yet);
 - environment: the pinned versions of torch, vLLM, DeepSpeed, transformers, Math-Verify; the GPUs
   seen and their memory (CUDA, NCCL); the launcher's world;
 - collectives: an all-reduce and an all-gather across the ranks, their results checked; on GPU of
@@ -25,6 +27,7 @@ change), 2 bad input (one line).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,9 +36,9 @@ import time
 import traceback
 from pathlib import Path
 
-from trapo import runtime
+from trapo import hub, runtime
 from trapo.config import ConfigError, load_config
-from trapo.engine.memory_plan import GiB, Plan, memory_plan, model_arch
+from trapo.engine.memory_plan import BUILTIN, GiB, Plan, memory_plan, model_arch
 
 CARDS = (80, 141)  # GiB: H100 / A100 80 GB, H200 141 GB
 TITLES = {
@@ -83,6 +86,41 @@ def format_plan(plan: Plan, title: str) -> str:
     return "\n".join(lines)
 
 
+def plan_source(cfg) -> str:
+    """Where the plan reads model.path's config.json: a hub id's cached or downloaded config files; a hub id
+    that cannot be had here (offline, say) but is in the built-in table plans from the table."""
+    if cfg.toy.enabled or not hub.is_hub_id(cfg.model.path):
+        return cfg.model.path
+    try:
+        return str(hub.fetch(cfg.model.path, cfg.model.revision, kind="tokenizer").local_dir)
+    except hub.HubError:
+        if Path(cfg.model.path).name in BUILTIN:
+            return cfg.model.path
+        raise
+
+
+def model_check(checks: Checks, cfg):
+    """model.path's config and tokenizer, as a local directory (a hub id: fetched once per node), or None."""
+    from trapo.engine import dist
+
+    m = cfg.model
+    try:
+        snap = dist.once_per_node(lambda cached: hub.fetch(m.path, m.revision, kind="tokenizer", cached_only=cached))
+    except hub.HubError as err:
+        checks.add("model", False, str(err), "download it, or name a local model directory in model.path")
+        return None
+    if snap.commit:
+        weights = (
+            "cached" if any(snap.local_dir.glob("*.safetensors")) else "not cached yet (the first run fetches them)"
+        )
+        checks.add(
+            "model", True, f"{m.path}: hub commit {snap.commit[:12]}, config and tokenizer cached, weights {weights}"
+        )
+    else:
+        checks.add("model", True, f"{m.path}: a local directory")
+    return snap
+
+
 def plan_mode(args: argparse.Namespace) -> int:
     if args.gpus is None or args.gpus < 1:
         raise BadInput(f"--gpus must be >= 1, got {args.gpus}")
@@ -93,7 +131,7 @@ def plan_mode(args: argparse.Namespace) -> int:
         ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
     except (OSError, ValueError) as err:
         raise BadInput(f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})") from None
-    arch = model_arch(cfg.model.path)
+    arch = model_arch(plan_source(cfg))
     plan = memory_plan(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
     print(format_plan(plan, args.config))
     cards = []
@@ -319,6 +357,10 @@ def preflight(args: argparse.Namespace) -> int:
 
         rank, world, _ = dist.init_distributed(cfg.dist_timeout_minutes)
         collectives(checks, gpu, rank, world)
+        if not cfg.toy.enabled:  # the trial run and the plan read the model's config and tokenizer from here
+            snap = model_check(checks, cfg)
+            local = str(snap.local_dir) if snap else cfg.model.path
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=local, revision=None))
         try:
             trial_run(checks, cfg, world, gpu, Path(tmp))
         except Exception as err:  # noqa: BLE001 - any failure of the run is this check's finding

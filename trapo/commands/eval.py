@@ -1,6 +1,7 @@
 """Evaluation harness: the paper's Table 1 from one command.
 
     python -m trapo eval --model outputs/toy/checkpoints/step-80/hf --benchmarks math,arc_c,gpqa
+    python -m trapo eval --model Qwen/Qwen2.5-Math-7B [--revision R] --benchmarks math   # a hub id (trapo/hub.py)
     make eval MODEL=... BENCH=math,arc_c,gpqa
 
 A benchmark file is any verl-layout parquet (`prompt`, `reward_model.ground_truth`,
@@ -24,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from trapo import runtime
+from trapo import hub, runtime
 from trapo.algorithm.pass_at_k import mean_pass_at_k
 from trapo.config import ConfigError
 from trapo.data import Benchmark, DataError, benchmarks_dir, resolve_benchmarks, stop_token_ids
@@ -113,7 +114,10 @@ def latest_toy_checkpoint(root: Path = Path("outputs/toy/checkpoints")) -> Path:
 def main(argv: list[str] | None = None) -> int:
     runtime.configure()  # before vLLM or torch is imported
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="Hugging Face model dir (default: the latest `make train` checkpoint)")
+    parser.add_argument(
+        "--model", help="Hugging Face model dir or hub id (default: the latest `make train` checkpoint)"
+    )
+    parser.add_argument("--revision", help="with a hub id: a branch, tag or commit (default: its default branch)")
     parser.add_argument("--benchmarks", help="comma list of names in --data-dir or file paths")
     parser.add_argument(
         "--data-dir", default=str(benchmarks_dir()), help="default: data/benchmarks, or $TRAPO_BENCHMARKS"
@@ -126,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="first N questions per benchmark")
     parser.add_argument("--pass-k", type=int, help="also report pass@K (unbiased; needs n >= K)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="output dir (default: <model>/../eval or outputs/eval)")
+    parser.add_argument("--out", help="output dir (default: <model>/../eval; a hub id: outputs/eval/<org>--<name>)")
     parser.add_argument("--overwrite", action="store_true", help="discard earlier samples in --out")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument(
         "--backend", default="vllm", choices=["vllm", "hf"], help="who generates: vLLM, or transformers (no vLLM)"
     )
     parser.add_argument("--hf-max-batch", type=int, default=256, help="hf backend: sequences generated at once")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (also off when not a terminal)")
     args = parser.parse_args(argv)
     try:
         from trapo.engine.rollout import require_backend
@@ -143,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        model = Path(args.model) if args.model else latest_toy_checkpoint()
+        source = hub.fetch(args.model, args.revision, what="--model") if args.model else None
+        model = source.local_dir if source else latest_toy_checkpoint()
         if not (model / "config.json").is_file():
             raise DataError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+        on_hub = source is not None and source.commit is not None
         if not args.benchmarks:
             raise DataError("--benchmarks is required (e.g. math,arc_c,gpqa)")
         benchmarks = resolve_benchmarks(args.benchmarks, Path(args.data_dir))
@@ -154,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         n_for = (lambda name: args.n) if args.n else (lambda name: PAPER_SAMPLES.get(name, 1))
         if args.pass_k and any(n_for(b.name) < args.pass_k for b in benchmarks):
             raise DataError(f"--pass-k {args.pass_k} needs --n >= {args.pass_k}")
-        out = Path(args.out) if args.out else model.parent / "eval"
+        default_out = Path("outputs/eval") / args.model.replace("/", "--") if on_hub else model.parent / "eval"
+        out = Path(args.out) if args.out else default_out
         out.mkdir(parents=True, exist_ok=True)
         samples = out / "samples.jsonl"
         settings = {
-            "model": str(model.resolve()),
+            "model": source.label if on_hub else str(model.resolve()),  # a hub id with its commit
             "temperature": args.temperature,
             "max_tokens": args.max_tokens,
             "template": args.template,
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / "run.json").unlink(missing_ok=True)
         done = _load_done(samples, settings)
         (out / "run.json").write_text(json.dumps(settings, indent=2))
-    except DataError as err:
+    except (DataError, ConfigError) as err:
         print(f"trapo eval: {err}", file=sys.stderr)
         return 2
 
@@ -192,9 +200,39 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+class BenchmarkBars:
+    """One progress bar per benchmark, opened at its first finished question: questions done of those left,
+    samples per second, time left."""
+
+    def __init__(self, benchmarks: list[Benchmark], done: dict, n_for, enabled: bool):
+        self.left = {b.name: sum((b.name, q.uid) not in done for q in b.questions) for b in benchmarks}
+        self.n_for, self.enabled = n_for, enabled
+        self.name, self.bar = None, None
+
+    def advance(self, name: str) -> None:
+        from trapo import console
+
+        if name != self.name:
+            self.close()
+            self.name, self.bar = name, console.progress_bar(self.left[name], name, self.enabled, unit="q")
+        self.bar.update(1)
+        elapsed = self.bar.format_dict["elapsed"]
+        if elapsed > 0:
+            self.bar.set_postfix_str(f"{self.bar.n * self.n_for(name) / elapsed:.1f} samples/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks, n_for, done: dict) -> int:
     """Load the model into the chosen engine, generate what is not done yet, grade, score, write the outputs."""
-    from tqdm import tqdm
     from transformers import AutoTokenizer, GenerationConfig
 
     from trapo import console
@@ -225,15 +263,14 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
         )
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
-    todo = sum(len(b.questions) for b in benchmarks) - reused
-    bar = tqdm(total=todo, desc="questions", file=console.terminal(), disable=todo == 0, dynamic_ncols=True)
-    with open(samples, "a") as f, bar:
+    bars = BenchmarkBars(benchmarks, done, n_for, enabled=not args.no_progress)
+    with open(samples, "a") as f, bars:
 
         def persist(rec: dict) -> None:
             f.write(json.dumps(rec) + "\n")
             f.flush()
             generated[0] += 1
-            bar.update(1)
+            bars.advance(rec["benchmark"])
 
         try:
             results, grades = evaluate(
@@ -256,9 +293,10 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
         for name, r in results.items():
             r["metrics"][f"pass@{args.pass_k}"] = mean_pass_at_k(grades[name], args.pass_k)
     (out / "results.json").write_text(
-        json.dumps({"model": str(model), "settings": settings, "results": results}, indent=2)
+        json.dumps({"model": settings["model"], "settings": settings, "results": results}, indent=2)
     )
-    table = markdown_table(results, model.parent.name if model.name == "hf" else model.name)
+    label = None if settings["model"].startswith("/") else settings["model"].partition("@")[0]  # a hub id
+    table = markdown_table(results, label or (model.parent.name if model.name == "hf" else model.name))
     (out / "results.md").write_text(table)
     print(table, file=console.terminal_out(), flush=True)
     print(

@@ -21,7 +21,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # a local Hugging Face directory (weights + tokenizer); empty with toy.enabled
+    # A Hugging Face model: a local directory (weights + tokenizer), or a hub id such as Qwen/Qwen2.5-Math-7B,
+    # downloaded once per node into the hub cache (trapo/hub.py); empty with toy.enabled.
+    path: str = ""
+    revision: str | None = None  # hub ids only: a branch, tag or commit (None: the default branch)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     rope_theta: float | None = None  # override, e.g. 40000 for Qwen2.5-Math (paper appendix)
     max_position_embeddings: int | None = None  # override, e.g. 16384 for Qwen2.5-Math

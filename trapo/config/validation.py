@@ -128,5 +128,9 @@ def validate(cfg: Config, source: str = "config") -> None:
         need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
         need(not cfg.data.train_files, "data.train_files", "must be empty when toy.enabled")
     else:
-        need(bool(cfg.model.path), "model.path", "a Hugging Face model directory is required")
+        need(bool(cfg.model.path), "model.path", "a Hugging Face model directory or hub id is required")
         need(bool(cfg.data.train_files), "data.train_files", "at least one parquet or JSONL file is required")
+    revision = cfg.model.revision
+    need(revision is None or (bool(revision.strip()) and not cfg.toy.enabled), "model.revision",
+         "a branch, tag or commit of the hub repository model.path names; null for its default branch "
+         "(and with toy.enabled)")  # fmt: skip

@@ -129,6 +129,24 @@ def tensor_parallel_group(size: int) -> RankGroup:
     return mine
 
 
+def once_per_node(work):
+    """`work(cached_only)` once per node first: local rank 0 runs `work(False)` (a download, say) while the
+    node's other ranks wait, then they run `work(True)` (reading what it left). An error on any rank stops
+    every rank with that error, instead of leaving the others waiting."""
+    leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    result, error = None, None
+    for turn in ("leaders", "others"):
+        if leader == (turn == "leaders"):
+            try:
+                result = work(turn == "others")
+            except Exception as err:  # noqa: BLE001 - carried to every rank below, then raised
+                error = err
+        failed = [e for e in all_gather(error) if e is not None]  # also the barrier between the two turns
+        if failed:
+            raise error or failed[0]
+    return result
+
+
 def all_max(value: int) -> int:
     if not dist.is_initialized():
         return value

@@ -5,7 +5,7 @@
 - grading.py           a round's rewards, (pseudo) pass rates and confidence scores
 - sampling.py          which groups a step trains on (DAPO dynamic sampling), the epoch's data cursor
 - update.py            shaped rewards -> advantages -> update batches -> optimizer steps
-- evaluation.py        generate, grade and score benchmarks: validation here, `python -m trapo eval` above
+- evaluation.py        generate, grade, score benchmarks: the trainer's Evaluator; `python -m trapo eval` above
 - preemption.py        SIGTERM / SIGINT: finish the step, save, stop
 - metrics.py           a step's statistics, metrics.jsonl, the run's summary
 - loggers.py           TensorBoard (tensorboard_writer.py), wandb and MLflow behind one object

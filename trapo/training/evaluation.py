@@ -3,6 +3,8 @@ rollout engine, grade every response against its gold, score each benchmark (avg
 
     results, grades = evaluate(engine, tokenizer, benchmarks, n_for=..., temperature=..., ...)
     scores = pooled_scores(engine, tokenizer, benchmarks, shard=rank, shards=world, gather=..., ...)
+    evaluator = Evaluator(cfg, rollout, policy, tokenizer, verifier, ...)   # the trainer's benchmarks
+    evaluator.heldout(), evaluator.validation()
 
 Requests are seeded per (benchmark, question), so a score does not depend on how the questions were
 split over ranks or chunks.
@@ -14,7 +16,9 @@ import time
 
 from trapo.algorithm.pass_at_k import avg_at_k
 from trapo.algorithm.rewards import answer_rewards, extract_answer
+from trapo.config import Config
 from trapo.data import Benchmark, tokenize_prompts
+from trapo.engine import dist
 from trapo.engine.rollout import request_seed
 
 
@@ -117,3 +121,52 @@ def pooled_scores(engine, tokenizer, benchmarks: list[Benchmark], *, shard: int,
     everyone = gather(grades)
     scores = {name: avg_at_k([g for part in everyone for g in part[name]]) for name in grades}
     return {**scores, "mean": sum(scores.values()) / len(scores)}
+
+
+class Evaluator:
+    """The trainer's benchmarks scored with its own rollout engine: held-out pass@1 (data.test_files) before
+    and after training, and validation avg@eval.n (eval.files) for checkpoint selection.
+
+    `turn()` is the trainer's generation turn (a context manager: offload, gather or wake, then restore).
+    """
+
+    def __init__(self, cfg: Config, rollout, policy, tokenizer, verifier, *, rank: int, world: int, turn,
+                 test: list[Benchmark], validation: list[Benchmark]):  # fmt: skip
+        self.cfg, self.rollout, self.policy, self.tokenizer, self.verifier = cfg, rollout, policy, tokenizer, verifier
+        self.rank, self.world, self.turn = rank, world, turn
+        self.test_benchmarks, self.val_benchmarks = test, validation
+
+    def heldout(self) -> dict | None:
+        """pass@1 per test benchmark and their mean, at rollout.eval_temperature (greedy by default)."""
+        r = self.cfg.rollout
+        return self.scores(self.test_benchmarks, 1, r.eval_temperature, r.max_tokens)
+
+    def validation(self) -> dict | None:
+        """avg@eval.n per validation benchmark and their mean, at eval.temperature."""
+        e = self.cfg.eval
+        return self.scores(self.val_benchmarks, e.n, e.temperature, e.max_tokens or self.cfg.rollout.max_tokens)
+
+    def scores(self, benchmarks: list[Benchmark], n: int, temperature: float, max_tokens: int) -> dict | None:
+        """avg@n per benchmark and their mean, pooled over all engines (each evaluates every k-th question)."""
+        if not benchmarks:
+            return None
+        tp = self.cfg.rollout.tensor_parallel_size  # the ranks of a tensor-parallel group share an engine
+        with self.turn():
+            scores = pooled_scores(
+                self.rollout,
+                self.tokenizer,
+                benchmarks,
+                shard=self.rank // tp,
+                shards=self.world // tp,
+                gather=lambda grades: dist.all_gather(grades)[::tp],
+                n_for=lambda _: n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                template=self.cfg.data.prompt_template,
+                max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+                seed=self.cfg.seed,
+                verifier=self.verifier,
+            )
+        if self.rollout.weights_asleep:  # GPU: the turn ended in a level-2 sleep; the next rollouts need weights
+            self.rollout.push_weights(self.policy.full_weights())
+        return scores

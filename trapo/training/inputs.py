@@ -1,7 +1,8 @@
 """A run's inputs, checked before any model loads: the model directory, the training questions and their
 prompt tokens, the held-out and validation benchmarks, and the batch counts.
 
-    inputs = prepare_inputs(cfg, world)   # no collective; the toy's assets are built beforehand
+    inputs = prepare_inputs(cfg, world, model_dir)   # no collective; the toy's assets are built beforehand,
+                                                     # a hub model fetched (model_dir: its local snapshot)
 
 Every input error (a missing model directory, a bad training or benchmark file, a prompt longer than
 data.max_prompt_tokens, batch sizes that do not divide over the ranks) is raised here, naming the file,
@@ -39,7 +40,7 @@ class RunInputs:
     total_steps: int  # max_steps, or epochs x steps_per_epoch (an upper bound when refills consume batches)
 
 
-def prepare_inputs(cfg: Config, world: int) -> RunInputs:
+def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> RunInputs:
     if cfg.toy.enabled:
         root = cfg.toy.asset_dir
         if not (root / "manifest.json").is_file():  # built by the entry point (trapo.commands.toy.prepare)
@@ -52,7 +53,7 @@ def prepare_inputs(cfg: Config, world: int) -> RunInputs:
         test_files = [str(p) for p in (root / "test.jsonl", root / "test_ood.jsonl") if p.is_file()]
         toy_val = [str(root / "validation.jsonl")] if cfg.toy.validation else test_files
     else:
-        model_dir = cfg.model.path
+        model_dir = model_dir or cfg.model.path
         train_files, test_files, toy_val = cfg.data.train_files, cfg.data.test_files, []
         if not (Path(model_dir) / "config.json").is_file():
             raise ConfigError(f"model.path {model_dir}: not a Hugging Face model directory (no config.json)")

@@ -206,7 +206,7 @@ def fmt(x: float | None) -> str:
 
 
 def run_summary(steps: int, before: dict | None, after: dict | None, selection: dict | None, best: dict | None):
-    """summary.json: held-out scores before / after training (`Trainer.heldout_scores`), the last epoch
+    """summary.json: held-out scores before / after training (`Evaluator.heldout`), the last epoch
     end's selection diagnostics and the best validation checkpoint."""
     return {
         "steps": steps,

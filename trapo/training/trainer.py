@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from trapo import console, runtime
+from trapo import console, hub, runtime
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config, dump_config
-from trapo.data import Benchmark, epoch_batches, stop_token_ids
+from trapo.data import epoch_batches, stop_token_ids
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
@@ -41,7 +41,7 @@ from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, request_seed, require_backend
 from trapo.engine.rollout_engine import open_engine
 from trapo.training import metrics, rollout_dump, sampling
-from trapo.training.evaluation import pooled_scores
+from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
 from trapo.training.inputs import prepare_inputs
 from trapo.training.loggers import Loggers
@@ -64,10 +64,10 @@ class Trainer:
             for partial in ckpt.remove_partials(self.ckpt_root):
                 console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
         dist.barrier()
-        inputs = prepare_inputs(cfg, self.world)  # data and prompts checked before any model loads
+        self.model_source = None if cfg.toy.enabled else self._fetch_model()
+        inputs = prepare_inputs(cfg, self.world, self.model_source and str(self.model_source.local_dir))
         self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
         self.questions, self.prompts = inputs.questions, inputs.prompts
-        self.test_benchmarks, self.val_benchmarks = inputs.test_benchmarks, inputs.val_benchmarks
         self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         generation = getattr(self.policy.model, "generation_config", None)
@@ -80,6 +80,10 @@ class Trainer:
         devices = dist.all_gather(self.rollout.device())
         console.say(self.rollout.describe(devices, cfg.rollout.tensor_parallel_size))
         self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
+        self.evaluator = Evaluator(
+            cfg, self.rollout, self.policy, self.tokenizer, self.verifier, rank=self.rank, world=self.world,
+            turn=self._engine_turn, test=inputs.test_benchmarks, validation=inputs.val_benchmarks,
+        )  # fmt: skip
         selection = cfg.selection
         if selection.random_seed is None:  # the random-selection control follows the run's seed
             selection = dataclasses.replace(selection, random_seed=cfg.seed)
@@ -93,6 +97,15 @@ class Trainer:
         self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
         self.tracker_ids: dict = {}  # the wandb / MLflow run ids a resumed run continues
         self._resume()
+
+    def _fetch_model(self) -> hub.Snapshot:
+        """model.path as a local directory: a hub id is downloaded once per node (HF_HUB_OFFLINE: the cache alone)
+        and its resolved commit recorded, so that a resume can tell when the revision moved."""
+        m = self.cfg.model
+        snap = dist.once_per_node(lambda cached_only: hub.fetch(m.path, m.revision, cached_only=cached_only))
+        if snap.commit:
+            console.say(f"model.path {m.path}: hub commit {snap.commit} ({m.revision or 'default branch'})")
+        return snap
 
     # ------------------------------------------------------------------ one step
 
@@ -290,6 +303,7 @@ class Trainer:
             "heldout_before": self.heldout_before,
             "world_size": self.world,
             "tracker_ids": self.loggers.ids() or self.tracker_ids,
+            "model_commit": self.model_source and self.model_source.commit,  # a hub model's resolved revision
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -297,6 +311,13 @@ class Trainer:
             raise TrainingError(
                 f"saved with {state['world_size']} ranks, resuming with {self.world}; "
                 "the batch order depends on the world size, so resume with the same number of ranks"
+            )
+        saved, now = state.get("model_commit"), self.model_source and self.model_source.commit
+        if saved and now and saved != now:
+            raise TrainingError(
+                f"model.path {self.cfg.model.path}: the checkpoint trained from hub commit {saved}, and revision "
+                f"{self.cfg.model.revision or '(default branch)'} now resolves to {now}; resume with "
+                f"model.revision={saved}, or start a new run"
             )
         self.tracker.load_state_dict(state["tracker"])
         self.step = state["step"]
@@ -352,45 +373,6 @@ class Trainer:
             metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
         console.say(f"resumed from {path} at step {self.step}")
 
-    # ------------------------------------------------------------------ evaluation
-
-    def benchmark_scores(self, benchmarks: list[Benchmark], n: int, temperature: float, max_tokens: int) -> dict | None:
-        """avg@n per benchmark and their mean, pooled over all engines (each evaluates every k-th question)."""
-        if not benchmarks:
-            return None
-        tp = self.cfg.rollout.tensor_parallel_size  # the ranks of a tensor-parallel group share an engine
-        with self._engine_turn():
-            scores = pooled_scores(
-                self.rollout,
-                self.tokenizer,
-                benchmarks,
-                shard=self.rank // tp,
-                shards=self.world // tp,
-                gather=lambda grades: dist.all_gather(grades)[::tp],
-                n_for=lambda _: n,
-                temperature=temperature,
-                max_tokens=max_tokens,
-                template=self.cfg.data.prompt_template,
-                max_prompt_tokens=self.cfg.data.max_prompt_tokens,
-                seed=self.cfg.seed,
-                verifier=self.verifier,
-            )
-        if self.rollout.weights_asleep:  # GPU: the turn ended in a level-2 sleep; the next rollouts need weights
-            self.rollout.push_weights(self.policy.full_weights())
-        return scores
-
-    def heldout_scores(self) -> dict | None:
-        """pass@1 per test benchmark (data.test_files) and their mean, at rollout.eval_temperature (greedy)."""
-        r = self.cfg.rollout
-        return self.benchmark_scores(self.test_benchmarks, 1, r.eval_temperature, r.max_tokens)
-
-    def validation_scores(self) -> dict | None:
-        """avg@eval.n on the validation benchmarks at eval.temperature (checkpoint selection)."""
-        e = self.cfg.eval
-        return self.benchmark_scores(
-            self.val_benchmarks, e.n, e.temperature, e.max_tokens or self.cfg.rollout.max_tokens
-        )
-
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
@@ -399,7 +381,7 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            (self.run_dir / "config.yaml").write_text(dump_config(self._as_run(cfg)))
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
         self.loggers = Loggers.open_everywhere(cfg, self.is_main, self.tracker_ids)
         n_labeled = sum(q.labeled for q in self.questions)
@@ -409,7 +391,7 @@ class Trainer:
             f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps{refills}, world size {self.world}"
         )
         if self.step == 0:
-            self.heldout_before = self.heldout_scores()
+            self.heldout_before = self.evaluator.heldout()
             if self.heldout_before is not None:
                 console.say(f"held-out accuracy before training: {self.heldout_before['mean']:.3f}")
         show = self.is_main and cfg.progress_bar
@@ -428,11 +410,17 @@ class Trainer:
             bar.close()
             self.loggers.close()
         summary = metrics.run_summary(
-            self.step, self.heldout_before, self.heldout_scores(), self.last_selection, self.best
+            self.step, self.heldout_before, self.evaluator.heldout(), self.last_selection, self.best
         )
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _as_run(self, cfg: Config) -> Config:
+        """The config as this run ran it: a hub model's revision pinned to the commit it resolved to."""
+        if self.model_source is None or self.model_source.commit is None:
+            return cfg
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=self.model_source.commit))
 
     def _finished(self) -> bool:
         """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps)."""
@@ -450,7 +438,7 @@ class Trainer:
         last = self._finished()
         save = (cfg.save_steps and self.step % cfg.save_steps == 0) or last
         if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or last):
-            step_log["eval"] = self.validation_scores()
+            step_log["eval"] = self.evaluator.validation()
             score = step_log["eval"][cfg.eval.select_on or "mean"]
             if self.best is None or score > self.best["score"]:
                 self.best = {"step": self.step, "score": score}
