@@ -16,7 +16,7 @@ import sys
 COMMANDS = {
     "train": ("trapo.commands.train", "train on a YAML config (default: the embedded CPU toy task)"),
     "eval": ("trapo.commands.eval", "evaluate a model on benchmarks (the paper's Table 1 protocol)"),
-    "prepare": ("trapo.commands.prepare", "build training files from local copies of the public datasets"),
+    "prepare": ("trapo.commands.prepare", "build training files from the public datasets (local copies or hub ids)"),
     "doctor": ("trapo.commands.doctor", "preflight: versions, devices, a two-step trial run, the memory plan"),
     "report": ("trapo.commands.report", "plots and report.md of a run directory"),
     "reproduce": ("trapo.commands.reproduce", "the paper's claims on the toy task (make reproduce-toy)"),

@@ -256,3 +256,51 @@ def test_paper_mode_writes_every_file_the_paper_configs_name(tmp_path):
     ood = load_questions([str(tmp_path / "data" / "math_1k_labeled_ood_1k_unlabeled.parquet")])
     assert [q.question for q in ood if not q.labeled][:2] == ["Pick option 0.", "Pick option 1."]
     assert len(load_questions([str(tmp_path / "data" / "openr1_45k.parquet")])) == n
+
+
+class Tty:
+    """A terminal stand-in: what a progress bar writes, and isatty() true."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+def test_a_hub_dataset_id_is_a_source_and_the_manifest_records_its_commit(sources, tmp_path, hub_cache):
+    data = tmp_path / "hub-files"
+    (data / "data").mkdir(parents=True)
+    write_verl(data / "data" / "train-00000.parquet", _math_rows(30))
+    hub_cache.add("someorg/openr1-46k", data, "c" * 40, repo_type="dataset")
+    out = tmp_path / "hub.parquet"
+    manifest = run(["someorg/openr1-46k", "--labeled", "10", "--unlabeled", "10", "--out", str(out)])
+    assert manifest["sources"][0]["hub"] == f"someorg/openr1-46k@{'c' * 40}" and manifest["counts"]["read"] == 30
+    local = run([str(data), "--labeled", "10", "--unlabeled", "10", "--out", str(tmp_path / "local.parquet")])
+    same = ["prompt", "reward_model", "data_source"]  # the same rows, wherever they were read from
+    assert pq.read_table(out, columns=same) == pq.read_table(tmp_path / "local.parquet", columns=same)
+    assert "hub" not in local["sources"][0]
+    with pytest.raises(Exception, match="SOURCE nosuch/data: not a local directory, and not in the hub cache"):
+        run(["nosuch/data", "--labeled", "1", "--out", str(out)])
+    assert main(["nosuch/data", "--labeled", "1", "--out", str(out)]) == 2  # one line, no traceback
+
+
+def test_one_progress_bar_per_source_file_only_on_a_terminal(sources, tmp_path, monkeypatch):
+    from trapo import console
+
+    tty = Tty()
+    monkeypatch.setattr(console, "_terminal", tty)
+    a, b = write_verl(tmp_path / "a.parquet", _math_rows(20)), write_verl(tmp_path / "b.parquet", _math_rows(20, 20))
+    run([a, b, "--labeled", "10", "--unlabeled", "10", "--out", str(tmp_path / "x.parquet")])
+    assert "a.parquet: rows" in tty.text and "b.parquet: rows" in tty.text and "20/20" in tty.text
+    tty.text = ""
+    run([a, b, "--labeled", "10", "--unlabeled", "10", "--out", str(tmp_path / "y.parquet"), "--no-progress"])
+    assert tty.text == ""  # asked
+    monkeypatch.setattr(console, "_terminal", None)  # stderr under pytest: no tty
+    assert console.progress_bar(10, "x").disable

@@ -53,6 +53,7 @@ def test_trainer_state_round_trip(tmp_path):
         t.heldout_before, t.cursor, t.steps_per_epoch = None, Cursor(0, 0), 4
         t.tracker = PassRateTracker(torch.tensor([True, False, False]), SelectionConfig(warmup_epochs=1, top_p=0.5))
         t.loggers, t.tracker_ids = Loggers([]), {}  # no tracker open (a resumed run keeps the ids it loaded)
+        t.model_source = None  # a local model directory: no hub commit to compare
         return t
 
     a = skeleton(world=2)

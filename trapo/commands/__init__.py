@@ -2,7 +2,7 @@
 
 - train.py       one training run (also `deepspeed trapo_train.py --config ...`)
 - eval.py        benchmarks -> the paper's Table 1 (avg@k, pass@k), resumable
-- prepare.py     training files from local copies of the public datasets, decontaminated
+- prepare/       training files from the public datasets (local copies or hub ids), decontaminated
 - doctor.py      preflight: versions, devices, collectives, a two-step trial run, the memory plan
 - report/        plots and report.md of a run directory
 - reproduce/     the paper's claims on the toy task (`make reproduce-toy`)
