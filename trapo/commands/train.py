@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from trapo.engine.rollout import require_backend
 
         require_backend(cfg.rollout.backend)  # no vLLM for backend vllm: stop before anything is built
+        if int(os.environ.get("RANK", "0")) == 0:  # one run per directory, claimed before its log is opened
+            from trapo.training.run_record import claim
+
+            claim(cfg.run_dir)
     except ConfigError as err:
         print(f"trapo_train: {err}", file=sys.stderr)
         return 2

@@ -286,6 +286,9 @@ class Config:
     save_steps: int = 0  # 0: only at the end
     keep_checkpoints: int | None = None  # None keeps all
     resume_from: str | None = None  # "latest" or a checkpoint directory
+    # Keys a resume may change although they alter what the run means or break its exact resume (trapo/
+    # training/run_record.py: steps, saving, logging and evaluation may change without being named here).
+    resume_changes: list[str] = field(default_factory=list)
     progress_bar: bool = True
     # How long a collective may wait for the other ranks before the run stops with a message (a rank
     # that died or hangs on another node): the longest a healthy rank waits is a checkpoint save or

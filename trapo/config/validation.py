@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from trapo.config.schema import Config, ConfigError
+
+
+def _dotted_keys(obj, prefix: str = "") -> set[str]:
+    out = set()
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out |= _dotted_keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else {prefix + f.name}
+    return out
 
 
 def validate(cfg: Config, source: str = "config") -> None:
@@ -12,7 +22,14 @@ def validate(cfg: Config, source: str = "config") -> None:
         if not ok:
             raise ConfigError(f"{source}: key '{key}': {msg}")
 
-    need(bool(cfg.run_name) and "/" not in cfg.run_name, "run_name", "must be a non-empty name without '/'")
+    need(
+        bool(cfg.run_name.strip()) and not any(c in cfg.run_name for c in "/\\") and cfg.run_name not in (".", ".."),
+        "run_name",
+        f"must be a plain directory name (no '/', not '.' or '..'), got {cfg.run_name!r}",
+    )
+    known = _dotted_keys(cfg)
+    for key in cfg.resume_changes:
+        need(key in known, "resume_changes", f"{key!r} is not a setting (a dotted key such as rollout.n)")
     need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
     need(cfg.max_steps is None or cfg.max_steps >= 1, "max_steps", f"must be >= 1 or null, got {cfg.max_steps}")
     need(cfg.save_steps >= 0, "save_steps", f"must be >= 0, got {cfg.save_steps}")

@@ -424,6 +424,12 @@ def check_run_dir(run_dir: Path, resume_from: str | None) -> None:
     if (run_dir / "metrics.jsonl").is_file() and resolve(resume_from, run_dir / "checkpoints") is None:
         from trapo.config import ConfigError
 
+        if resume_from == "latest":  # it ran, and stopped before its first save: there is nothing to resume
+            raise ConfigError(
+                f"{run_dir} holds an earlier run (metrics.jsonl) that stopped before its first checkpoint, so "
+                f"resume_from=latest has nothing to resume: remove {run_dir} to start it over, or choose another "
+                "run_name or output_dir"
+            )
         raise ConfigError(
             f"{run_dir} holds an earlier run (metrics.jsonl) and resume_from={resume_from} resumes no checkpoint "
             "of it: set resume_from=latest to continue it, choose another run_name or output_dir, or remove it"

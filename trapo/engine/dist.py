@@ -141,10 +141,27 @@ def once_per_node(work):
                 result = work(turn == "others")
             except Exception as err:  # noqa: BLE001 - carried to every rank below, then raised
                 error = err
-        failed = [e for e in all_gather(error) if e is not None]  # also the barrier between the two turns
-        if failed:
-            raise error or failed[0]
+        raise_any(error)  # also the barrier between the two turns
     return result
+
+
+def on_rank0(work):
+    """`work()` on rank 0 alone, while the others wait; an error there stops every rank with it."""
+    result, error = None, None
+    if rank() == 0:
+        try:
+            result = work()
+        except Exception as err:  # noqa: BLE001 - carried to every rank, then raised
+            error = err
+    raise_any(error)
+    return result
+
+
+def raise_any(error: BaseException | None) -> None:
+    """Collective: when any rank passes an error, every rank raises (its own, else the first rank's)."""
+    failed = [e for e in all_gather(error) if e is not None]
+    if failed:
+        raise error or failed[0]
 
 
 def all_max(value: int) -> int:

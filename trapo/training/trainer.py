@@ -32,7 +32,7 @@ from trapo import console, hub, runtime
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.algorithm.selection import confidence_kind
-from trapo.config import Config, dump_config
+from trapo.config import Config, dump_config, to_dict
 from trapo.data import epoch_batches, stop_token_ids
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
@@ -40,7 +40,7 @@ from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, request_seed, require_backend
 from trapo.engine.rollout_engine import open_engine
-from trapo.training import metrics, rollout_dump, sampling
+from trapo.training import metrics, rollout_dump, run_record, sampling
 from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
 from trapo.training.inputs import prepare_inputs
@@ -57,14 +57,16 @@ class Trainer:
         self.is_main = self.rank == 0
         self.run_dir = cfg.run_dir
         self.ckpt_root = self.run_dir / "checkpoints"
-        ckpt.check_run_dir(self.run_dir, cfg.resume_from)  # another run's logs: stop before any model loads
         for notice in runtime.NOTICES:  # what the environment set-up changed, e.g. TORCHDYNAMO_DISABLE on GPU
             console.say(notice)
-        if self.is_main:  # a killed save's staging directory holds disk space the engines will want
-            for partial in ckpt.remove_partials(self.ckpt_root):
-                console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
-        dist.barrier()
+        # rank 0 owns the directory (one run at a time) before it looks at or cleans anything in it
+        dist.on_rank0(lambda: run_record.open_run_dir(self.run_dir, self.ckpt_root, cfg.resume_from))
         self.model_source = None if cfg.toy.enabled else self._fetch_model()
+        # a resume keeps its record: a changed setting that would alter the run stops it before any load
+        resumes = ckpt.resolve(cfg.resume_from, self.ckpt_root) is not None
+        as_run = to_dict(self._as_run(cfg))
+        self.changes = run_record.resume_changes(self.run_dir, as_run, cfg.resume_changes) if resumes else {}
+        self.resumed_from: Path | None = None  # the checkpoint this start resumed, if any
         inputs = prepare_inputs(cfg, self.world, self.model_source and str(self.model_source.local_dir))
         self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
         self.questions, self.prompts = inputs.questions, inputs.prompts
@@ -371,6 +373,7 @@ class Trainer:
         self.rollout.push_weights(self.policy.full_weights())
         if self.is_main:
             metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self.resumed_from = path
         console.say(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ the loop
@@ -379,9 +382,9 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(self._as_run(cfg)))
+        if self.is_main:  # the first start's config stays; every start is a line of starts.jsonl
+            start = {"step": self.step, "world": self.world, "resumed_from": self.resumed_from, "changes": self.changes}
+            run_record.record_start(self.run_dir, dump_config(self._as_run(cfg)), start)
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
         self.loggers = Loggers.open_everywhere(cfg, self.is_main, self.tracker_ids)
         n_labeled = sum(q.labeled for q in self.questions)

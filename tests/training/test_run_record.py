@@ -1,0 +1,141 @@
+"""One run per run directory, and a resume that keeps the run's record (trapo/training/run_record.py): the lock
+is the kernel's (a killed holder leaves none behind), a held directory is one line naming its holder, a resume
+refuses changed settings that would alter the run unless named, and every start is recorded."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from toyrun import ROOT, metrics, overrides, train
+
+from trapo import runtime
+from trapo.config import Config, ConfigError, dump_config, load_config, to_dict
+from trapo.training import run_record
+
+HOLD = (
+    "import sys, time; from trapo.training.run_record import claim; claim(sys.argv[1]); print('held', flush=True); "
+    "time.sleep(600)"
+)
+
+
+def holding(run_dir):
+    """A process that holds `run_dir`'s lock until killed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, env=runtime.subprocess_env(),
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_held_directory_is_refused_naming_its_holder_and_a_killed_holder_leaves_no_lock(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = holding(run_dir)
+    try:
+        with pytest.raises(ConfigError, match=rf"is in use by pid {proc.pid} on host \S+ since 20\d\d-"):
+            run_record.claim(run_dir)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    run_record.claim(run_dir)  # the kernel dropped the dead holder's lock
+    run_record.claim(run_dir)  # held by this process already: nothing to do
+    assert json.loads((run_dir / ".lock").read_text())["pid"] == os.getpid()
+    run_record.release(run_dir)
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="a file is in the way"):
+        run_record.claim(tmp_path / "file")
+    with pytest.raises(ConfigError, match="cannot create or write it .*choose a writable output_dir"):
+        run_record.claim(tmp_path / "file" / "run")
+
+
+def first_start(tmp_path, cfg):
+    run_record.record_start(tmp_path, dump_config(cfg), {"step": 0, "resumed_from": None, "changes": {}})
+
+
+def test_a_resume_refuses_changes_that_alter_the_run_and_lists_each(tmp_path):
+    cfg = Config()
+    first_start(tmp_path, cfg)
+    changed = dataclasses.replace(cfg, seed=3, rollout=dataclasses.replace(cfg.rollout, n=16))
+    with pytest.raises(ConfigError) as err:
+        run_record.resume_changes(tmp_path, to_dict(changed), allowed=[])
+    line = str(err.value)
+    assert "rollout.n: 8 -> 16" in line and "seed: 0 -> 3" in line and "resume_changes=[seed,rollout.n]" in line
+    assert run_record.resume_changes(tmp_path, to_dict(changed), allowed=["seed", "rollout.n"]) == {
+        "seed": [0, 3], "rollout.n": [8, 16]
+    }  # fmt: skip
+    safe = dataclasses.replace(cfg, max_steps=50, eval=dataclasses.replace(cfg.eval, steps=5))
+    assert run_record.resume_changes(tmp_path, to_dict(safe), allowed=[]) == {
+        "max_steps": [None, 50], "eval.steps": [0, 5]
+    }  # fmt: skip
+
+
+def test_the_first_config_stays_and_every_start_is_recorded(tmp_path):
+    first_start(tmp_path, Config())
+    later = Config(max_steps=9)
+    run_record.record_start(tmp_path, dump_config(later), {"step": 4, "resumed_from": "x", "changes": {"a": [1, 2]}})
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["max_steps"] is None
+    starts = [json.loads(line) for line in (tmp_path / "starts.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in starts] == [0, 4] and starts[1]["changes"] == {"a": [1, 2]}
+    assert {"time", "host", "pid"} <= set(starts[0])
+
+
+def test_run_name_is_a_plain_name_and_resume_changes_names_real_keys():
+    toy = os.path.join(ROOT, "configs", "toy.yaml")
+    for bad in ("..", ".", "a/b", " "):
+        with pytest.raises(ConfigError, match="run_name"):
+            load_config(toy, [f"run_name={bad}"])
+    with pytest.raises(ConfigError, match="'rollout.nn' is not a setting"):
+        load_config(toy, ["resume_changes=[rollout.nn]"])
+    assert load_config(toy, ["resume_changes=[rollout.n, train.lr]"]).resume_changes == ["rollout.n", "train.lr"]
+
+
+@pytest.mark.toy_run
+def test_a_second_run_into_a_live_runs_directory_is_one_line_and_the_first_is_untouched(toy_dir, tmp_path):
+    args = overrides(toy_dir, tmp_path, run_name="shared", max_steps=12)
+    first = subprocess.Popen([sys.executable, "trapo_train.py", *args], cwd=ROOT, env=runtime.subprocess_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lock = tmp_path / "shared" / ".lock"
+    deadline = time.time() + 120
+    while not (lock.is_file() and lock.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    second = train(args, check=False)
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert second.returncode == 2 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+    assert f"is in use by pid {first.pid}" in lines[0]
+    _, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "shared")] == list(range(1, 13))
+
+
+@pytest.mark.toy_run
+@pytest.mark.xdist_group("straight_run")
+def test_a_resume_with_a_changed_setting_stops_before_loading_and_keeps_the_first_config(
+    toy_dir, tmp_path, straight_run
+):
+    shutil.copytree(straight_run, tmp_path / "straight")
+    config = (tmp_path / "straight" / "config.yaml").read_text()
+    args = overrides(toy_dir, tmp_path, run_name="straight", mode="trapo", resume_from="latest", save_steps=2)
+    changed = train([*args, "max_steps=6", "rollout.n=4"], check=False)
+    lines = [line for line in changed.stderr.splitlines() if line.strip()]
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr, changed.stderr[-3000:]
+    assert "rollout.n: 8 -> 4" in lines[-1] and "resume_changes=[rollout.n]" in lines[-1]
+    assert (tmp_path / "straight" / "config.yaml").read_text() == config
+
+    train([*args, "max_steps=6"])  # steps and saving may change
+    assert (tmp_path / "straight" / "config.yaml").read_text() == config
+    starts = [json.loads(line) for line in (tmp_path / "straight" / "starts.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in starts] == [0, 4] and starts[0]["changes"] == {}
+    assert starts[1]["changes"]["max_steps"] == [4, 6] and set(starts[1]["changes"]) <= {
+        "max_steps",
+        "resume_from",
+        "output_dir",
+    }  # fmt: skip (the copy moved the run directory: output_dir is recorded too)
+    assert [r["step"] for r in metrics(tmp_path / "straight")] == list(range(1, 7))

@@ -1,0 +1,161 @@
+"""A run directory's owner and its record: one run at a time, a first config that stays, every start logged.
+
+    claim(run_dir)                       # rank 0, before anything is written there; ConfigError when held
+    changes = resume_changes(run_dir, as_run, allowed)   # a resume: refused keys raise, safe ones returned
+    record_start(run_dir, {...})          # one line of starts.jsonl per start
+
+The lock is `run_dir/.lock` under `fcntl.flock`, held by rank 0 for the life of its process: the kernel drops
+it when the process ends, however it ends (kill -9 included), so no stale lock is left to clean up. A run
+that finds it held stops in one line naming the holder (host, pid, since when), read from the lock file.
+On shared filesystems: NFS (v3 with lockd, v4) carries the lock across clients, since Linux emulates flock
+there with NFS byte-range locks; Lustre does with its `flock` mount option, excludes only runs on the same
+node with `localflock`, and refuses the call with neither (`noflock`), in which case the run says so once
+and goes on unlocked.
+
+`config.yaml` is written by a run's first start and never overwritten by a resume. A resume compares its
+config (a hub model's revision pinned to its commit) with it, key by key: a key in `SAFE` may change; any
+other change is refused, listing each key with its old and new value, unless `resume_changes` names it.
+`starts.jsonl` records every start: when, where, the step it started at, the world size and the changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+import yaml
+
+from trapo import console
+from trapo.config import ConfigError
+
+LOCK = ".lock"
+STARTS = "starts.jsonl"
+# Keys a resume may change: they decide how long the run goes, what it saves and logs, how it evaluates
+# and how it uses memory or processes, never which samples it draws or how it updates on them.
+SAFE = (
+    "max_steps", "epochs", "save_steps", "keep_checkpoints", "resume_from", "resume_changes", "progress_bar",
+    "dist_timeout_minutes", "output_dir", "run_name", "logging.", "eval.", "reward.workers",
+    "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gb", "rollout.enable_sleep_mode",
+)  # fmt: skip
+
+_held: dict[Path, int] = {}  # run directory -> the descriptor holding its lock (this process)
+
+
+def claim(run_dir: Path) -> None:
+    """Hold `run_dir`'s lock for this process's life (again in the same process: nothing to do). Creates the
+    directory. ConfigError when another process holds it, or when the directory cannot be made or written."""
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _held:
+        return
+    where = f"run directory {run_dir} (output_dir/run_name)"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{where}: a file is in the way; choose another run_name or output_dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ConfigError(
+            f"{where}: cannot create or write it ({err.strerror}); choose a writable output_dir"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise ConfigError(f"{where} is in use by {holder(run_dir)}; wait for that run to end (or stop it), or "
+                              "choose another run_name or output_dir") from None  # fmt: skip
+        console.say(f"{run_dir}: cannot lock it ({err.strerror}: this filesystem has no flock, e.g. Lustre "
+                    "without the flock mount option); a second run into it would not be stopped")  # fmt: skip
+        _held[run_dir] = fd
+        return
+    since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since}).encode(), 0)
+    _held[run_dir] = fd
+
+
+def holder(run_dir: Path) -> str:
+    """'pid P on host H since T', from the lock file the holding run wrote."""
+    try:
+        info = json.loads((Path(run_dir) / LOCK).read_text())
+        return f"pid {info['pid']} on host {info['host']} since {info['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another run (its lock file names no holder yet)"
+
+
+def release(run_dir: Path) -> None:
+    """Drop the lock early (tests; a process's end drops it anyway)."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE)
+
+
+def resume_changes(run_dir: Path, as_run: dict, allowed: list[str]) -> dict[str, list]:
+    """{key: [old, new]} of every setting that differs from the run's config.yaml (none without one).
+    ConfigError, listing each, when a key outside SAFE changed and `allowed` does not name it. A key only
+    one side knows (the schema grew or shrank between the starts) is not compared."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        first = _flat(yaml.safe_load(path.read_text()) or {})
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: cannot read the run's config ({err}); restore it, or start a new run") from None
+    now = _flat(as_run)
+    changes = {k: [first[k], now[k]] for k in now if k in first and first[k] != now[k]}
+    refused = {k: v for k, v in changes.items() if not safe(k) and k not in allowed}
+    if refused:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        hint = ""
+        if "model.revision" in refused:
+            hint = (
+                f" (model.revision: the hub revision moved on; model.revision={refused['model.revision'][0]} resumes)"
+            )
+        raise ConfigError(
+            f"resuming {run_dir} with settings that differ from its first start, which would break the run's "
+            f"record and its exact resume: {listed}{hint}; put the old values back, or name the keys you mean to "
+            f"change in resume_changes=[{','.join(refused)}]"
+        )
+    return changes
+
+
+def open_run_dir(run_dir: Path, ckpt_root: Path, resume_from: str | None) -> None:
+    """Rank 0, at a run's start: claim the directory, refuse another run's logs that this run would not
+    resume (`check_run_dir`), and, under the lock, remove the partial checkpoint a killed save left."""
+    from trapo.engine import checkpoint as ckpt  # here: `claim` runs before torch is imported (train command)
+
+    claim(run_dir)
+    ckpt.check_run_dir(run_dir, resume_from)
+    for partial in ckpt.remove_partials(ckpt_root):  # it holds disk space the engines will want
+        console.say(f"removed {partial}: a partial checkpoint left by an interrupted save")
+
+
+def record_start(run_dir: Path, config_text: str, entry: dict) -> None:
+    """Rank 0: write config.yaml at the run's first start (a resume keeps the first one), and append this
+    start to starts.jsonl."""
+    config = Path(run_dir) / "config.yaml"
+    if entry.get("resumed_from") is None or not config.is_file():
+        config.write_text(config_text)
+    entry = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+             "host": socket.gethostname(), "pid": os.getpid(), **entry}  # fmt: skip
+    with open(Path(run_dir) / STARTS, "a") as f:
+        f.write(json.dumps(entry, default=str) + "\n")
