@@ -112,12 +112,45 @@ def test_overrides_are_typed_and_dotted():
         ("selection.strategy=entropie", "key 'selection.strategy': got 'entropie' (str); expected one of 'tcs'"),
         ("selection.fixed_ratio=1.5", "key 'selection.fixed_ratio': must be in [0, 1] or null, got 1.5"),
         ("rollout.dynamic_sampling_max_rounds=-1", "key 'rollout.dynamic_sampling_max_rounds': must be >= 0"),
+        # what a library would reject minutes later (vLLM's SamplingParams, torch's AdamW), refused now
+        ("eval.temperature=-0.5", "override 'eval.temperature=-0.5': key 'eval.temperature': must be in [0, 2]"),
+        ("rollout.temperature=2.5", "key 'rollout.temperature': must be in (0, 2]"),
+        ("rollout.eval_temperature=-1", "key 'rollout.eval_temperature': must be in [0, 2]"),
+        ("eval.max_tokens=0", "key 'eval.max_tokens': must be in [1, rollout.max_tokens=12]"),
+        ("train.weight_decay=-0.1", "key 'train.weight_decay': must be >= 0"),
+        ("train.adam_betas=[0.9,1.0]", "key 'train.adam_betas': each must be in [0, 1)"),
+        ("model.rope_theta=0", "key 'model.rope_theta': must be > 0 or null"),
+        ("data.max_prompt_tokens=0", "key 'data.max_prompt_tokens': must be >= 1"),
+        ("run_name=..", "key 'run_name': must be a plain directory name"),
+        ("resume_changes=[rollout.nn]", "key 'resume_changes': 'rollout.nn' is not a setting"),
     ],
 )
 def test_bad_settings_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(os.path.join(ROOT, "configs", "toy.yaml"), [override])
     assert needle in str(err.value)
+
+
+def test_a_range_error_names_the_override_that_caused_it_and_the_file_otherwise(tmp_path):
+    toy = os.path.join(ROOT, "configs", "toy.yaml")
+    with pytest.raises(ConfigError, match=r"^override 'eval.n=4': key 'eval.n': greedy decoding"):
+        load_config(toy, ["eval.temperature=0", "eval.n=4"])
+    with pytest.raises(ConfigError, match=r"^override 'selection.top_p=3': key 'selection.top_p'"):
+        load_config(toy, ["selection.top_p=3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("toy:\n  enabled: true\nrollout:\n  top_p: 2\n")
+    with pytest.raises(ConfigError, match=rf"^config file {bad}: key 'rollout.top_p'"):
+        load_config(str(bad), ["max_steps=3"])
+
+
+def test_exponents_without_a_dot_are_numbers_as_people_type_them(tmp_path):
+    """YAML 1.1 (PyYAML) reads 1e-6 as a string; the paper's learning rate is typed that way."""
+    f = tmp_path / "lr.yaml"
+    f.write_text("toy:\n  enabled: true\ntrain:\n  lr: 1e-6\n")
+    assert load_config(str(f)).train.lr == 1e-6
+    assert load_config(str(f), ["train.lr=5E-7"]).train.lr == 5e-7
+    with pytest.raises(ConfigError, match="expected a number"):
+        load_config(str(f), ["train.lr=1e-6x"])
 
 
 def test_bad_yaml_file_names_the_file(tmp_path):

@@ -9,6 +9,8 @@ from trapo.data import (
     THINK_SYSTEM,
     DataError,
     epoch_batches,
+    gold_problem,
+    gradable,
     load_questions,
     render_prompt,
     select_for_mode,
@@ -71,6 +73,41 @@ def test_bad_rows_are_named(tmp_path, rows, needle):
     with pytest.raises(DataError) as err:
         load_questions([f])
     assert "bad.jsonl" in str(err.value) and needle in str(err.value)
+
+
+def test_invalid_unicode_is_named_by_file_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"question": "ok", "answer": "1"}\n{"question": "a \\ud800 b", "answer": "2"}\n')  # JSON's escape
+    with pytest.raises(DataError, match=r"bad.jsonl line 2: field 'question' holds invalid Unicode .*'\\ud800'"):
+        load_questions([str(f)])
+
+
+@pytest.mark.parametrize(
+    "gold, problem",
+    [("see the solution above", "prose"), ("The answer is 5", "prose"), ("", "empty"), ("  ", "empty"),
+     (None, "empty"), ("5", None), ("\\frac{1}{2}", None), ("red, green, blue", None), ("\\text{Monday}", None),
+     ("x = 2", None), ("infinitely many", None), ("\\text{not a number}", None)],
+)  # fmt: skip
+def test_gold_problem_by_hand(gold, problem):
+    assert gold_problem(gold) == problem
+
+
+def test_a_labeled_row_whose_gold_cannot_be_graded_is_an_error_or_dropped_when_asked(tmp_path):
+    rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "see the solution above"},
+            {"question": "3+3?", "answer": "", "labeled": True}, {"question": "u?", "labeled": False}]  # fmt: skip
+    questions = load_questions([write_jsonl(tmp_path / "t.jsonl", rows)])
+    with pytest.raises(DataError, match=r"t.jsonl line 2: a labeled row's gold is prose .*\(2 such rows in all\)"):
+        gradable(questions, drop=False)
+    kept, dropped = gradable(questions, drop=True)
+    assert dropped == 2 and [q.question for q in kept] == ["1+1?", "u?"]
+
+
+def test_modes_that_need_unlabeled_rows_refuse_files_without_any(tmp_path):
+    questions = load_questions([write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1?", "answer": "2"}])])
+    for mode in ("trapo", "naive_semi"):
+        with pytest.raises(DataError, match=f"mode '{mode}' needs unlabeled questions"):
+            select_for_mode(questions, mode)
+    assert select_for_mode(questions, "supervised") == questions
 
 
 def test_bad_files(tmp_path):

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,10 +70,36 @@ def _text(value, where: str, field: str, required: bool) -> str | None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise DataError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
-    text = str(value)
+    text = valid_unicode(str(value), where, field)
     if required and not text.strip():
         raise DataError(f"{where}: field '{field}' is empty")
     return text
+
+
+def valid_unicode(text: str, where: str, field: str) -> str:
+    """`text`, when it is valid Unicode: a lone surrogate (JSON's "\\ud800") cannot be encoded, so the
+    tokenizer would fail on it mid-run."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DataError(
+            f"{where}: field '{field}' holds invalid Unicode (a lone surrogate {text[err.start]!r} at character "
+            f"{err.start}); fix or remove the row"
+        ) from None
+    return text
+
+
+# Three or more words in a row, separated by spaces alone: a sentence ("see the solution above"), not a
+# mathematical answer (a set "red, green, blue", "\\text{Monday}", "x = 2").
+_PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}(?: +[A-Za-z]{2,}){2,}")
+
+
+def gold_problem(gold: str | None) -> str | None:
+    """Why a labeled row's gold cannot be graded ('empty', 'prose'), or None. Such a gold scores 0 against
+    every response, so its question teaches nothing but noise."""
+    if gold is None or not gold.strip():
+        return "empty"
+    return "prose" if _PROSE.search(re.sub(r"\\[A-Za-z]+", " ", gold)) else None
 
 
 def _flag(value, where: str, field: str) -> bool | None:
@@ -98,7 +125,7 @@ def parquet_rows(path: Path) -> list[Question]:
         for j, m in enumerate(prompt):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: field 'prompt[{j}]' must have string 'role' and 'content'")
-            messages.append((m["role"], m["content"]))
+            messages.append((m["role"], valid_unicode(m["content"], where, f"prompt[{j}].content")))
         users = [c for r, c in messages if r == "user"]
         if not users:
             raise DataError(f"{where}: field 'prompt' has no user message (the question)")
@@ -154,7 +181,8 @@ def load_questions(files: list[str], labeled_ratio: float | None = None, seed: i
 
     With `labeled_ratio` None each row's flag decides (a row without one is
     labeled when it has an answer); otherwise round(ratio * rows) rows that
-    have an answer are drawn as labeled with `seed`, the rest are unlabeled.
+    have a gradable answer (`gold_problem`) are drawn as labeled with `seed`,
+    the rest are unlabeled.
     """
     questions: list[Question] = []
     for name in files:
@@ -175,7 +203,7 @@ def load_questions(files: list[str], labeled_ratio: float | None = None, seed: i
             raise DataError(f"{q.where}: duplicate id '{q.uid.split(':', 1)[1]}' (first at {seen[q.uid]})")
         seen[q.uid] = q.where
     if labeled_ratio is not None:
-        with_gold = [i for i, q in enumerate(questions) if q.answer is not None]
+        with_gold = [i for i, q in enumerate(questions) if gold_problem(q.answer) is None]
         k = round(labeled_ratio * len(questions))
         if k > len(with_gold):
             raise DataError(f"labeled_ratio {labeled_ratio}: needs {k} rows with an answer, found {len(with_gold)}")
@@ -189,6 +217,20 @@ def load_questions(files: list[str], labeled_ratio: float | None = None, seed: i
     return questions
 
 
+def gradable(questions: list[Question], drop: bool) -> tuple[list[Question], int]:
+    """(the questions, how many were dropped): a labeled question whose gold cannot be graded is a DataError
+    naming its row and why, or with `drop` (data.drop_ungradable_golds) left out and counted."""
+    bad = [(q, why) for q in questions if q.labeled and (why := gold_problem(q.answer))]
+    if bad and not drop:
+        q, why = bad[0]
+        raise DataError(
+            f"{q.where}: a labeled row's gold is {why} ({q.answer!r}): it would score 0 against every response "
+            f"({len(bad)} such rows in all); fix the gold, or set data.drop_ungradable_golds=true to drop them"
+        )
+    dropped = {id(q) for q, _ in bad}
+    return [q for q in questions if id(q) not in dropped], len(bad)
+
+
 def select_for_mode(questions: list[Question], mode: str) -> list[Question]:
     """supervised: labeled only; unsupervised: every question, labels hidden; else as is."""
     if mode == "supervised":
@@ -200,6 +242,11 @@ def select_for_mode(questions: list[Question], mode: str) -> list[Question]:
         return [Question(q.uid, q.question, q.answer, False, q.messages, q.where) for q in questions]
     if mode == "trapo" and not any(q.labeled for q in questions):
         raise DataError("mode 'trapo' needs some labeled questions (they form the reliable database)")
+    if mode in ("trapo", "naive_semi") and all(q.labeled for q in questions):
+        raise DataError(
+            f"mode '{mode}' needs unlabeled questions, and every training row is labeled: mark some "
+            "unlabeled (a 'labeled' flag, or data.labeled_ratio), or use mode supervised"
+        )
     return questions
 
 

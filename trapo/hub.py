@@ -142,6 +142,40 @@ def _explain(err: Exception, name: str, revision: str | None, what: str, repo_ty
     return f"{where}: the Hugging Face hub failed ({type(err).__name__}: {first})"
 
 
+def weight_problem(model_dir) -> str | None:
+    """What is wrong with a model directory's safetensors files, read from their headers alone (no tensor is
+    loaded), or None: a shard the index names that is missing, a header that does not parse, or a file shorter
+    than its header says (a truncated copy or download)."""
+    import json
+    import struct
+
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            return f"{index.name}: cannot read its weight_map ({err})"
+        missing = [s for s in shards if not (d / s).is_file()]
+        if missing:
+            return f"{missing[0]} is missing (named by {index.name}; {len(missing)} of {len(shards)} shards absent)"
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n)) if 8 + n <= size else None
+        except (OSError, ValueError, struct.error) as err:
+            return f"{f.name}: not a readable safetensors file ({err})"
+        if header is None:
+            return f"{f.name}: truncated ({size} bytes, shorter than its own header)"
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+        expected = 8 + n + max(ends, default=0)
+        if size < expected:
+            return f"{f.name}: truncated ({size} of {expected} bytes); copy or download it again"
+    return None
+
+
 def _check_model(snap: Snapshot, what: str) -> None:
     """A model snapshot holds a config.json and safetensors weights (a .bin-only repository is not loaded)."""
     d = snap.local_dir

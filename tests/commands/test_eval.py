@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,37 @@ def test_one_progress_bar_per_benchmark_counts_what_is_left_and_samples_per_seco
     with BenchmarkBars(benchmarks, done, n_for=lambda name: 4, enabled=False) as bars:  # --no-progress
         bars.advance("math")
     assert Tty.text == ""
+
+
+def test_arguments_and_weights_are_checked_before_the_engine_starts(tmp_path):
+    """What vLLM would reject after loading, and a truncated weight file, named by flag or file in one line."""
+    import argparse
+    import struct
+    import subprocess
+    import sys
+
+    from trapo import runtime
+    from trapo.commands.eval import check_arguments
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    ok = dict(n=None, temperature=0.6, max_tokens=32, max_prompt_tokens=16, limit=None, hf_max_batch=8)
+    check_arguments(argparse.Namespace(**ok), model)
+    for change, needle in [({"n": 0}, "--n 0: samples per question must be >= 1"),
+                           ({"temperature": -1.0}, "--temperature -1.0: must be in [0, 2]"),
+                           ({"max_tokens": 60}, "--max-prompt-tokens 16 + --max-tokens 60 exceeds the 64 tokens"),
+                           ({"limit": 0}, "--limit 0: must be >= 1")]:  # fmt: skip
+        with pytest.raises(DataError, match=re.escape(needle)):
+            check_arguments(argparse.Namespace(**{**ok, **change}), model)
+    (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:-4])
+    with pytest.raises(DataError, match=r"model.safetensors: truncated \(\d+ of \d+ bytes\)"):
+        check_arguments(argparse.Namespace(**ok), model)
+
+    out = subprocess.run([sys.executable, "-m", "trapo", "eval", "--model", str(model), "--benchmarks", "math",
+                          "--n", "0", "--out", str(tmp_path / "o")], capture_output=True, text=True,
+                         env=runtime.subprocess_env(), cwd=runtime.ROOT, timeout=300)  # fmt: skip
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and lines == ["trapo eval: --n 0: samples per question must be >= 1"], out.stderr

@@ -304,3 +304,22 @@ def test_one_progress_bar_per_source_file_only_on_a_terminal(sources, tmp_path, 
     assert tty.text == ""  # asked
     monkeypatch.setattr(console, "_terminal", None)  # stderr under pytest: no tty
     assert console.progress_bar(10, "x").disable
+
+
+def test_malformed_and_invalid_rows_are_named_by_file_and_line_and_prose_golds_are_dropped(tmp_path):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": \n')
+    out = str(tmp_path / "x.parquet")
+    with pytest.raises(DataError, match=r"bad.jsonl line 2: not valid JSON \(Expecting value, column \d+\)"):
+        run([str(bad_json), "--labeled", "1", "--out", out])
+    assert main([str(bad_json), "--labeled", "1", "--out", out]) == 2  # one line, no traceback
+    surrogate = tmp_path / "sur.jsonl"
+    surrogate.write_text('{"question": "a \\ud800", "answer": "2"}\n')
+    with pytest.raises(DataError, match=r"sur.jsonl row 0: field 'question' holds invalid Unicode"):
+        run([str(surrogate), "--labeled", "1", "--out", out])
+    rows = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)]
+    rows += [{"question": "Which one?", "answer": "see the solution above"}]
+    prose = tmp_path / "prose.jsonl"
+    prose.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    manifest = run([str(prose), "--labeled", "all", "--out", out])
+    assert manifest["counts"]["gold_unusable"] == 1 and manifest["counts"]["labeled"] == 6

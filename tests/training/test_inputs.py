@@ -22,3 +22,50 @@ def test_batch_sizes_must_divide_over_the_ranks(tmp_path):
     cfg = load_config(os.path.join(ROOT, "configs", "trapo_1k_3k.yaml"), [f"model.path={tmp_path / 'model'}"])
     with pytest.raises(ConfigError, match=r"must be multiples of the world size \(7\)"):
         prepare_inputs(cfg, world=7)
+
+
+def fake_model(tmp_path, config: dict, weights: bytes | None = None):
+    """A model directory with `config` as its config.json and, when given, one safetensors file."""
+    import json
+
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (d / "model.safetensors").write_bytes(weights)
+    return d
+
+
+def safetensors_bytes(n_floats: int) -> bytes:
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [n_floats], "data_offsets": [0, 4 * n_floats]}}).encode()
+    return struct.pack("<Q", len(header)) + header + b"\0" * (4 * n_floats)
+
+
+def test_a_response_budget_past_the_models_context_is_refused_before_any_load(tmp_path):
+    d = fake_model(tmp_path, {"max_position_embeddings": 4096})
+    paper = os.path.join(ROOT, "configs", "trapo_1k_3k.yaml")  # 1024 + 8192 tokens; its override gives 16384
+    with pytest.raises(ConfigError, match=r"= 9216 tokens exceeds .*max_position_embeddings = 4096"):
+        prepare_inputs(load_config(paper, [f"model.path={d}", "model.max_position_embeddings=null"]), world=1)
+    rope = fake_model(tmp_path, {"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4}})
+    with pytest.raises(ConfigError, match="must be multiples"):  # 4096 x 4 serves 9216: on to the next check
+        prepare_inputs(load_config(paper, [f"model.path={rope}", "model.max_position_embeddings=null"]), world=7)
+
+
+def test_a_truncated_weight_file_is_named_before_any_load(tmp_path):
+    from trapo.hub import weight_problem
+
+    whole = safetensors_bytes(16)
+    assert weight_problem(fake_model(tmp_path, {}, whole)) is None
+    d = fake_model(tmp_path, {}, whole[:-10])
+    assert (
+        weight_problem(d)
+        == f"model.safetensors: truncated ({len(whole) - 10} of {len(whole)} bytes); copy or download it again"
+    )
+    paper = os.path.join(ROOT, "configs", "trapo_1k_3k.yaml")
+    with pytest.raises(ConfigError, match="model.safetensors: truncated"):
+        prepare_inputs(load_config(paper, [f"model.path={d}"]), world=1)
+    (d / "model.safetensors").write_bytes(b"\x05")
+    assert "not a readable safetensors file" in weight_problem(d)

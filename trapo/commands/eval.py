@@ -102,6 +102,33 @@ def _load_done(path: Path, settings: dict) -> dict:
     return done
 
 
+def check_arguments(args, model: Path) -> None:
+    """The ranges vLLM's SamplingParams and max_model_len checks would reject later (after the model loaded),
+    and the model's weight files, checked now: DataError naming the flag or the file."""
+    from trapo.engine.rollout import context_limit
+
+    if args.n is not None and args.n < 1:
+        raise DataError(f"--n {args.n}: samples per question must be >= 1")
+    if not 0 <= args.temperature <= 2:
+        raise DataError(f"--temperature {args.temperature}: must be in [0, 2] (0: greedy)")
+    for flag, value in (("--max-tokens", args.max_tokens), ("--max-prompt-tokens", args.max_prompt_tokens)):
+        if value < 1:
+            raise DataError(f"{flag} {value}: must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise DataError(f"--limit {args.limit}: must be >= 1")
+    if args.hf_max_batch < 1:
+        raise DataError(f"--hf-max-batch {args.hf_max_batch}: must be >= 1")
+    problem = hub.weight_problem(model)
+    if problem:
+        raise DataError(f"--model {model}: {problem}")
+    limit = context_limit(model)
+    if limit is not None and args.max_prompt_tokens + args.max_tokens > limit[0]:
+        raise DataError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens} exceeds the "
+            f"{limit[0]} tokens the model serves ({limit[1]} in its config.json); lower them"
+        )
+
+
 def latest_toy_checkpoint(root: Path = Path("outputs/toy/checkpoints")) -> Path:
     from trapo.engine import checkpoint as ckpt
 
@@ -152,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         model = source.local_dir if source else latest_toy_checkpoint()
         if not (model / "config.json").is_file():
             raise DataError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+        check_arguments(args, model)
         on_hub = source is not None and source.commit is not None
         if not args.benchmarks:
             raise DataError("--benchmarks is required (e.g. math,arc_c,gpqa)")
@@ -159,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit:
             benchmarks = [Benchmark(b.name, b.questions[: args.limit], b.source) for b in benchmarks]
         n_for = (lambda name: args.n) if args.n else (lambda name: PAPER_SAMPLES.get(name, 1))
+        several = [b.name for b in benchmarks if n_for(b.name) > 1]
+        if args.temperature == 0 and several:
+            raise DataError(f"--temperature 0 (greedy) gives one sample per question; {several[0]} takes "
+                            f"{n_for(several[0])} by the paper's protocol: add --n 1")  # fmt: skip
         if args.pass_k and any(n_for(b.name) < args.pass_k for b in benchmarks):
             raise DataError(f"--pass-k {args.pass_k} needs --n >= {args.pass_k}")
         default_out = Path("outputs/eval") / args.model.replace("/", "--") if on_hub else model.parent / "eval"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -18,6 +19,9 @@ import yaml
 
 from trapo.config.schema import REMOVED_KEYS, Config, ConfigError
 from trapo.config.validation import validate
+
+# A number in exponent notation that YAML 1.1 leaves a string (no dot in the mantissa, e.g. 1e-6, 5E3).
+YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+[eE][-+]?[0-9]+")
 
 
 def _describe(tp: Any) -> str:
@@ -67,6 +71,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise bad
         return value
     if tp is float:
+        if isinstance(value, str) and YAML11_EXPONENT.fullmatch(value.strip()):
+            return float(value)  # 1e-6: YAML 1.1 (PyYAML) reads an exponent without a dot as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad
         return float(value)
@@ -128,10 +134,23 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
         _apply(cfg, data, f"config file {path}")
+    origins = {}  # dotted key -> the override that set it, so a range error names the override
     for text in overrides:
-        _apply(cfg, parse_override(text), f"override {text!r}")
-    validate(cfg, f"config file {path}" if path else "config")
+        parsed = parse_override(text)
+        _apply(cfg, parsed, f"override {text!r}")
+        origins.update({key: f"override {text!r}" for key in _dotted(parsed)})
+    validate(cfg, f"config file {path}" if path else "config", origins)
     return cfg
+
+
+def _dotted(tree: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of a nested mapping, its sections included ({'a': {'b': 1}} -> a, a.b)."""
+    out = []
+    for key, value in tree.items():
+        out.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            out += _dotted(value, f"{prefix}{key}.")
+    return out
 
 
 def to_dict(cfg: Config) -> dict:

@@ -38,6 +38,9 @@ class DataConfig:
     prompt_template: Literal["think", "cot", "chat", "dataset", "plain"] = "think"
     max_prompt_tokens: int = 1024  # longer prompts are an input error, reported before training
     test_files: list[str] = field(default_factory=list)  # held-out pass@1 before / after training (benchmark files)
+    # A labeled row whose gold is empty or prose ("see the solution above") scores 0 against every response:
+    # an error naming the row, or with true dropped and counted (trapo/data.py `gold_problem`).
+    drop_ungradable_golds: bool = False
 
 
 @dataclass

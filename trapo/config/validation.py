@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from trapo.config.schema import Config, ConfigError
 
@@ -15,12 +16,14 @@ def _dotted_keys(obj, prefix: str = "") -> set[str]:
     return out
 
 
-def validate(cfg: Config, source: str = "config") -> None:
-    """Cross-key checks that a type alone cannot express."""
+def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None = None) -> None:
+    """Cross-key checks that a type alone cannot express. `origins` maps the keys a command-line override set
+    to that override, which an error then names instead of the file."""
+    origins = origins or {}
 
     def need(ok: bool, key: str, msg: str) -> None:
         if not ok:
-            raise ConfigError(f"{source}: key '{key}': {msg}")
+            raise ConfigError(f"{origins.get(key, source)}: key '{key}': {msg}")
 
     need(
         bool(cfg.run_name.strip()) and not any(c in cfg.run_name for c in "/\\") and cfg.run_name not in (".", ".."),
@@ -50,7 +53,10 @@ def validate(cfg: Config, source: str = "config") -> None:
         "the hf backend generates on each rank alone (ZeRO-3 gathers the whole model there); set it to 1",
     )
     need(r.n >= 2, "rollout.n", f"GRPO needs at least 2 rollouts per question, got {r.n}")
-    need(r.temperature > 0, "rollout.temperature", f"must be > 0 for sampling, got {r.temperature}")
+    # The sampling ranges below are vLLM 0.32's (SamplingParams._verify_args): temperature in [0, 2],
+    # top_p in (0, 1], max_tokens >= 1, n == 1 under greedy decoding; the hf backend keeps the same ranges.
+    need(0 < r.temperature <= 2, "rollout.temperature", f"must be in (0, 2] for sampling, got {r.temperature}")
+    need(0 <= r.eval_temperature <= 2, "rollout.eval_temperature", f"must be in [0, 2], got {r.eval_temperature}")
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.max_tokens >= 1, "rollout.max_tokens", f"must be >= 1, got {r.max_tokens}")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
@@ -99,7 +105,13 @@ def validate(cfg: Config, source: str = "config") -> None:
     need(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     need(cfg.loss.clip_eps > 0, "loss.clip_eps", "must be > 0")
     need(cfg.loss.beta >= 0.0, "loss.beta", f"must be >= 0, got {cfg.loss.beta}")
-    s.check(source)
+    try:
+        s.check(source)
+    except ConfigError as err:  # the override that set the key, when one did
+        key = re.search(r"key '([^']+)'", str(err))
+        if key and key.group(1) in origins:
+            raise ConfigError(str(err).replace(source, origins[key.group(1)], 1)) from None
+        raise
     need(
         cfg.data.labeled_ratio is None or 0 <= cfg.data.labeled_ratio <= 1,
         "data.labeled_ratio",
@@ -114,7 +126,28 @@ def validate(cfg: Config, source: str = "config") -> None:
         "eval.files",
         "eval.steps > 0 needs validation files",
     )
-    need(cfg.eval.n >= 1, "eval.n", f"must be >= 1, got {cfg.eval.n}")
+    e = cfg.eval
+    need(e.n >= 1, "eval.n", f"must be >= 1, got {e.n}")
+    need(0 <= e.temperature <= 2, "eval.temperature", f"must be in [0, 2], got {e.temperature}")
+    need(e.temperature > 0 or e.n == 1, "eval.n", f"greedy decoding (eval.temperature 0) draws one sample, got {e.n}")
+    need(
+        e.max_tokens is None or 1 <= e.max_tokens <= r.max_tokens,
+        "eval.max_tokens",
+        f"must be in [1, rollout.max_tokens={r.max_tokens}] (the engine is sized for rollout.max_tokens), "
+        f"or null, got {e.max_tokens}",
+    )
+    need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", f"must be >= 1, got {cfg.data.max_prompt_tokens}")
+    # torch.optim.AdamW's own checks (weight_decay >= 0, each beta in [0, 1))
+    need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    need(all(0 <= b < 1 for b in t.adam_betas), "train.adam_betas", f"each must be in [0, 1), got {t.adam_betas}")
+    need(r.cpu_kv_cache_gb > 0, "rollout.cpu_kv_cache_gb", f"must be > 0, got {r.cpu_kv_cache_gb}")
+    m = cfg.model
+    need(m.rope_theta is None or m.rope_theta > 0, "model.rope_theta", f"must be > 0 or null, got {m.rope_theta}")
+    need(
+        m.max_position_embeddings is None or m.max_position_embeddings >= 1,
+        "model.max_position_embeddings",
+        f"must be >= 1 or null, got {m.max_position_embeddings}",
+    )
     need(cfg.reward.workers >= 1, "reward.workers", "must be >= 1")
     lg = cfg.logging
     need(lg.rollouts_every >= 0, "logging.rollouts_every", f"must be >= 0 (0: no dumps), got {lg.rollouts_every}")

@@ -47,6 +47,43 @@ def decode_responses(tokenizer, responses: list[list[int]], stop_token_ids: list
     return tokenizer.batch_decode(bodies, skip_special_tokens=True)
 
 
+# vLLM 0.32's rule for the longest sequence an engine may serve (transformers_utils/
+# model_arch_config_convertor.py `derive_max_model_len_and_key`, config/model.py `_get_and_verify_max_len`): the
+# smallest of these config.json keys, times the RoPE scaling factor unless its type extends the context
+# itself; vLLM refuses a longer max_model_len (VLLM_ALLOW_LONG_MAX_MODEL_LEN aside, under which RoPE positions
+# past it give NaN). The hf backend gets the same limit: past it the positions are out of the model's training.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
+UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def context_limit(model_dir, max_position_embeddings: int | None = None) -> tuple[int, str] | None:
+    """(the longest prompt + response the model serves, the config.json key it comes from), or None when
+    its config.json names none. `max_position_embeddings` is the run's override (model.max_position_embeddings)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the loaders say what is wrong with it
+    config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    if max_position_embeddings is not None:
+        config = {**config, "max_position_embeddings": max_position_embeddings}
+    found = [(int(config[k]), k) for k in CONTEXT_KEYS if isinstance(config.get(k), int | float)]
+    if not found:
+        return None
+    length, key = min(found)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if (
+        isinstance(rope, dict)
+        and rope.get("factor")
+        and (rope.get("rope_type") or rope.get("type")) not in UNSCALED_ROPE
+    ):
+        length, key = int(length * rope["factor"]), f"{key} x rope_scaling.factor"
+    return length, key
+
+
 def installed(package: str) -> bool:
     """Whether `package` can be imported, without importing it (vLLM's import takes seconds)."""
     if package in sys.modules:

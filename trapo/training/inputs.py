@@ -15,17 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trapo import console, hub
 from trapo.config import Config, ConfigError
 from trapo.data import (
     Benchmark,
     DataError,
     Question,
     epoch_batches,
+    gradable,
     load_questions,
     read_benchmark_file,
     select_for_mode,
     tokenize_prompts,
 )
+from trapo.engine.rollout import context_limit
 
 
 @dataclass
@@ -57,6 +60,17 @@ def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> Run
         train_files, test_files, toy_val = cfg.data.train_files, cfg.data.test_files, []
         if not (Path(model_dir) / "config.json").is_file():
             raise ConfigError(f"model.path {model_dir}: not a Hugging Face model directory (no config.json)")
+        problem = hub.weight_problem(model_dir)
+        if problem:
+            raise ConfigError(f"model.path {cfg.model.path}: {problem}")
+        budget = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
+        limit = context_limit(model_dir, cfg.model.max_position_embeddings)
+        if limit is not None and budget > limit[0]:
+            raise ConfigError(
+                f"data.max_prompt_tokens + rollout.max_tokens = {budget} tokens exceeds what model.path serves "
+                f"({limit[1]} = {limit[0]} in its config.json; vLLM refuses a longer max_model_len): lower them, "
+                "or set model.max_position_embeddings (with model.rope_theta, as the paper does for Qwen2.5-Math)"
+            )
     t = cfg.train
     if t.rollout_batch_size % world or t.update_batch_size % world:
         raise ConfigError(
@@ -64,6 +78,9 @@ def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> Run
             f"({t.update_batch_size}) must be multiples of the world size ({world})"
         )
     questions = select_for_mode(load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode)
+    questions, dropped = gradable(questions, cfg.data.drop_ungradable_golds)
+    if dropped:
+        console.say(f"data.drop_ungradable_golds: dropped {dropped} labeled rows whose gold is empty or prose")
     test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
     val_files = cfg.eval.files or toy_val  # the toy: its validation split, or without one its test splits
     val_benchmarks = [b for f in val_files for b in read_benchmark_file(Path(f))]

@@ -18,8 +18,10 @@ detected from its columns:
 - question/answer: `question`, `answer` (JSONL or parquet).
 
 Cleaning, in this order, each counted in the manifest:
-1. gold_unusable: an empty gold, one that Math-Verify cannot parse inside `\\boxed{}`, or one our
-   answer extraction does not read back whole from `\\boxed{gold}` (it could never be matched);
+1. gold_unusable: an empty gold, prose (three words in a row, "see the solution above": trapo.data's
+   `gold_problem`, the check the trainer applies to labeled rows), one that Math-Verify cannot parse inside
+   `\\boxed{}`, or one our answer extraction does not read back whole from `\\boxed{gold}` (it could never
+   be matched);
 2. duplicate: the same question after lower-casing and collapsing whitespace (the first is kept);
 3. contaminated_exact / contaminated_ngram: the question of an evaluation set under `--exclude`
    (default: data/benchmarks), by exact match of its words, or by a shared run of NGRAM = 13 words

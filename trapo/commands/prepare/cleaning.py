@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from trapo.commands.prepare.sources import Row, source_files
-from trapo.data import DataError, jsonl_rows, parquet_rows
+from trapo.data import DataError, gold_problem, jsonl_rows, parquet_rows
 
 # Decontamination n-gram length, in words. Measured on the shipped evaluation sets (1590 distinct
 # math questions; bench/bench_decontam.py prints the table): questions sharing an n-gram with a
@@ -102,7 +102,7 @@ def usable_golds(golds: list[str], workers: int, bar=None) -> list[bool]:
         for g in todo:
             ok[g] = _gold_check(g)
             tick(1)
-    return [bool(g.strip()) and ok[g] for g in golds]
+    return [bool(g.strip()) and ok[g] and gold_problem(g) is None for g in golds]
 
 
 def clean(rows: list[Row], contamination: Contamination, too_long, counts: Counter, workers: int, seen: set[str],

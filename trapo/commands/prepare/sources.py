@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from trapo import hub
-from trapo.data import DataError
+from trapo.data import DataError, valid_unicode
 
 LAYOUTS = {
     "verl": ("prompt", "reward_model"),
@@ -89,7 +89,18 @@ def _records(path: Path, columns: tuple[str, ...]) -> list[dict]:
     if path.suffix == ".parquet":
         names = pq.read_schema(path).names
         return pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist()
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
+    records = []
+    for i, line in enumerate(lines):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {i + 1}: not valid JSON ({err.msg}, column {err.colno})") from None
+    return records
 
 
 def _choices(options) -> str:
@@ -127,6 +138,9 @@ def read_source(path: Path) -> tuple[str, list[Row]]:
             raise DataError(f"{where}: field '{question_col}' must be a non-empty string")
         if layout == "mmlu_pro":
             question = f"{question.strip()}\n\n{_choices(rec.get('options') or [])}"
+        question = valid_unicode(question, where, question_col)
+        if isinstance(answer, str):
+            answer = valid_unicode(answer, where, answer_col)
         ability = rec.get("ability") or ("general" if layout == "mmlu_pro" else "math")
         source = rec.get("data_source") or default_source
         rows.append(Row(question, "" if answer is None else str(answer).strip(), str(source), str(ability), where))
