@@ -43,6 +43,7 @@ def test_trainer_state_round_trip(tmp_path):
     import torch
 
     from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
+    from trapo.algorithm.rewards.verifier import MathVerifier
     from trapo.training.loggers import Loggers
     from trapo.training.sampling import Cursor
     from trapo.training.trainer import Trainer, TrainingError
@@ -50,10 +51,12 @@ def test_trainer_state_round_trip(tmp_path):
     def skeleton(world):  # the state-holding part of a Trainer, without a model or an engine
         t = Trainer.__new__(Trainer)
         t.world, t.step, t.bad_steps, t.last_selection, t.best = world, 0, 0, None, None
+        t.rank = 1  # the second of `world` ranks: it takes the second rank's grader memory
         t.heldout_before, t.cursor, t.steps_per_epoch = None, Cursor(0, 0), 4
         t.tracker = PassRateTracker(torch.tensor([True, False, False]), SelectionConfig(warmup_epochs=1, top_p=0.5))
         t.loggers, t.tracker_ids = Loggers([]), {}  # no tracker open (a resumed run keeps the ids it loaded)
         t.model_source = None  # a local model directory: no hub commit to compare
+        t.verifier = MathVerifier(num_workers=1)  # started only if a request comes: none here
         return t
 
     a = skeleton(world=2)
@@ -63,12 +66,18 @@ def test_trainer_state_round_trip(tmp_path):
     a.cursor = Cursor(3, 1)  # dynamic sampling: refills consumed batches, the cursor ran ahead of the step
     a.heldout_before = {"test": 0.25, "mean": 0.25}
     a.tracker_ids = {"wandb": "w1d", "mlflow": "0a1b"}  # the wandb / MLflow runs the run continues
+    slow = {"answers": {"2^{2^{40}}": 5.0}, "pairs": [["1", "x^{99}", 5.0]]}  # what exhausted the timeout
+    a.verifier.load_memory(slow)
+    assert a.state_dict()["grader_memory"] == [slow]  # gathered from every rank (one here: no process group)
     (tmp_path / ckpt.TRAINER_STATE).parent.mkdir(exist_ok=True)
-    torch.save(a.state_dict(), tmp_path / ckpt.TRAINER_STATE)
+    state = a.state_dict()
+    state["grader_memory"] = [{"answers": {}, "pairs": []}, slow]  # as two ranks gathered them
+    torch.save(state, tmp_path / ckpt.TRAINER_STATE)
 
     b = skeleton(world=2)
     b.load_state_dict(ckpt.read_trainer_state(tmp_path))
     assert (b.step, b.bad_steps, b.best, b.last_selection) == (7, 1, a.best, a.last_selection)
+    assert b.verifier.memory() == slow
     assert b.heldout_before == a.heldout_before and b.cursor == Cursor(3, 1)
     assert b.tracker_ids == {"wandb": "w1d", "mlflow": "0a1b"}
     assert torch.equal(b.tracker.trajectories, a.tracker.trajectories)

@@ -28,6 +28,7 @@ def test_step_sums_by_name():
         pseudo_correct=[math.nan, 1.0, math.nan, math.nan],  # the second unlabeled one has no hidden gold
         timeouts=2,
         budget_cut=5,
+        failed=1,
     )
     gate = [1.0, 1.0, 1.0, 0.0]
     sums = step_sums(questions, grades, gate, rollouts([(3, False), (5, True)], [(2, False)] * 2, [(4, True)] * 2, []))
@@ -44,6 +45,7 @@ def test_step_sums_by_name():
         "responses": 6,
         "grading_timeouts": 2,
         "grading_budget_cut": 5,
+        "grading_failed": 1,
     }
 
 
@@ -52,7 +54,7 @@ def totals(**kw):
     base.update(
         labeled_questions=4, labeled_pass_sum=3.0, unlabeled_questions=8, unlabeled_pass_sum=2.0,
         unlabeled_in_loss=5, pseudo_known=4, pseudo_right=3.0, response_tokens=1000, truncated=6, responses=96,
-        grading_timeouts=0, grading_budget_cut=0,
+        grading_timeouts=0, grading_budget_cut=0, grading_failed=0,
     )  # fmt: skip
     base.update(kw)
     return base

@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     from trapo import console
 
     # From here on the libraries' output goes to run_dir/log.txt; our own lines to the terminal.
-    log = console.capture(cfg.run_dir, int(os.environ.get("RANK", "0")), console.debug_requested(cfg.logging.level))
+    try:
+        log = console.capture(cfg.run_dir, int(os.environ.get("RANK", "0")), console.debug_requested(cfg.logging.level))
+    except OSError as err:  # rank 0 claimed (and made) the directory; another rank may see another filesystem
+        print(f"trapo_train: run directory {cfg.run_dir}: cannot write its log ({err.strerror})", file=sys.stderr)
+        return 2
     from trapo.commands import toy
     from trapo.engine.checkpoint import CheckpointError
     from trapo.training.trainer import Preempted, TrainingError, run

@@ -38,6 +38,7 @@ class Grades:
     pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
     timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
     budget_cut: int = 0  # comparisons left undecided because the step's grading budget was spent
+    failed: int = 0  # comparisons left undecided because grading processes died on them
     # What was compared, for the rollout dump (trapo/training/rollout_dump.py): each response's extracted answer
     # (`extract_answer`, None without one) [b][G], and each unlabeled question's pseudo-label (the majority
     # answer; None on a tie or for a labeled question) [b].
@@ -53,6 +54,7 @@ class Grades:
             pseudo_correct=[c for g in parts for c in g.pseudo_correct],
             timeouts=sum(g.timeouts for g in parts),
             budget_cut=sum(g.budget_cut for g in parts),
+            failed=sum(g.failed for g in parts),
             answers=[a for g in parts for a in g.answers],
             pseudo_labels=[label for g in parts for label in g.pseudo_labels],
         )
@@ -118,7 +120,9 @@ def grade(
         verdicts = decide_pairs([(g, lab) for _, g, lab in checks], timeout, verifier, deadline, tally)
         for (i, _, _), ok in zip(checks, verdicts):
             pseudo_correct[i] = 1.0 if ok else 0.0
-    return Grades(rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut, answers, pseudo_labels)
+    return Grades(
+        rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut, tally.failed, answers, pseudo_labels
+    )
 
 
 def confidence_kinds(cfg: Config, labeled: torch.Tensor) -> list[str]:

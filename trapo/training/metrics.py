@@ -65,6 +65,7 @@ def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float
         "responses": len(responses),
         "grading_timeouts": grades.timeouts,
         "grading_budget_cut": grades.budget_cut,
+        "grading_failed": grades.failed,
     }
 
 
@@ -119,6 +120,7 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "truncated_frac": totals["truncated"] / totals["responses"],
         "grading_timeouts": int(totals["grading_timeouts"]),  # Math-Verify comparisons that hit reward.timeout
         "grading_budget_cut": int(totals["grading_budget_cut"]),  # left undecided: reward.step_budget spent
+        "grading_failed": int(totals["grading_failed"]),  # left undecided: grading processes died on them
         "skipped": not applied,
     }
 
@@ -162,6 +164,14 @@ def step_warnings(step_log: dict) -> list[tuple[str, str]]:
                 "grading",
                 f"step {step_log['step']}: {timeouts} Math-Verify timeouts and {cut} comparisons cut by "
                 "reward.step_budget (degenerate answers?); they count as wrong, see grading_* in metrics.jsonl",
+            )
+        )
+    if step_log.get("grading_failed"):
+        out.append(
+            (
+                "grading_failed",
+                f"step {step_log['step']}: {step_log['grading_failed']} comparisons undecided because Math-Verify "
+                "processes died on them twice (out of memory?); they count as wrong, see grading_failed",
             )
         )
     return out

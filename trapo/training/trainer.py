@@ -61,9 +61,9 @@ class Trainer:
             console.say(notice)
         # rank 0 owns the directory (one run at a time) before it looks at or cleans anything in it
         dist.on_rank0(lambda: run_record.open_run_dir(self.run_dir, self.ckpt_root, cfg.resume_from))
+        resumes = ckpt.resolve(cfg.resume_from, self.ckpt_root) is not None  # a missing resume_from: now
         self.model_source = None if cfg.toy.enabled else self._fetch_model()
         # a resume keeps its record: a changed setting that would alter the run stops it before any load
-        resumes = ckpt.resolve(cfg.resume_from, self.ckpt_root) is not None
         as_run = to_dict(self._as_run(cfg))
         self.changes = run_record.resume_changes(self.run_dir, as_run, cfg.resume_changes) if resumes else {}
         self.resumed_from: Path | None = None  # the checkpoint this start resumed, if any
@@ -306,6 +306,8 @@ class Trainer:
             "world_size": self.world,
             "tracker_ids": self.loggers.ids() or self.tracker_ids,
             "model_commit": self.model_source and self.model_source.commit,  # a hub model's resolved revision
+            # each rank's memory of what exhausted the Math-Verify timeout: remembered verdicts survive a resume
+            "grader_memory": dist.all_gather(self.verifier.memory()),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -330,6 +332,9 @@ class Trainer:
         self.best = state["best"]
         self.heldout_before = state.get("heldout_before")  # absent in checkpoints from before it was kept
         self.tracker_ids = state.get("tracker_ids") or {}
+        memories = state.get("grader_memory")  # absent in checkpoints from before it was kept
+        if memories and len(memories) == self.world:
+            self.verifier.load_memory(memories[self.rank])
 
     def save(self) -> Path:
         final = ckpt.save(

@@ -40,15 +40,18 @@ class Tally:
     timeouts: comparisons, and answers parsed ahead of a vote, that exhausted
     the per-comparison timeout (now, or for the same answer earlier: those
     are answered at once); budget_cut: comparisons left undecided because the
-    grading budget was spent. Both count as "not equal".
+    grading budget was spent; failed: comparisons left undecided because grading
+    processes died on them (verifier.Verdict.FAILED). All count as "not equal".
     """
 
     timeouts: int = 0
     budget_cut: int = 0
+    failed: int = 0
 
     def add(self, verdicts: Sequence[Verdict]) -> None:
         self.timeouts += sum(v.timed_out for v in verdicts)
         self.budget_cut += sum(v is Verdict.CUT for v in verdicts)
+        self.failed += sum(v is Verdict.FAILED for v in verdicts)
 
 
 def fast_verdict(gold: str, pred: str) -> bool | None:

@@ -12,6 +12,17 @@ Each comparison comes back as a `Verdict`, so that a timeout (and the answer
 it is blamed on) is told apart from a plain "not equal". Unique pairs are
 queued on the executors grouped by gold string (so each executor's parse
 cache sees the same golds again).
+
+Graders outlive their processes. An executor that dies mid-item is replaced
+and the item re-run once (verify_worker). A supervisor that dies mid-request
+is restarted and sent the items it had not answered, once; restarts back off
+(1, 2, 4 s) while a new one fails to start. What still cannot be decided is
+FAILED: scored as not equal, counted, and warned about, never a timeout and
+never an exception (only a supervisor that never started once raises: a broken
+installation). What exhausted a timeout is remembered (answered at once next
+time); the parent mirrors that memory, hands it to every replacement
+supervisor, and a checkpoint keeps it (`memory` / `load_memory`), so rewards
+do not change when a process is replaced or a run resumes.
 """
 
 from __future__ import annotations
@@ -35,6 +46,16 @@ log = logging.getLogger(__name__)
 _PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # trapo/algorithm/rewards/verifier.py -> the repo
 
 _STALL_S = 30.0  # beyond the timeout: a supervisor silent this long is broken (it settles every item in time)
+_RESTART_WAITS = (1.0, 2.0, 4.0)  # seconds before each further try to start a replacement supervisor
+_MEMORY_LIMIT = 10_000  # as verify_worker's: remembered slow answers and pairs
+
+
+class _StartFailed(Exception):
+    """A supervisor exited or hung while importing Math-Verify."""
+
+
+class _Unavailable(Exception):
+    """No supervisor could be (re)started for now: this request's items are FAILED."""
 
 
 class Verdict(enum.Enum):
@@ -47,6 +68,7 @@ class Verdict(enum.Enum):
     GOLD_TIMEOUT = "g"  # parsing the gold ran out of time, now or at an earlier call
     PRED_TIMEOUT = "p"  # parsing the pred ran out of time, now or at an earlier call
     CUT = "b"  # the grading budget was spent before it was decided
+    FAILED = "f"  # undecided: grading processes died on it twice, or none could be restarted
 
     @property
     def timed_out(self) -> bool:
@@ -124,6 +146,10 @@ class MathVerifier:
         self.timeout = timeout
         self.startup_timeout = startup_timeout
         self.timeouts = 0  # comparisons (and answers parsed) that ran out of time, since creation
+        self.failed = 0  # items left undecided because grading processes died, since creation
+        self._started_once = False  # a supervisor came up once: later start-up failures are deaths, not bad installs
+        self._slow_answers: dict[str, float] = {}  # the supervisor's memory, mirrored (see the module doc)
+        self._slow_pairs: dict[tuple[str, str], float] = {}
         self._supervisor: _SupervisorProcess | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -132,7 +158,50 @@ class MathVerifier:
     def start(self) -> None:
         """Start the supervisor and its executors now (they start on first use otherwise)."""
         with self._lock:
-            self._wait_ready(self._ensure(), None)
+            self._ready(None)
+
+    def memory(self) -> dict:
+        """What exhausted a timeout so far (plain values: a checkpoint holds it): {"answers": {answer:
+        timeout}, "pairs": [[gold, pred, timeout]]}, oldest first."""
+        pairs = [[g, p, t] for (g, p), t in self._slow_pairs.items()]
+        return {"answers": dict(self._slow_answers), "pairs": pairs}
+
+    def load_memory(self, memory: dict) -> None:
+        """Continue with `memory` (from `memory()`, of a checkpoint): the next request's supervisor gets it."""
+        with self._lock:
+            self._slow_answers = dict(memory["answers"])
+            self._slow_pairs = {(g, p): t for g, p, t in memory["pairs"]}
+            sup = self._supervisor
+            if sup is not None and sup.ready and not self._restore(sup):  # a running one is told now
+                sup.kill()  # it died meanwhile: the next request starts one, which gets the memory
+                self._supervisor = None
+
+    def _restore(self, sup: _SupervisorProcess) -> bool:
+        """Send the mirrored memory to `sup` and wait for its answer; False if it died meanwhile."""
+        pairs = [(key, t) for key, t in self._slow_pairs.items()]
+        try:
+            sup.send({"restore": {"answers": self._slow_answers, "pairs": pairs}})
+        except OSError:
+            return False
+        while True:
+            if not select.select([sup.fd], [], [], self.startup_timeout)[0]:
+                return False
+            lines = sup.read_lines()
+            if lines is None:
+                return False
+            if b"restored" in lines:
+                return True
+
+    def _mirror(self, item: tuple[str, str | None], code: str, timeout: float) -> None:
+        """What the supervisor remembered on a fresh timeout (`code` g*, p* or t*), in the same order."""
+        gold, pred = item
+        store, key = (
+            (self._slow_answers, gold) if code == "g*" or pred is None else
+            (self._slow_answers, pred) if code == "p*" else (self._slow_pairs, (gold, pred))
+        )  # fmt: skip
+        store[key] = max(timeout, store.pop(key, 0.0))
+        if len(store) > _MEMORY_LIMIT:
+            store.pop(next(iter(store)))
 
     def close(self) -> None:
         if os.getpid() != self._pid:
@@ -151,6 +220,33 @@ class MathVerifier:
             self._supervisor = _SupervisorProcess(self.num_workers, self.max_workers)
         return self._supervisor
 
+    def _ready(self, deadline: float | None) -> _SupervisorProcess | None:
+        """A ready supervisor: the running one, or a new one (given the mirrored memory); None when `deadline`
+        comes first. The first supervisor failing to start is a broken installation (RuntimeError); a
+        replacement that fails is tried again after each of _RESTART_WAITS, then _Unavailable."""
+        for wait in (0.0, *_RESTART_WAITS):
+            if wait:
+                if deadline is not None and time.monotonic() + wait >= deadline:
+                    break
+                time.sleep(wait)
+            sup = self._ensure()
+            fresh = not sup.ready
+            try:
+                if not self._wait_ready(sup, deadline):
+                    return None
+            except _StartFailed as err:
+                if not self._started_once:
+                    raise RuntimeError(str(err)) from None
+                log.warning("Math-Verify: a replacement supervisor failed to start (%s); trying again", err)
+                continue
+            self._started_once = True
+            if fresh and (self._slow_answers or self._slow_pairs) and not self._restore(sup):
+                sup.kill()
+                self._supervisor = None
+                continue
+            return sup
+        raise _Unavailable
+
     def _wait_ready(self, sup: _SupervisorProcess, deadline: float | None) -> bool:
         """True once it is ready; False if `deadline` comes first (it goes on starting in the background)."""
         give_up = time.monotonic() + self.startup_timeout
@@ -164,12 +260,12 @@ class MathVerifier:
                     continue  # the deadline came first
                 sup.kill()
                 self._supervisor = None
-                raise RuntimeError(f"Math-Verify worker did not start within {self.startup_timeout:.0f} s")
+                raise _StartFailed(f"Math-Verify worker did not start within {self.startup_timeout:.0f} s")
             lines = sup.read_lines()
             if lines is None:
                 sup.kill()
                 self._supervisor = None
-                raise RuntimeError(
+                raise _StartFailed(
                     "Math-Verify worker exited at start-up (is math-verify installed? "
                     f"try: {sys.executable} -m trapo.algorithm.rewards.verify_worker)"
                 )
@@ -218,14 +314,36 @@ class MathVerifier:
         timeout = self.timeout if timeout is None else timeout
         if deadline is not None and time.monotonic() >= deadline:
             return [Verdict.CUT] * len(items)
+        codes: list[str | None] = [None] * len(items)
         with self._lock:
-            sup = self._ensure()
-            if not self._wait_ready(sup, deadline):
-                return [Verdict.CUT] * len(items)  # still importing Math-Verify when the budget ran out
-            sup.send({"items": items, "units": units, "timeout": timeout, "deadline": deadline})
-            verdicts = [Verdict(c) for c in self._collect(sup, len(items), timeout)]
+            for _ in range(2):  # a supervisor that dies mid-request: once more on a fresh one
+                todo = [i for i, c in enumerate(codes) if c is None]
+                try:
+                    sup = self._ready(deadline)
+                except _Unavailable:
+                    break
+                if sup is None:  # still importing Math-Verify when the budget ran out
+                    codes = [c or Verdict.CUT.value for c in codes]
+                    break
+                sup.send({"items": [items[i] for i in todo], "units": [units[i] for i in todo],
+                          "timeout": timeout, "deadline": deadline})  # fmt: skip
+                for i, code in zip(todo, self._collect(sup, len(todo), timeout)):
+                    if code is not None and code.endswith("*"):
+                        self._mirror(items[i], code, timeout)
+                    codes[i] = code and code.rstrip("*")
+                if all(c is not None for c in codes):
+                    break
+            failed = sum(c is None for c in codes)
+            verdicts = [Verdict(c or Verdict.FAILED.value) for c in codes]
+            failed += sum(v is Verdict.FAILED for v, c in zip(verdicts, codes) if c is not None)
             slow = [item for item, v in zip(items, verdicts) if v.timed_out]
             self.timeouts += len(slow)
+            self.failed += failed
+        if failed:
+            log.warning(
+                "Math-Verify: %d item(s) undecided: grading processes died on them and were replaced; scored as "
+                "not equal (counted in grading_failed)", failed
+            )  # fmt: skip
         if slow:
             gold, pred = slow[0]
             first = f"parsing {gold!r:.60}" if pred is None else f"gold {gold!r:.60}, pred {pred!r:.60}"
@@ -234,18 +352,18 @@ class MathVerifier:
             )
         return verdicts
 
-    def _collect(self, sup: _SupervisorProcess, n: int, timeout: float) -> list[str]:
-        """The supervisor's answers; a supervisor that dies or falls silent is killed and what is left times out."""
+    def _collect(self, sup: _SupervisorProcess, n: int, timeout: float) -> list[str | None]:
+        """The supervisor's answers; one that dies or falls silent is killed, and what it left is None."""
         codes: list[str | None] = [None] * n
         left, last = n, time.monotonic()
         while left:
             wait = last + timeout + _STALL_S - time.monotonic()
             lines = sup.read_lines() if wait > 0 and select.select([sup.fd], [], [], wait)[0] else None
             if lines is None:
-                log.error("Math-Verify supervisor died or stalled; scoring %d comparison(s) as timed out", left)
+                log.warning("Math-Verify supervisor died or stalled with %d item(s) unanswered; replacing it", left)
                 sup.kill()
                 self._supervisor = None
-                return [c or Verdict.TIMEOUT.value for c in codes]
+                return codes
             for line in lines:
                 index, code = line.split()
                 codes[int(index)] = code.decode()

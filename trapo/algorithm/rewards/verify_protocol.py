@@ -7,6 +7,8 @@ then a pickle.
 
 Protocol on the supervisor's stdin/stdout:
 - after the warm-up, the line `ready`;
+- a restore: a pickled dict {"restore": {"answers": {answer: timeout}, "pairs": [((gold, pred), timeout)]}},
+  the memory of what exhausted a timeout (a replaced supervisor's, or a checkpoint's); answered `restored`;
 - a request: 4-byte big-endian length, then a pickled dict: `items`, a list
   of (gold, pred) answer strings (boxed contents), pred None to only parse
   gold; `units`, one int per item: the items of a unit are queued on one
@@ -16,7 +18,8 @@ Protocol on the supervisor's stdin/stdout:
 - per item, as soon as it is settled, a line `<index> <code>`, code one of
   1 equal, 0 not equal, r parsed (pred None), t the comparison of the two
   (already parsed) answers timed out, g / p parsing the gold / pred timed
-  out, b cut by the deadline (see `verifier.Verdict`).
+  out, b cut by the deadline, f failed (executors died on it twice: undecided) (see `verifier.Verdict`);
+  a `*` after g, p or t says the supervisor remembered the answer or pair now (the parent mirrors it).
 
 Between the supervisor and an executor: per item, a message (gold, pred, seconds to the soft alarm,
 whether to clear the parse cache) one way, and one line back, its code: 1, 0, r, or t when the soft

@@ -20,7 +20,11 @@ sympy, so it stays responsive and enforces every deadline itself:
   spare executors are forked (up to MAX_WORKERS), so that many slow answers
   time out side by side, in about one timeout, not one after another;
 - a deadline (the step's grading budget) cuts running items and starts no
-  new ones.
+  new ones;
+- an executor that dies on an item (the out-of-memory killer's first pick
+  when sympy blows up) is replaced and the item runs once more on the fresh
+  one; only a second death settles it, as f (failed: undecided). A death
+  is no timeout: nothing is remembered for it.
 
 The wire, both ways: `verify_protocol`. The executors' side (Math-Verify, its
 parse cache, the numeric pre-filter, the soft alarm): `verify_executor`.
@@ -88,6 +92,7 @@ class _Request:
         self.items, self.timeout, self.deadline, self.emit = items, timeout, deadline, emit
         self.settled = [False] * len(items)
         self.left = len(items)
+        self.deaths: dict[int, int] = {}  # item -> executors that died running it
         self.memory_seen = -1  # Supervisor.memory_changes when its queues were last checked against memory
 
     def settle(self, index: int, code: str) -> None:
@@ -192,19 +197,20 @@ class Supervisor:
         return None
 
     def _blame(self, req: _Request, ex: _Executor) -> str:
-        """The code for `ex`'s item, which ran out of time (or crashed) in phase `ex.phase`."""
+        """The code for `ex`'s item, which ran out of time in phase `ex.phase`, with a '*': the answer (or the
+        pair) it blames is remembered now, so the parent can mirror the memory (`MathVerifier.memory`)."""
         gold, pred = req.items[ex.item]
         if ex.cut_by_deadline:
             return "b"
         self.memory_changes += 1
         if ex.phase == "g" or pred is None:
             _remember(self.slow_answers, gold, req.timeout)
-            return "g"
+            return "g*"
         if ex.phase == "p":
             _remember(self.slow_answers, pred, req.timeout)
-            return "p"
+            return "p*"
         _remember(self.slow_pairs, (gold, pred), req.timeout)
-        return "t"
+        return "t*"
 
     # -- one request
 
@@ -344,7 +350,7 @@ class Supervisor:
             ex.cached.update(s for s, done in ((gold, ex.phase != "g"), (pred, ex.phase == "v")) if done)
             data = os.read(ex.from_fd, 4096)
             if not data:
-                self._overrun(req, ex, "exited (out of memory?)")
+                self._died(req, ex)
                 continue
             ex.buffer += data
             *lines, ex.buffer = ex.buffer.split(b"\n")
@@ -355,6 +361,20 @@ class Supervisor:
         """The result line of `ex`'s item."""
         req.settle(ex.item, self._blame(req, ex) if line == "t" else line)
         ex.item = None
+
+    def _died(self, req: _Request, ex: _Executor) -> None:
+        """`ex` exited while running its item (killed: out of memory, say). No timeout: the item goes back to
+        the front of a queue for a fresh executor, once; a second death settles it as failed (f)."""
+        i = ex.item
+        req.deaths[i] = req.deaths.get(i, 0) + 1
+        log.debug("executor died in phase %s (death %d of item %d)", ex.phase, req.deaths[i], i)
+        self._respawn(ex)
+        ex.item = None
+        if req.deaths[i] >= 2:
+            req.settle(i, "f")
+            return
+        home = next(e for e in self.executors if not e.spare) if ex not in self.executors else ex
+        home.queue.appendleft(i)
 
     def _overrun(self, req: _Request, ex: _Executor, what: str) -> None:
         """`ex` passed its hard deadline or died: settle its item as timed out and replace it."""
@@ -377,6 +397,13 @@ class Supervisor:
                 request = _read_message(stdin.fileno())
                 if request is None:
                     return  # parent closed the pipe
+                if "restore" in request:  # the memory of a supervisor this one replaces, or of a checkpoint
+                    self.slow_answers = dict(request["restore"]["answers"])
+                    self.slow_pairs = {tuple(k): v for k, v in request["restore"]["pairs"]}
+                    self.memory_changes += 1
+                    stdout.write("restored\n")
+                    stdout.flush()
+                    continue
                 self.run(request["items"], request["units"], request["timeout"], request["deadline"], emit)
         finally:
             self.shutdown()
