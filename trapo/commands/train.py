@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         toy.prepare(cfg)  # the embedded task's model and data, built once (rank 0) before the trainer reads them
         run(cfg)
     except (DataError, ConfigError, FileNotFoundError) as err:
+        _traceback_to_log(log)  # where it was raised, for a bug report; the terminal gets the one line
         console.say(f"input error: {err}")
         return 2
     except CheckpointError as err:  # a full or failing disk, a damaged checkpoint: the cause and the fix
