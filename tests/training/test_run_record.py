@@ -99,10 +99,10 @@ def test_run_name_is_a_plain_name_and_resume_changes_names_real_keys():
 
 @pytest.mark.toy_run
 def test_a_second_run_into_a_live_runs_directory_is_one_line_and_the_first_is_untouched(toy_dir, tmp_path):
-    args = overrides(toy_dir, tmp_path, run_name="shared", max_steps=12)
+    args = overrides(toy_dir, tmp_path, run_name="busy", max_steps=12)
     first = subprocess.Popen([sys.executable, "trapo_train.py", *args], cwd=ROOT, env=runtime.subprocess_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    lock = tmp_path / "shared" / ".lock"
+    lock = tmp_path / "busy" / ".lock"
     deadline = time.time() + 120
     while not (lock.is_file() and lock.read_text()) and time.time() < deadline:
         time.sleep(0.2)
@@ -112,7 +112,7 @@ def test_a_second_run_into_a_live_runs_directory_is_one_line_and_the_first_is_un
     assert f"is in use by pid {first.pid}" in lines[0]
     _, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-3000:]
-    assert [r["step"] for r in metrics(tmp_path / "shared")] == list(range(1, 13))
+    assert [r["step"] for r in metrics(tmp_path / "busy")] == list(range(1, 13))
 
 
 @pytest.mark.toy_run
