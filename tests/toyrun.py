@@ -28,9 +28,9 @@ def overrides(toy_dir, out, **kv):
     return [f"toy.dir={toy_dir}", *TOY, *(f"{k}={v}" for k, v in base.items())]
 
 
-def run(cmd, timeout=600):
-    out = subprocess.run(cmd, cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    return out
+def run(cmd, timeout=600, env=None):
+    env = env or runtime.subprocess_env()
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def free_port() -> int:

@@ -44,6 +44,17 @@ class DataConfig:
 
 
 @dataclass
+class HealthConfig:
+    # The rollout engine's health: logprob_diff_rollout_vs_policy, the mean |log pi_policy - log pi_engine|
+    # per trained token (nats), watched every step (trapo/training/health.py). Measured here: ~1e-7 in fp32
+    # on CPU (the toy). Peers' users report ~0.017 in bf16 on GPU when healthy, and 66 after a bad weight
+    # sync; the doctor's bf16 limit is 0.05. Defaults: warn at 2x that limit, stop at a mean e-fold error.
+    warn: float | None = 0.1  # a warning (once per run) above this; null: never
+    stop: float | None = 1.0  # above this for `steps` consecutive steps the run stops; null: never
+    steps: int = 3  # consecutive steps above `stop` (a step above it is never checkpointed)
+
+
+@dataclass
 class RolloutConfig:
     # Who generates: "vllm", a colocated vLLM engine per rank (weights pushed after each update), or "hf",
     # the policy's own transformers model (no vLLM needed, nothing to push; slower at scale: no paged
@@ -82,6 +93,7 @@ class RolloutConfig:
     # uses 10); 0: no limit but the epoch's end. Reached with too few informative groups, the step trains
     # on those it has (veRL stops the run instead).
     dynamic_sampling_max_rounds: int = 10
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass

@@ -65,6 +65,15 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         "rollout.dynamic_sampling_max_rounds",
         f"must be >= 0 (0: no limit), got {r.dynamic_sampling_max_rounds}",
     )
+    h = r.health
+    need(h.warn is None or h.warn > 0, "rollout.health.warn", f"must be > 0 or null, got {h.warn}")
+    need(h.stop is None or h.stop > 0, "rollout.health.stop", f"must be > 0 or null, got {h.stop}")
+    need(
+        h.warn is None or h.stop is None or h.warn <= h.stop,
+        "rollout.health.warn",
+        f"must not exceed rollout.health.stop ({h.stop}), got {h.warn}",
+    )
+    need(h.steps >= 1, "rollout.health.steps", f"must be >= 1, got {h.steps}")
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
     need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
     need(

@@ -295,10 +295,18 @@ class VllmEngine:
         a missing one is an error here. The KV cache stays asleep until the
         next `generate`: the trainer's states are back on the device meanwhile.
         """
+        import torch
+
         pushed, names = [0], set()
+        # TRAPO_FAULT=push_noise (tests, and users checking rollout.health; ignored unless set): every pushed
+        # tensor gets Gaussian noise of 8x its own spread: the engine samples garbage, as after a corrupted sync.
+        noise = torch.Generator().manual_seed(0) if os.environ.get("TRAPO_FAULT") == "push_noise" else None
 
         def counted():
             for name, tensor in named_tensors:
+                if noise is not None and tensor.is_floating_point() and tensor.numel() > 1:
+                    spread = torch.randn(tensor.shape, generator=noise).to(tensor.device, tensor.dtype)
+                    tensor = tensor + spread * (8 * tensor.float().std()).to(tensor.dtype)
                 pushed[0] += tensor.numel() * tensor.element_size()
                 names.add(name)
                 yield name, tensor

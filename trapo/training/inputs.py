@@ -11,6 +11,7 @@ row or key, before the policy, the reference model or vLLM cost anything.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from trapo.data import (
     select_for_mode,
     tokenize_prompts,
 )
+from trapo.engine import dist
 from trapo.engine.rollout import context_limit
 
 
@@ -41,6 +43,26 @@ class RunInputs:
     val_benchmarks: list[Benchmark]  # eval.files (the toy: its validation or test splits): checkpoint selection
     steps_per_epoch: int  # batches in one epoch's order
     total_steps: int  # max_steps, or epochs x steps_per_epoch (an upper bound when refills consume batches)
+
+
+def fetch_model(cfg: Config) -> hub.Snapshot | None:
+    """model.path as a local directory (None for the toy): a hub id is downloaded once per node (local rank 0
+    first; HF_HUB_OFFLINE: the cache alone) and its resolved commit kept, so that a resume can tell when the
+    revision moved. Collective: every rank calls it."""
+    if cfg.toy.enabled:
+        return None
+    m = cfg.model
+    snap = dist.once_per_node(lambda cached_only: hub.fetch(m.path, m.revision, cached_only=cached_only))
+    if snap.commit:
+        console.say(f"model.path {m.path}: hub commit {snap.commit} ({m.revision or 'default branch'})")
+    return snap
+
+
+def as_run(cfg: Config, source: hub.Snapshot | None) -> Config:
+    """The config as the run runs it: a hub model's revision pinned to the commit it resolved to."""
+    if source is None or source.commit is None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=source.commit))
 
 
 def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> RunInputs:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from trapo import console, hub, runtime
+from trapo import console, runtime
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.algorithm.selection import confidence_kind
@@ -43,7 +43,8 @@ from trapo.engine.rollout_engine import open_engine
 from trapo.training import metrics, rollout_dump, run_record, sampling
 from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
-from trapo.training.inputs import prepare_inputs
+from trapo.training.health import METRIC, RolloutHealth
+from trapo.training.inputs import as_run, fetch_model, prepare_inputs
 from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
 from trapo.training.update import update_policy
@@ -62,10 +63,10 @@ class Trainer:
         # rank 0 owns the directory (one run at a time) before it looks at or cleans anything in it
         dist.on_rank0(lambda: run_record.open_run_dir(self.run_dir, self.ckpt_root, cfg.resume_from))
         resumes = ckpt.resolve(cfg.resume_from, self.ckpt_root) is not None  # a missing resume_from: now
-        self.model_source = None if cfg.toy.enabled else self._fetch_model()
+        self.model_source = fetch_model(cfg)  # a hub id: downloaded once per node
         # a resume keeps its record: a changed setting that would alter the run stops it before any load
-        as_run = to_dict(self._as_run(cfg))
-        self.changes = run_record.resume_changes(self.run_dir, as_run, cfg.resume_changes) if resumes else {}
+        settings = to_dict(as_run(cfg, self.model_source))
+        self.changes = run_record.resume_changes(self.run_dir, settings, cfg.resume_changes) if resumes else {}
         self.resumed_from: Path | None = None  # the checkpoint this start resumed, if any
         inputs = prepare_inputs(cfg, self.world, self.model_source and str(self.model_source.local_dir))
         self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
@@ -93,21 +94,13 @@ class Trainer:
         self.step = 0
         self.cursor = sampling.Cursor(0, 0)  # the next step's epoch and batch (refills consume batches)
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
+        self.health = RolloutHealth(cfg.rollout.health)  # stops a run whose engine drifts from the policy
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
         self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
         self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
         self.tracker_ids: dict = {}  # the wandb / MLflow run ids a resumed run continues
         self._resume()
-
-    def _fetch_model(self) -> hub.Snapshot:
-        """model.path as a local directory: a hub id is downloaded once per node (HF_HUB_OFFLINE: the cache alone)
-        and its resolved commit recorded, so that a resume can tell when the revision moved."""
-        m = self.cfg.model
-        snap = dist.once_per_node(lambda cached_only: hub.fetch(m.path, m.revision, cached_only=cached_only))
-        if snap.commit:
-            console.say(f"model.path {m.path}: hub commit {snap.commit} ({m.revision or 'default branch'})")
-        return snap
 
     # ------------------------------------------------------------------ one step
 
@@ -389,7 +382,7 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:  # the first start's config stays; every start is a line of starts.jsonl
             start = {"step": self.step, "world": self.world, "resumed_from": self.resumed_from, "changes": self.changes}
-            run_record.record_start(self.run_dir, dump_config(self._as_run(cfg)), start)
+            run_record.record_start(self.run_dir, dump_config(as_run(cfg, self.model_source)), start)
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
         self.loggers = Loggers.open_everywhere(cfg, self.is_main, self.tracker_ids)
         n_labeled = sum(q.labeled for q in self.questions)
@@ -424,12 +417,6 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    def _as_run(self, cfg: Config) -> Config:
-        """The config as this run ran it: a hub model's revision pinned to the commit it resolved to."""
-        if self.model_source is None or self.model_source.commit is None:
-            return cfg
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=self.model_source.commit))
-
     def _finished(self) -> bool:
         """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps)."""
         return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.cursor.epoch >= self.cfg.epochs
@@ -445,13 +432,16 @@ class Trainer:
         cfg = self.cfg
         last = self._finished()
         save = (cfg.save_steps and self.step % cfg.save_steps == 0) or last
+        # a step trained on samples of an engine that drifted from the policy is never checkpointed
+        savable, unhealthy = self.health.check(self.step, step_log[METRIC], self._last_checkpoint)
         if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or last):
             step_log["eval"] = self.evaluator.validation()
             score = step_log["eval"][cfg.eval.select_on or "mean"]
-            if self.best is None or score > self.best["score"]:
+            if savable and (self.best is None or score > self.best["score"]):
                 self.best = {"step": self.step, "score": score}
                 save = True  # the best checkpoint must exist
-        if save or stop_requested:
+        saved = self._last_checkpoint()
+        if (save or stop_requested) and savable:
             started = time.perf_counter()
             saved = self.save()
             step_log["timing"]["save"] = round(time.perf_counter() - started, 4)
@@ -460,12 +450,18 @@ class Trainer:
             self.loggers.log_step(step_log)
         for kind, message in metrics.step_warnings(step_log):
             console.warn_once(kind, message)
+        if unhealthy:
+            raise TrainingError(unhealthy)
         if stop_requested:
             raise Preempted(
                 f"stopped by a signal after step {self.step}; checkpoint {saved}; "
                 "run again with resume_from=latest to continue"
             )
         self._count_bad_steps(step_log["skipped"])
+
+    def _last_checkpoint(self) -> Path | None:
+        done = ckpt.list_complete(self.ckpt_root)
+        return done[-1][1] if done else None
 
     def _count_bad_steps(self, skipped: bool) -> None:
         """A skipped (non-finite) update is logged; train.max_bad_steps of them in a row stop the run."""
@@ -475,10 +471,9 @@ class Trainer:
         self.bad_steps += 1
         console.say(f"step {self.step}: non-finite loss, update skipped ({self.bad_steps} in a row)")
         if self.bad_steps >= self.cfg.train.max_bad_steps:
-            last = ckpt.list_complete(self.ckpt_root)
             raise TrainingError(
                 f"stopping: {self.bad_steps} consecutive steps with a non-finite loss (last at step "
-                f"{self.step}); last good checkpoint: {last[-1][1] if last else 'none'}"
+                f"{self.step}); last good checkpoint: {self._last_checkpoint() or 'none'}"
             )
 
     def close(self) -> None:
