@@ -328,20 +328,23 @@ def tokenize_prompts(questions: list[Question], template: str, tokenizer, max_to
     return out
 
 
-def epoch_batches(num_questions: int, batch_size: int, world_size: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_batches(num_questions: int, batch_size: int, multiple: int, seed: int, epoch: int) -> list[list[int]]:
     """The question indices of each step of one epoch.
 
     A fixed permutation per (seed, epoch), cut into batches of `batch_size`;
-    the last batch keeps what is left rounded down to a multiple of
-    `world_size` (each rank needs the same number of questions). Questions
-    left out of an epoch keep their previous pass rate (see PassRateTracker).
+    the last batch keeps what is left rounded down to a multiple of `multiple`.
+    The trainer passes train.update_batch_size, a multiple of every world size
+    the batch settings allow: each rank gets the same number of questions, and
+    the order does not depend on the world size, so a run may resume on another
+    number of ranks. Questions left out of an epoch keep their previous pass
+    rate (see PassRateTracker).
     """
     order = list(range(num_questions))
     random.Random(f"{seed}-{epoch}").shuffle(order)
     batches = []
     for start in range(0, num_questions, batch_size):
         chunk = order[start : start + batch_size]
-        chunk = chunk[: len(chunk) - len(chunk) % world_size]
+        chunk = chunk[: len(chunk) - len(chunk) % multiple]
         if chunk:
             batches.append(chunk)
     return batches

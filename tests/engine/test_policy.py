@@ -26,3 +26,17 @@ def test_unpushed_maps_fused_engine_parameters_to_checkpoint_names():
         "model.layers.0.self_attn.qkv_proj.weight"
     ]
     assert unpushed(names, packed, full - {"lm_head.weight"}) == ["lm_head.weight"]
+
+
+def test_stale_cpu_shm_segments_are_removed_and_mapped_ones_kept(tmp_path):
+    """vLLM's CPU tensor-parallel segments outlive a run that ends by os._exit; the next run removes them."""
+    import mmap
+
+    from trapo.engine.vllm_rollout import remove_stale_cpu_shm
+
+    stale, live = tmp_path / "-tp:0-[0-1]-cpushm_0", tmp_path / "-tp:0-[0-1]-cpushm_1"
+    for path in (stale, live):
+        path.write_bytes(b"\0" * 4096)
+    with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096):  # a live run's segment
+        assert remove_stale_cpu_shm(str(tmp_path)) == [str(stale)]
+        assert live.exists() and not stale.exists()

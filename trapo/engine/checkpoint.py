@@ -312,8 +312,16 @@ def _load_plain(file: Path):
         ) from None
 
 
-def restore(path: Path, *, rank: int, engine) -> None:
-    """Load the DeepSpeed engine state and this rank's RNG states from checkpoint `path`."""
+def restore(path: Path, *, rank: int, engine, saved_world: int | None = None, world: int | None = None) -> None:
+    """Load the DeepSpeed engine state and this rank's RNG states from checkpoint `path`. Saved with another
+    number of ranks (`saved_world` != `world`): through DeepSpeed's universal form (trapo/engine/reshard.py),
+    and a rank the saving run did not have takes rank 0's RNG states."""
+    if saved_world is not None and world is not None and saved_world != world:
+        from trapo.engine.reshard import load_moved
+
+        load_moved(path, rank=rank, engine=engine)
+        load_rng(path, rank if rank < saved_world else 0)
+        return
     load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG)
     if load_path is None:
         raise FileNotFoundError(f"{path}/{DEEPSPEED_TAG}: DeepSpeed could not load the checkpoint")

@@ -30,6 +30,35 @@ if TYPE_CHECKING:
     import torch
 
 
+def remove_stale_cpu_shm(root: str = "/dev/shm") -> list[str]:
+    """Remove the shared-memory segments of tensor-parallel CPU engines that no live process maps.
+
+    vLLM 0.32's CPU communicator (distributed/device_communicators/cpu_communicator.py) names each rank's
+    segment from the group alone (`-tp:0-[0-1]-cpushm_<rank>` under external_launcher), and creating one that
+    exists fails (EEXIST). A run that ends by os._exit or a kill never unlinks its segments, so without this
+    the next tensor-parallel run on the machine could not start. A segment still mapped by a live process (a
+    concurrent run) is left alone."""
+    import glob
+
+    segments = glob.glob(os.path.join(root, "*cpushm_*"))
+    if not segments:
+        return []
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(maxsplit=5)[-1].strip() for line in f if "cpushm_" in line)
+        except OSError:  # a process that ended meanwhile, or one we may not read
+            continue
+    removed = []
+    for path in segments:
+        if path not in mapped:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
 def unpushed(names: list[str], packed: dict[str, list[str]], pushed: set[str]) -> list[str]:
     """The engine parameters none of whose checkpoint tensors were pushed (pure).
 
@@ -157,6 +186,9 @@ class VllmEngine:
             # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill,
             # which CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts.
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+            if tensor_parallel_size > 1:  # left by an earlier run's os._exit or kill; every rank, then all wait
+                remove_stale_cpu_shm()
+                torch_dist.barrier()
         # vLLM's workers reseed Python's, NumPy's, torch's and every CUDA generator while the engine is
         # built (vllm/utils/torch_utils.py set_random_seed, called from v1/worker/cpu_worker.py and
         # gpu_worker.py): keep all of the trainer's streams as they were.

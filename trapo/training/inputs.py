@@ -118,7 +118,7 @@ def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> Run
     prompts = tokenize_prompts(questions, d.prompt_template, tokenizer, d.max_prompt_tokens)
     for bench in test_benchmarks + val_benchmarks:  # prompt lengths checked now, not mid-run
         tokenize_prompts(bench.questions, d.prompt_template, tokenizer, d.max_prompt_tokens)
-    steps_per_epoch = len(epoch_batches(len(questions), t.rollout_batch_size, world, 0, 0))
+    steps_per_epoch = len(epoch_batches(len(questions), t.rollout_batch_size, t.update_batch_size, 0, 0))
     if steps_per_epoch == 0:
         raise DataError(f"{len(questions)} training questions: too few for one batch on {world} ranks")
     return RunInputs(

@@ -30,7 +30,7 @@ import torch
 
 from trapo import console, runtime
 from trapo.algorithm.passrate import PassRateTracker
-from trapo.algorithm.rewards.verifier import MathVerifier
+from trapo.algorithm.rewards.verifier import MathVerifier, merged
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config, dump_config, to_dict
 from trapo.data import epoch_batches, stop_token_ids
@@ -68,6 +68,7 @@ class Trainer:
         settings = to_dict(as_run(cfg, self.model_source))
         self.changes = run_record.resume_changes(self.run_dir, settings, cfg.resume_changes) if resumes else {}
         self.resumed_from: Path | None = None  # the checkpoint this start resumed, if any
+        self.moved_from: int | None = None  # the world size of that checkpoint, when it differs from this run's
         inputs = prepare_inputs(cfg, self.world, self.model_source and str(self.model_source.local_dir))
         self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
         self.questions, self.prompts = inputs.questions, inputs.prompts
@@ -108,7 +109,9 @@ class Trainer:
         cfg, timer = self.cfg, metrics.StepTimer()
         step_start = time.perf_counter()
         epoch, first = self.cursor.epoch, self.cursor.batch
-        order = epoch_batches(len(self.questions), cfg.train.rollout_batch_size, self.world, cfg.seed, epoch)
+        order = epoch_batches(
+            len(self.questions), cfg.train.rollout_batch_size, cfg.train.update_batch_size, cfg.seed, epoch
+        )
 
         # 1-3. rollouts, grading, pass rates into the tracker and rewards, one round per batch: one batch,
         #      with rollout.dynamic_sampling more of the epoch's until enough groups carry a signal
@@ -304,11 +307,6 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["world_size"] != self.world:
-            raise TrainingError(
-                f"saved with {state['world_size']} ranks, resuming with {self.world}; "
-                "the batch order depends on the world size, so resume with the same number of ranks"
-            )
         saved, now = state.get("model_commit"), self.model_source and self.model_source.commit
         if saved and now and saved != now:
             raise TrainingError(
@@ -326,8 +324,8 @@ class Trainer:
         self.heldout_before = state.get("heldout_before")  # absent in checkpoints from before it was kept
         self.tracker_ids = state.get("tracker_ids") or {}
         memories = state.get("grader_memory")  # absent in checkpoints from before it was kept
-        if memories and len(memories) == self.world:
-            self.verifier.load_memory(memories[self.rank])
+        if memories:  # saved on another number of ranks: every rank takes what all of them remembered
+            self.verifier.load_memory(memories[self.rank] if len(memories) == self.world else merged(memories))
 
     def save(self) -> Path:
         final = ckpt.save(
@@ -362,11 +360,16 @@ class Trainer:
             if self.cfg.resume_from == "latest":
                 console.say(f"resume_from: latest: no checkpoint under {self.ckpt_root} yet, starting fresh")
             return
+        state = ckpt.read_trainer_state(path)
         try:
-            self.load_state_dict(ckpt.read_trainer_state(path))  # checks the world size before DeepSpeed loads
+            self.load_state_dict(state)
         except TrainingError as err:
             raise TrainingError(f"{path}: {err}") from None
-        ckpt.restore(path, rank=self.rank, engine=self.policy.engine)
+        saved_world = state["world_size"]
+        if saved_world != self.world:  # the optimizer state is consolidated and cut anew, never reset
+            console.say(f"{path} was saved with {saved_world} ranks; resuming with {self.world}")
+            self.moved_from = saved_world
+        ckpt.restore(path, rank=self.rank, engine=self.policy.engine, saved_world=saved_world, world=self.world)
         self._prune()
         self.rollout.push_weights(self.policy.full_weights())
         if self.is_main:
@@ -381,7 +384,8 @@ class Trainer:
 
         cfg = self.cfg
         if self.is_main:  # the first start's config stays; every start is a line of starts.jsonl
-            start = {"step": self.step, "world": self.world, "resumed_from": self.resumed_from, "changes": self.changes}
+            start = {"step": self.step, "world": self.world, "resumed_from": self.resumed_from,
+                     "moved_from_world": self.moved_from, "changes": self.changes}  # fmt: skip
             run_record.record_start(self.run_dir, dump_config(as_run(cfg, self.model_source)), start)
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
         self.loggers = Loggers.open_everywhere(cfg, self.is_main, self.tracker_ids)

@@ -372,6 +372,19 @@ class MathVerifier:
         return codes
 
 
+def merged(memories: list[dict]) -> dict:
+    """Several verifiers' `memory()` as one (a checkpoint saved on more ranks than resume it): every answer
+    and pair any of them remembered, at the longest timeout it exhausted."""
+    answers: dict[str, float] = {}
+    pairs: dict[tuple[str, str], float] = {}
+    for memory in memories:
+        for answer, timeout in memory["answers"].items():
+            answers[answer] = max(timeout, answers.get(answer, 0.0))
+        for gold, pred, timeout in memory["pairs"]:
+            pairs[(gold, pred)] = max(timeout, pairs.get((gold, pred), 0.0))
+    return {"answers": answers, "pairs": [[g, p, t] for (g, p), t in pairs.items()]}
+
+
 _default: MathVerifier | None = None
 _default_lock = threading.Lock()
 
