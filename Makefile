@@ -108,6 +108,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_selection.py
 	$(PY) bench/bench_decontam.py
 	$(PY) bench/bench_checkpoint.py
+	$(PY) bench/bench_reshard.py
 	$(PY) bench/bench_grading.py
 	$(PY) bench/bench_vote.py
 	$(PY) bench/bench_loss_memory.py
