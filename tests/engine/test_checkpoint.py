@@ -46,7 +46,7 @@ def test_trainer_state_round_trip(tmp_path):
     from trapo.algorithm.rewards.verifier import MathVerifier
     from trapo.training.loggers import Loggers
     from trapo.training.sampling import Cursor
-    from trapo.training.trainer import Trainer, TrainingError
+    from trapo.training.trainer import Trainer
 
     def skeleton(world):  # the state-holding part of a Trainer, without a model or an engine
         t = Trainer.__new__(Trainer)
@@ -82,8 +82,10 @@ def test_trainer_state_round_trip(tmp_path):
     assert b.tracker_ids == {"wandb": "w1d", "mlflow": "0a1b"}
     assert torch.equal(b.tracker.trajectories, a.tracker.trajectories)
     assert torch.equal(b.tracker.selected, a.tracker.selected) and torch.equal(b.tracker.scores, a.tracker.scores)
-    with pytest.raises(TrainingError, match="saved with 2 ranks, resuming with 1"):
-        skeleton(world=1).load_state_dict(ckpt.read_trainer_state(tmp_path))
+    one = skeleton(world=1)  # saved on 2 ranks, resumed on 1 (trapo/engine/reshard.py moves the DeepSpeed state)
+    one.rank = 0
+    one.load_state_dict(ckpt.read_trainer_state(tmp_path))
+    assert one.step == 7 and one.verifier.memory() == slow  # both ranks' memories, merged
     old = {k: v for k, v in ckpt.read_trainer_state(tmp_path).items() if k != "cursor"}  # saved before the cursor
     c = skeleton(world=2)
     c.load_state_dict(old)
