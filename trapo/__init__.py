@@ -5,7 +5,7 @@ Layers, each importing only those below it (docs/architecture.md; tests/test_lay
     trapo.training   the loop: the trainer's phases, the update, grading a round, metrics and loggers
     trapo.engine     what runs models on devices: the DeepSpeed policy, the vLLM engine, checkpoints
     trapo.algorithm  the paper's math: losses, pass rates and TCS selection, rewards, pass@k
-    trapo.config, trapo.data, trapo.console, trapo.runtime   the shared vocabulary, imported by all
+    trapo.config, trapo.data, trapo.console, trapo.runtime, trapo.hub   the shared vocabulary, imported by all
 """
 
 import sys as _sys

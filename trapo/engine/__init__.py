@@ -11,8 +11,9 @@ they share with disk and with other ranks.
 - packing.py       padding-free packing, token-balanced ranks, the update's efficiency
 - dist.py          the process group, small collectives, ZeRO-3 parameter gathering
 - checkpoint.py    atomic checkpoint directories (with checksums.py: verified before loading)
+- reshard.py       a checkpoint saved on N ranks loaded on M (DeepSpeed's universal form)
 - memory_plan.py   per-GPU bytes of a run from its config alone
 
 May import: trapo.algorithm and the shared vocabulary (trapo.config, trapo.data, trapo.console,
-trapo.runtime); never trapo.training or trapo.commands.
+trapo.runtime, trapo.hub); never trapo.training or trapo.commands.
 """

@@ -7,6 +7,8 @@
 - update.py            shaped rewards -> advantages -> update batches -> optimizer steps
 - evaluation.py        generate, grade, score benchmarks: the trainer's Evaluator; `python -m trapo eval` above
 - preemption.py        SIGTERM / SIGINT: finish the step, save, stop
+- run_record.py        one run per run directory (a lock), resumes that keep the first config, starts.jsonl
+- health.py            the rollout engine's health: logprob_diff_rollout_vs_policy watched every step
 - metrics.py           a step's statistics, metrics.jsonl, the run's summary
 - loggers.py           TensorBoard (tensorboard_writer.py), wandb and MLflow behind one object
 - rollout_dump.py      what the policy wrote and how it was scored, every `logging.rollouts_every` steps
