@@ -144,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="runs; default outputs/reproduce-toy[-quick]")
     parser.add_argument("--docs", type=Path, default=None, help="results and plots; default: --out")
     parser.add_argument("--tiny", action="store_true", help="a few questions only (the test suite's smoke run)")
+    parser.add_argument("--study", help="a study file (configs/studies/): its conditions x seeds, then its claims")
+    parser.add_argument("--print", action="store_true", help="with --study: list the launch commands, run nothing")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args(argv)
+    if args.study:  # trapo/commands/reproduce/study.py
+        from trapo.commands.reproduce import study
+
+        return study.main(args)
+    if args.print:
+        parser.error("--print goes with --study")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (QUICK_SEEDS if args.quick else SEEDS)
     epochs = args.epochs or (QUICK_EPOCHS if args.quick else EPOCHS)
     methods = [m.strip() for m in args.methods.split(",")]

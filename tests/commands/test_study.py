@@ -1,0 +1,118 @@
+"""Studies as data (trapo/commands/reproduce/study.py): every shipped study file loads and prints one launch per
+condition and seed, conditions shared between studies share their runs, a bad study is one line, and a tiny
+study runs end to end through a kill: finished runs are kept, the killed one resumes from its checkpoint."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from trapo import runtime
+from trapo.commands.reproduce.study import load_study
+
+ROOT = str(runtime.ROOT)
+STUDIES = sorted(glob.glob(os.path.join(ROOT, "configs", "studies", "*", "*.yaml")))
+
+
+def reproduce(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "trapo", "reproduce", *args], cwd=ROOT, capture_output=True,
+                          text=True, env=runtime.subprocess_env(), timeout=900, **kw)  # fmt: skip
+
+
+def test_the_five_studies_ship_for_the_toy_and_the_gpu_config():
+    names = {(os.path.basename(os.path.dirname(p)), os.path.basename(p)[:-5]) for p in STUDIES}
+    five = {"top_p", "gamma", "warmup", "select_method", "random_select"}
+    assert names == {(scale, name) for scale in ("toy", "gpu") for name in five}
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.split("studies/")[1])
+def test_print_lists_one_launch_per_condition_and_seed(path, tmp_path):
+    study = load_study(path)
+    out = reproduce("--study", path, "--print", "--out", str(tmp_path / study.name))
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == len(study.conditions) * len(study.seeds), out.stderr
+    launcher = "deepspeed" if study.scale == "gpu" else sys.executable
+    assert all(line.startswith(launcher) and "resume_from=latest" in line for line in lines)
+    assert len({line.split("run_name=")[1].split()[0] for line in lines}) == len(lines)
+
+
+def test_the_centre_of_the_three_sweeps_is_one_set_of_runs(tmp_path):
+    centres = []
+    for name, centre in (("top_p", "p0.1"), ("gamma", "g0.5"), ("warmup", "w3")):
+        out = reproduce("--study", f"configs/studies/toy/{name}.yaml", "--print", "--out", str(tmp_path / name))
+        runs = {line.split("run_name=")[1].split()[0] for line in out.stdout.splitlines()
+                if "selection.top_p=0.1" in line and "selection.threshold=0.5" in line
+                and "selection.warmup_epochs=2" in line}  # fmt: skip
+        centres.append(runs)
+        assert len(runs) == 6, (name, centre)
+    assert centres[0] == centres[1] == centres[2]
+
+
+def test_a_bad_study_is_one_line(tmp_path):
+    study = yaml.safe_load(open(os.path.join(ROOT, "configs", "studies", "toy", "top_p.yaml")))
+    study["claims"][0]["worse"] = "p9"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(study))
+    out = reproduce("--study", str(bad), "--print")
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "conditions ['p9'] unknown" in out.stderr
+    study["claims"][0]["worse"] = "p1.0"
+    study["conditions"]["p1.0"] = ["selection.top_q=1.0"]
+    bad.write_text(yaml.safe_dump(study))
+    out = reproduce("--study", str(bad), "--print")
+    assert out.returncode == 2 and "condition p1.0" in out.stderr and "did you mean 'selection.top_p'" in out.stderr
+
+
+@pytest.mark.toy_run
+def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
+    study = {
+        "name": "tiny", "title": "tiny", "scale": "toy", "base": "configs/toy_trap.yaml", "knob": "selection.top_p",
+        "common": ["mode=trapo", "selection.warmup_epochs=1", "eval.n=1"], "seeds": [0, 1], "steps": 6,
+        "eval_every": 2, "conditions": {"a": ["selection.top_p=0.1"], "b": ["selection.top_p=1.0"]},
+        "claims": [{"name": "a_beats_b", "better": "a", "worse": "b", "split": "test", "means": "a smoke test"}],
+    }  # fmt: skip
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(study))
+    out = tmp_path / "studies" / "tiny"
+    args = [
+        sys.executable,
+        "-m",
+        "trapo",
+        "reproduce",
+        "--study",
+        str(path),
+        "--tiny",
+        "--jobs",
+        "1",
+        "--out",
+        str(out),
+    ]
+    runs = tmp_path / "studies" / "runs"
+    first = subprocess.Popen(args, cwd=ROOT, env=runtime.subprocess_env(), start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 600
+    finished, partial = None, None
+    while time.time() < deadline and first.poll() is None:
+        done = [d for d in runs.glob("*") if (d / "summary.json").is_file()]
+        started = [d for d in runs.glob("*") if d not in done and list((d / "checkpoints").glob("step-*"))]
+        if done and started:
+            finished, partial = done[0], started[0]
+            break
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the runner and the run it was in
+    first.wait()
+    assert finished is not None and partial is not None, "no moment with one run finished and one mid-way"
+    kept = (finished / "summary.json").stat().st_mtime
+    second = subprocess.run(args, cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (finished / "summary.json").stat().st_mtime == kept  # a finished run is kept
+    starts = (partial / "starts.jsonl").read_text().splitlines()
+    assert len(starts) == 2 and json.loads(starts[1])["step"] > 0  # the killed run resumed from its checkpoint
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["conditions"]) == {"a", "b"} and res["claims"][0]["verdict"] in ("held", "not held", "inconclusive")
+    assert "| a_beats_b | a smoke test |" in (out / "results.md").read_text()

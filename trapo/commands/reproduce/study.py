@@ -1,0 +1,233 @@
+"""Studies as data: a YAML file fixes, before any run, a base config, the conditions (override sets), the
+seeds, the step budget and the claims with their direction; one runner runs it at any scale.
+
+    python -m trapo reproduce --study configs/studies/toy/top_p.yaml [--print] [--jobs N] [--quick]
+
+A study file (configs/studies/):
+    name, title           the study's name (its output folder) and a line for the results
+    scale                 toy: every run on the reproduction's base model and splits (trapo/commands/toy.py,
+                          seed 0), one process each; gpu: the paper's config as it is, through `deepspeed`
+    base                  the config every run starts from
+    knob                  the key the conditions vary (the results' x axis), or null
+    common                overrides every condition gets
+    conditions            name -> overrides
+    seeds, quick_seeds    paired seeds: every condition runs every seed
+    steps, eval_every     the step budget and the validation cadence (toy scale)
+    claims                name, better, worse (condition names), split, means (what it says at this scale)
+
+Each run is `trapo_train.py` with `resume_from=latest`: a finished run (summary.json, same budget) is kept, a
+killed one resumes from its newest checkpoint (one that stopped before its first checkpoint starts over).
+Runs live in one store beside the studies (`<out>/../runs/<key>-seed<s>`), keyed by the run's whole override
+set: a condition two studies share (the centre of the three one-knob sweeps) runs once.
+`--print` lists the exact launch commands instead, one per condition and seed, for a cluster's scheduler.
+Claims are read as in `make reproduce-toy`: per seed, the test accuracy at the best validation step of
+`better` minus `worse`; 95% paired interval over the seeds; held / not held / inconclusive.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from trapo import runtime
+from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
+from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT
+from trapo.config import ConfigError, load_config
+
+SPLITS = ("validation", "test", "test_ood")
+
+
+@dataclass
+class Study:
+    name: str
+    title: str
+    scale: str
+    base: str
+    conditions: dict[str, list[str]]
+    seeds: list[int]
+    claims: list[dict]
+    knob: str | None = None
+    common: list[str] = field(default_factory=list)
+    quick_seeds: list[int] = field(default_factory=list)
+    steps: int = 0
+    eval_every: int = 0
+    path: str = ""
+
+
+def load_study(path: str | Path) -> Study:
+    """A study file, checked whole before any run: its keys, the claims' conditions, and every condition's
+    config (loaded with its overrides, so a bad key or value names the study and the condition)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"study {path}: cannot read it ({err})") from None
+    known = set(Study.__dataclass_fields__) - {"path"}
+    if not isinstance(raw, dict) or set(raw) - known:
+        extra = sorted(set(raw) - known) if isinstance(raw, dict) else raw
+        raise ConfigError(f"study {path}: unknown keys {extra}; a study has {sorted(known)}")
+    try:
+        study = Study(**raw, path=str(path))
+    except TypeError as err:
+        raise ConfigError(f"study {path}: {err}") from None
+    if study.scale not in ("toy", "gpu"):
+        raise ConfigError(f"study {path}: scale must be toy or gpu, got {study.scale!r}")
+    if study.scale == "toy" and not (study.steps > 0 and study.eval_every > 0 and study.steps % study.eval_every == 0):
+        raise ConfigError(f"study {path}: a toy study needs steps, a multiple of eval_every > 0")
+    for claim in study.claims:
+        missing = [c for c in (claim.get("better"), claim.get("worse")) if c not in study.conditions]
+        if missing or claim.get("split") not in SPLITS:
+            raise ConfigError(f"study {path}: claim {claim.get('name')}: conditions {missing} unknown, or split "
+                              f"{claim.get('split')!r} not one of {SPLITS}")  # fmt: skip
+    for name, overrides in study.conditions.items():
+        try:
+            load_config(str(ROOT / study.base), [*study.common, *overrides])
+        except ConfigError as err:
+            raise ConfigError(f"study {path}: condition {name}: {err}") from None
+    return study
+
+
+def toy_root(out: Path, tiny: bool = False) -> Path:
+    """Where the toy-scale base model and splits are built (as `make reproduce-toy` builds them), shared by
+    the studies beside `out`."""
+    from trapo.config import ToyConfig
+
+    return ToyConfig(**toy_settings(tiny), dir=str(out.parent / "base-assets")).asset_dir
+
+
+def toy_settings(tiny: bool) -> dict:
+    toy = dict(yaml.safe_load((ROOT / "configs" / "toy_trap.yaml").read_text())["toy"])
+    if tiny:  # the test suite's study: every path, a few questions
+        toy.update(labeled=16, unlabeled=48, test=16, validation=16, unlabeled_ood=48, sft_steps=100)
+    toy.pop("dir", None)  # the studies' own, beside them
+    return {**toy, "enabled": True, "seed": 0}
+
+
+def run_key(study: Study, overrides: list[str]) -> str:
+    """The run store's name for a condition: its whole override set, hashed (order does not matter)."""
+    import hashlib
+
+    text = "\n".join(sorted([study.base, *study.common, *overrides]))
+    return hashlib.blake2b(text.encode(), digest_size=5).hexdigest()
+
+
+def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> list[tuple[str, int, Path, list[str]]]:
+    """(condition, seed, run directory, argv) of every run, in condition-major order."""
+    runs = []
+    for name, overrides in study.conditions.items():
+        for seed in seeds:
+            run_dir = out.parent / "runs" / f"{run_key(study, overrides)}-seed{seed}"
+            args = [f"run_name={run_dir.name}", f"output_dir={run_dir.parent}", f"seed={seed}", "resume_from=latest"]
+            if study.scale == "toy":
+                root = toy_root(out, tiny)
+                splits = ",".join(str(root / f"{s}.jsonl") for s in SPLITS)
+                args += [f"max_steps={study.steps}", "progress_bar=false", "toy.enabled=false",
+                         f"model.path={root / 'model'}", f"data.train_files=[{root / 'train.jsonl'}]",
+                         f"data.labeled_ratio={LABELED_RATIO}", f"eval.files=[{splits}]", "eval.select_on=validation",
+                         f"eval.steps={study.eval_every}", f"save_steps={study.eval_every}"]  # fmt: skip
+                if tiny:  # the test suite's study: a few questions per batch
+                    args += ["train.rollout_batch_size=16", "train.update_batch_size=16"]
+                cmd = [sys.executable, str(ROOT / "trapo_train.py")]
+            else:
+                cmd = ["deepspeed", str(ROOT / "trapo_train.py")]
+            runs.append((name, seed, run_dir, [*cmd, "--config", str(ROOT / study.base), *study.common,
+                                               *overrides, *args]))  # fmt: skip
+    return runs
+
+
+def run_one(run_dir: Path, argv: list[str], steps: int, log) -> Path:
+    """One run: kept when finished with this budget, resumed when killed after a checkpoint, else (re)started."""
+    if (run_dir / "summary.json").is_file():
+        done = yaml.safe_load((run_dir / "config.yaml").read_text())
+        if done.get("max_steps") == steps:
+            return run_dir
+    if run_dir.exists() and not list((run_dir / "checkpoints").glob("step-*")):
+        shutil.rmtree(run_dir)  # it stopped before its first checkpoint: nothing to resume
+    started = time.perf_counter()
+    proc = subprocess.run(argv, env=runtime.subprocess_env(), capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{run_dir.name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    log(f"{run_dir.name}: {time.perf_counter() - started:.0f} s")
+    return run_dir
+
+
+def analyse(study: Study, curves: dict[tuple[str, int], list[dict]], seeds: list[int]) -> dict:
+    """Per condition the test accuracies at the best validation step (per seed, mean); per claim the paired
+    interval of better - worse and its verdict."""
+    picked = {key: read_out(curve, study.steps, "best_validation") for key, curve in curves.items()}
+    conditions = {}
+    for name in study.conditions:
+        per_seed = {split: [picked[(name, s)][split] for s in seeds] for split in SPLITS}
+        conditions[name] = {split: {"per_seed": v, "mean": sum(v) / len(v)} for split, v in per_seed.items()}
+    claims = []
+    for claim in study.claims:
+        split = claim["split"]
+        diffs = [picked[(claim["better"], s)][split] - picked[(claim["worse"], s)][split] for s in seeds]
+        interval = paired_interval(diffs)
+        claims.append({**claim, "interval": interval, "verdict": verdict(interval)})
+    return {"study": study.name, "title": study.title, "knob": study.knob, "seeds": seeds, "steps": study.steps,
+            "conditions": conditions, "claims": claims}  # fmt: skip
+
+
+def markdown(res: dict) -> str:
+    lines = [f"## {res['title']}", "", f"{len(res['seeds'])} paired seeds, {res['steps']} steps; test accuracy at "
+             "the best validation step (mean over seeds).", ""]  # fmt: skip
+    lines += ["| condition | ID test | OOD test |", "|---|---|---|"]
+    for name, c in res["conditions"].items():
+        lines.append(f"| {name} | {c['test']['mean']:.3f} | {c['test_ood']['mean']:.3f} |")
+    lines += ["", "| claim | what it means here | mean difference [95% interval] | verdict |", "|---|---|---|---|"]
+    for c in res["claims"]:
+        i = c["interval"]
+        lines.append(f"| {c['name']} | {c.get('means', '')} | {i['mean']:+.3f} [{i['low']:+.3f}, {i['high']:+.3f}] "
+                     f"| {c['verdict']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run_study(study: Study, out: Path, seeds: list[int], jobs: int, tiny: bool, log) -> dict:
+    """Every condition and seed (finished runs kept, killed ones resumed), then the analysis into `out`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trapo.commands.reproduce.runs import read_run
+
+    if study.scale != "toy":
+        raise ConfigError(f"study {study.path}: a gpu study runs on a cluster; print its launches with --print")
+    from trapo.commands.toy import build_assets
+    from trapo.config import ToyConfig
+
+    build_assets(ToyConfig(**toy_settings(tiny), dir=str(out.parent / "base-assets")), log=log)
+    runs = launches(study, out, seeds, tiny)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {(n, s): pool.submit(run_one, d, argv, study.steps, log) for n, s, d, argv in runs}
+        dirs = {key: f.result() for key, f in futures.items()}
+    res = analyse(study, {key: read_run(d)["curve"] for key, d in dirs.items()}, seeds)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "results.md").write_text(markdown(res))
+    return res
+
+
+def main(args) -> int:
+    """`reproduce --study FILE`: print the launches, or run the study (toy scale) and analyse it."""
+    try:
+        study = load_study(args.study)
+    except ConfigError as err:
+        print(f"reproduce: {err}", file=sys.stderr)
+        return 2
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (
+        (study.quick_seeds or study.seeds[:2]) if args.quick else study.seeds)  # fmt: skip
+    out = args.out or Path("outputs/studies") / study.name
+    if args.print:
+        for _, _, _, argv in launches(study, out, seeds, args.tiny):
+            print(shlex.join(argv))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    res = run_study(study, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
+    print(markdown(res))
+    return 0
