@@ -26,6 +26,7 @@ runtime.configure()
 
 from trapo.commands.toy import build_assets  # noqa: E402
 from trapo.config import ToyConfig  # noqa: E402
+from trapo.engine.checkpoint import DEEPSPEED_TAG  # noqa: E402
 from trapo.engine.memory_plan import BUILTIN  # noqa: E402
 from trapo.engine.reshard import convert  # noqa: E402
 
@@ -52,7 +53,7 @@ def main() -> None:
         ckpt = work / "two" / "checkpoints" / "step-2"
         native = size(ckpt / "ds")
         started = time.perf_counter()
-        convert(ckpt, work / "universal")
+        convert(ckpt, DEEPSPEED_TAG, work / "universal")
         seconds = time.perf_counter() - started
         universal = size(work / "universal")
     print(f"toy, saved on 2 ranks: a save takes {row['timing']['save']:.2f} s, the same whether or not the run "

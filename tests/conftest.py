@@ -73,6 +73,29 @@ def small_disk(tmp_path, request):
 
 
 @pytest.fixture
+def tty(monkeypatch):
+    """The user's terminal replaced by a stand-in that is a tty and keeps what is written (`tty.text`):
+    what a progress bar shows (trapo.console.progress_bar draws only on a tty)."""
+    from trapo import console
+
+    class Tty:
+        text = ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return True
+
+    stand_in = Tty()
+    monkeypatch.setattr(console, "_terminal", stand_in)
+    return stand_in
+
+
+@pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     """An offline Hugging Face hub cache in a temp dir, laid out as huggingface_hub writes one
     (`models--org--name/snapshots/<commit>/...`, `refs/<branch>` holding the commit), with HF_HUB_CACHE

@@ -82,36 +82,22 @@ def test_table_is_laid_out_like_table_1():
     assert "AIME24 avg@32" in table
 
 
-def test_one_progress_bar_per_benchmark_counts_what_is_left_and_samples_per_second(monkeypatch):
-    from trapo import console
+def test_one_progress_bar_per_benchmark_counts_what_is_left_and_samples_per_second(tty):
     from trapo.commands.eval import BenchmarkBars
     from trapo.data import Benchmark, Question
 
-    class Tty:
-        text = ""
-
-        def write(self, s):
-            Tty.text += s
-
-        def flush(self):
-            pass
-
-        def isatty(self):
-            return True
-
-    monkeypatch.setattr(console, "_terminal", Tty())
     qs = [Question(f"q{i}", "1+1?", "2", True, None, "here") for i in range(3)]
     benchmarks = [Benchmark("math", qs, "math.parquet"), Benchmark("gpqa", qs[:2], "gpqa.parquet")]
     done = {("math", "q0"): {}}  # finished earlier: not counted again
     with BenchmarkBars(benchmarks, done, n_for=lambda name: 4, enabled=True) as bars:
         for name in ("math", "math", "gpqa", "gpqa"):
             bars.advance(name)
-    assert "math: 100%" in Tty.text and "2/2" in Tty.text and "gpqa: 100%" in Tty.text
-    assert "samples/s" in Tty.text
-    Tty.text = ""
+    assert "math: 100%" in tty.text and "2/2" in tty.text and "gpqa: 100%" in tty.text
+    assert "samples/s" in tty.text
+    tty.text = ""
     with BenchmarkBars(benchmarks, done, n_for=lambda name: 4, enabled=False) as bars:  # --no-progress
         bars.advance("math")
-    assert Tty.text == ""
+    assert tty.text == ""
 
 
 def test_arguments_and_weights_are_checked_before_the_engine_starts(tmp_path):

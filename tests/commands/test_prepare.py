@@ -258,22 +258,6 @@ def test_paper_mode_writes_every_file_the_paper_configs_name(tmp_path):
     assert len(load_questions([str(tmp_path / "data" / "openr1_45k.parquet")])) == n
 
 
-class Tty:
-    """A terminal stand-in: what a progress bar writes, and isatty() true."""
-
-    def __init__(self):
-        self.text = ""
-
-    def write(self, s):
-        self.text += s
-
-    def flush(self):
-        pass
-
-    def isatty(self):
-        return True
-
-
 def test_a_hub_dataset_id_is_a_source_and_the_manifest_records_its_commit(sources, tmp_path, hub_cache):
     data = tmp_path / "hub-files"
     (data / "data").mkdir(parents=True)
@@ -291,11 +275,9 @@ def test_a_hub_dataset_id_is_a_source_and_the_manifest_records_its_commit(source
     assert main(["nosuch/data", "--labeled", "1", "--out", str(out)]) == 2  # one line, no traceback
 
 
-def test_one_progress_bar_per_source_file_only_on_a_terminal(sources, tmp_path, monkeypatch):
+def test_one_progress_bar_per_source_file_only_on_a_terminal(sources, tmp_path, monkeypatch, tty):
     from trapo import console
 
-    tty = Tty()
-    monkeypatch.setattr(console, "_terminal", tty)
     a, b = write_verl(tmp_path / "a.parquet", _math_rows(20)), write_verl(tmp_path / "b.parquet", _math_rows(20, 20))
     run([a, b, "--labeled", "10", "--unlabeled", "10", "--out", str(tmp_path / "x.parquet")])
     assert "a.parquet: rows" in tty.text and "b.parquet: rows" in tty.text and "20/20" in tty.text

@@ -37,6 +37,7 @@ from trapo.config.schema import (
     ToyConfig,
     TrainConfig,
     WandbConfig,
+    flatten,
 )
 from trapo.config.validation import validate
 
@@ -60,6 +61,7 @@ __all__ = [
     "ToyConfig",
     "TrainConfig",
     "WandbConfig",
+    "flatten",
     "dump_config",
     "load_config",
     "parse_override",

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from trapo.config.schema import REMOVED_KEYS, Config, ConfigError
+from trapo.config.schema import REMOVED_KEYS, Config, ConfigError, flatten
 from trapo.config.validation import validate
 
 # A number in exponent notation that YAML 1.1 leaves a string (no dot in the mantissa, e.g. 1e-6, 5E3).
@@ -138,19 +138,9 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     for text in overrides:
         parsed = parse_override(text)
         _apply(cfg, parsed, f"override {text!r}")
-        origins.update({key: f"override {text!r}" for key in _dotted(parsed)})
+        origins.update({key: f"override {text!r}" for key in flatten(parsed)})
     validate(cfg, f"config file {path}" if path else "config", origins)
     return cfg
-
-
-def _dotted(tree: dict, prefix: str = "") -> list[str]:
-    """Every dotted key of a nested mapping, its sections included ({'a': {'b': 1}} -> a, a.b)."""
-    out = []
-    for key, value in tree.items():
-        out.append(f"{prefix}{key}")
-        if isinstance(value, dict):
-            out += _dotted(value, f"{prefix}{key}.")
-    return out
 
 
 def to_dict(cfg: Config) -> dict:

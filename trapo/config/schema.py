@@ -19,6 +19,17 @@ class ConfigError(ValueError):
     pass
 
 
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A nested mapping (a config as a dict, a YAML file, an override) as {dotted key: leaf value}."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 @dataclass
 class ModelConfig:
     # A Hugging Face model: a local directory (weights + tokenizer), or a hub id such as Qwen/Qwen2.5-Math-7B,

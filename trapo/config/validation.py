@@ -5,15 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from trapo.config.schema import Config, ConfigError
-
-
-def _dotted_keys(obj, prefix: str = "") -> set[str]:
-    out = set()
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        out |= _dotted_keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else {prefix + f.name}
-    return out
+from trapo.config.schema import Config, ConfigError, flatten
 
 
 def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None = None) -> None:
@@ -30,7 +22,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         "run_name",
         f"must be a plain directory name (no '/', not '.' or '..'), got {cfg.run_name!r}",
     )
-    known = _dotted_keys(cfg)
+    known = flatten(dataclasses.asdict(cfg))
     for key in cfg.resume_changes:
         need(key in known, "resume_changes", f"{key!r} is not a setting (a dotted key such as rollout.n)")
     need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")

@@ -319,7 +319,7 @@ def restore(path: Path, *, rank: int, engine, saved_world: int | None = None, wo
     if saved_world is not None and world is not None and saved_world != world:
         from trapo.engine.reshard import load_moved
 
-        load_moved(path, rank=rank, engine=engine)
+        load_moved(path, DEEPSPEED_TAG, rank=rank, engine=engine)
         load_rng(path, rank if rank < saved_world else 0)
         return
     load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG)

@@ -1,6 +1,7 @@
 """A checkpoint saved on N ranks, loaded on M: ZeRO-3's partitions consolidated per parameter, then cut anew.
 
-    load_moved(path, rank=rank, engine=engine)   # collective; path: a checkpoint directory (trapo/engine/checkpoint.py)
+    load_moved(path, tag, rank=rank, engine=engine)   # collective; path: a checkpoint directory, tag: its
+                                                     # DeepSpeed folder (trapo/engine/checkpoint.py)
 
 DeepSpeed ZeRO-3 saves each rank's partition of the fp32 master weights and of the Adam moments in its own
 file, in an order that depends on the world size, and refuses to load them into another world size. Its
@@ -25,19 +26,17 @@ from pathlib import Path
 from trapo import runtime
 from trapo.engine import dist
 
-DEEPSPEED_TAG = "ds"  # as trapo.engine.checkpoint writes it
-
 
 def scratch_dir(path: Path) -> Path:
     return path.parent / f".{path.name}.universal.tmp"
 
 
-def convert(path: Path, out: Path) -> None:
-    """The universal form of checkpoint `path`'s DeepSpeed state, into `out/ds` (rank 0; a subprocess, as
-    DeepSpeed ships it, so its worker pools and prints stay out of the trainer)."""
+def convert(path: Path, tag: str, out: Path) -> None:
+    """The universal form of checkpoint `path`'s DeepSpeed state (its folder `tag`) into `out/tag` (rank 0; a
+    subprocess, as DeepSpeed ships it, so its worker pools and prints stay out of the trainer)."""
     shutil.rmtree(out, ignore_errors=True)
-    tag_dir = out / DEEPSPEED_TAG
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / DEEPSPEED_TAG),
+    tag_dir = out / tag
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / tag),
            "--output_folder", str(tag_dir), "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
     done = subprocess.run(cmd, env=runtime.subprocess_env(), capture_output=True, text=True)
     if done.returncode != 0:
@@ -45,17 +44,18 @@ def convert(path: Path, out: Path) -> None:
         raise RuntimeError(f"{path}: converting the DeepSpeed state for another world size failed ({tail[0]})")
     # The universal loader reads the run's client state from rank 0's model-states file, which the converter
     # does not always carry over under ZeRO-3.
-    for model_states in (path / DEEPSPEED_TAG).glob("zero_pp_rank_0_mp_rank_*_model_states.pt"):
+    for model_states in (path / tag).glob("zero_pp_rank_0_mp_rank_*_model_states.pt"):
         shutil.copy(model_states, tag_dir / model_states.name)
 
 
-def load_moved(path: Path, *, rank: int, engine) -> None:
-    """Load checkpoint `path`, saved with another number of ranks, into `engine` (collective)."""
+def load_moved(path: Path, tag: str, *, rank: int, engine) -> None:
+    """Load checkpoint `path` (its DeepSpeed folder `tag`), saved with another number of ranks, into `engine`
+    (collective)."""
     scratch = scratch_dir(path)
-    dist.on_rank0(lambda: convert(path, scratch))
+    dist.on_rank0(lambda: convert(path, tag, scratch))
     engine._config.load_universal_checkpoint = True  # read by DeepSpeedEngine.load_checkpoint alone
     try:
-        load_path, _ = engine.load_checkpoint(str(scratch), tag=DEEPSPEED_TAG)
+        load_path, _ = engine.load_checkpoint(str(scratch), tag=tag)
     finally:
         engine._config.load_universal_checkpoint = False
     dist.barrier()

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from trapo import console
-from trapo.config import ConfigError
+from trapo.config import ConfigError, flatten
 
 LOCK = ".lock"
 STARTS = "starts.jsonl"
@@ -95,16 +95,6 @@ def release(run_dir: Path) -> None:
         os.close(fd)
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def safe(key: str) -> bool:
     return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE)
 
@@ -117,10 +107,10 @@ def resume_changes(run_dir: Path, as_run: dict, allowed: list[str]) -> dict[str,
     if not path.is_file():
         return {}
     try:
-        first = _flat(yaml.safe_load(path.read_text()) or {})
+        first = flatten(yaml.safe_load(path.read_text()) or {})
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: cannot read the run's config ({err}); restore it, or start a new run") from None
-    now = _flat(as_run)
+    now = flatten(as_run)
     changes = {k: [first[k], now[k]] for k in now if k in first and first[k] != now[k]}
     refused = {k: v for k, v in changes.items() if not safe(k) and k not in allowed}
     if refused:

@@ -444,7 +444,7 @@ class Trainer:
             if savable and (self.best is None or score > self.best["score"]):
                 self.best = {"step": self.step, "score": score}
                 save = True  # the best checkpoint must exist
-        saved = self._last_checkpoint()
+        saved = None
         if (save or stop_requested) and savable:
             started = time.perf_counter()
             saved = self.save()
@@ -458,7 +458,7 @@ class Trainer:
             raise TrainingError(unhealthy)
         if stop_requested:
             raise Preempted(
-                f"stopped by a signal after step {self.step}; checkpoint {saved}; "
+                f"stopped by a signal after step {self.step}; checkpoint {saved or self._last_checkpoint()}; "
                 "run again with resume_from=latest to continue"
             )
         self._count_bad_steps(step_log["skipped"])

@@ -47,7 +47,6 @@ _PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # trapo/algorithm/rewards
 
 _STALL_S = 30.0  # beyond the timeout: a supervisor silent this long is broken (it settles every item in time)
 _RESTART_WAITS = (1.0, 2.0, 4.0)  # seconds before each further try to start a replacement supervisor
-_MEMORY_LIMIT = 10_000  # as verify_worker's: remembered slow answers and pairs
 
 
 class _StartFailed(Exception):
@@ -178,9 +177,8 @@ class MathVerifier:
 
     def _restore(self, sup: _SupervisorProcess) -> bool:
         """Send the mirrored memory to `sup` and wait for its answer; False if it died meanwhile."""
-        pairs = [(key, t) for key, t in self._slow_pairs.items()]
         try:
-            sup.send({"restore": {"answers": self._slow_answers, "pairs": pairs}})
+            sup.send({"restore": {"answers": self._slow_answers, "pairs": list(self._slow_pairs.items())}})
         except OSError:
             return False
         while True:
@@ -195,13 +193,13 @@ class MathVerifier:
     def _mirror(self, item: tuple[str, str | None], code: str, timeout: float) -> None:
         """What the supervisor remembered on a fresh timeout (`code` g*, p* or t*), in the same order."""
         gold, pred = item
+        from trapo.algorithm.rewards.verify_worker import remember
+
         store, key = (
             (self._slow_answers, gold) if code == "g*" or pred is None else
             (self._slow_answers, pred) if code == "p*" else (self._slow_pairs, (gold, pred))
         )  # fmt: skip
-        store[key] = max(timeout, store.pop(key, 0.0))
-        if len(store) > _MEMORY_LIMIT:
-            store.pop(next(iter(store)))
+        remember(store, key, timeout)
 
     def close(self) -> None:
         if os.getpid() != self._pid:
@@ -333,9 +331,8 @@ class MathVerifier:
                     codes[i] = code and code.rstrip("*")
                 if all(c is not None for c in codes):
                     break
-            failed = sum(c is None for c in codes)
-            verdicts = [Verdict(c or Verdict.FAILED.value) for c in codes]
-            failed += sum(v is Verdict.FAILED for v, c in zip(verdicts, codes) if c is not None)
+            verdicts = [Verdict(c or Verdict.FAILED.value) for c in codes]  # None: no supervisor answered it
+            failed = sum(v is Verdict.FAILED for v in verdicts)
             slow = [item for item, v in zip(items, verdicts) if v.timed_out]
             self.timeouts += len(slow)
             self.failed += failed

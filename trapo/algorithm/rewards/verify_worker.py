@@ -102,7 +102,9 @@ class _Request:
             self.emit(index, code)
 
 
-def _remember(memory: dict, key, timeout: float) -> None:
+def remember(memory: dict, key, timeout: float) -> None:
+    """Remember that `key` exhausted `timeout` (the longest such timeout kept; the oldest entry dropped past
+    _MEMORY_LIMIT). The parent's mirror (`MathVerifier._mirror`) calls it too, so both evict alike."""
     memory[key] = max(timeout, memory.pop(key, 0.0))
     if len(memory) > _MEMORY_LIMIT:
         memory.pop(next(iter(memory)))
@@ -204,12 +206,12 @@ class Supervisor:
             return "b"
         self.memory_changes += 1
         if ex.phase == "g" or pred is None:
-            _remember(self.slow_answers, gold, req.timeout)
+            remember(self.slow_answers, gold, req.timeout)
             return "g*"
         if ex.phase == "p":
-            _remember(self.slow_answers, pred, req.timeout)
+            remember(self.slow_answers, pred, req.timeout)
             return "p*"
-        _remember(self.slow_pairs, (gold, pred), req.timeout)
+        remember(self.slow_pairs, (gold, pred), req.timeout)
         return "t*"
 
     # -- one request
@@ -314,8 +316,7 @@ class Supervisor:
             _write_message(ex.to_fd, (gold, pred, _SOFT * limit, clear))
         except OSError:  # it died while idle: the item goes back to the front, for a fresh executor
             self._respawn(ex)
-            home = next(e for e in self.executors if not e.spare) if ex.spare else ex
-            home.queue.appendleft(i)
+            self._requeue_first(ex, i)
             return
         ex.item, ex.started, ex.hard_at = i, now, now + limit
 
@@ -369,11 +370,15 @@ class Supervisor:
         req.deaths[i] = req.deaths.get(i, 0) + 1
         log.debug("executor died in phase %s (death %d of item %d)", ex.phase, req.deaths[i], i)
         self._respawn(ex)
-        ex.item = None
         if req.deaths[i] >= 2:
             req.settle(i, "f")
             return
-        home = next(e for e in self.executors if not e.spare) if ex not in self.executors else ex
+        self._requeue_first(ex, i)
+
+    def _requeue_first(self, ex: _Executor, i: int) -> None:
+        """Item `i` back at the front of `ex`'s queue (`ex` just respawned), or of a base executor's when `ex`
+        was a spare (respawning a spare retires it)."""
+        home = next(e for e in self.executors if not e.spare) if ex.spare else ex
         home.queue.appendleft(i)
 
     def _overrun(self, req: _Request, ex: _Executor, what: str) -> None:

@@ -58,7 +58,7 @@ import pyarrow.parquet as pq
 
 from trapo import console, hub
 from trapo.commands.prepare.cleaning import NGRAM, REASONS, Contamination, clean, dedup_key
-from trapo.commands.prepare.sources import Row, detect_layout, read_source, resolve_source, source_files
+from trapo.commands.prepare.sources import Row, detect_layout, files_under, read_source, resolve_source
 from trapo.config import ConfigError
 from trapo.data import REPO_BENCHMARKS, DataError, Question, prompt_ids, template_messages
 
@@ -138,10 +138,12 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
         raise DataError("--labeled all leaves no rows for --unlabeled; use --unlabeled 0 or --unlabeled-from")
     if args.tokenizer and not args.max_prompt_tokens:
         raise DataError("--tokenizer needs --max-prompt-tokens (the limit the prompts are checked against)")
-    origin = {spec: resolve_source(spec)[1] for spec in args.sources + (args.unlabeled_from or [])}  # hub commits
-    main_files = [f for s in args.sources for f in source_files(s)]
-    pool_files = [f for s in args.unlabeled_from or [] for f in source_files(s)]
-    hub_of = {str(f): origin[s] for s in origin for f in source_files(s) if origin[s]}
+    # each SOURCE resolved once (a hub id: fetched once): its files, and its `org/name@commit` when from the hub
+    resolved = {spec: resolve_source(spec) for spec in [*args.sources, *(args.unlabeled_from or [])]}
+    files = {spec: files_under(path) for spec, (path, _) in resolved.items()}
+    main_files = [f for s in args.sources for f in files[s]]
+    pool_files = [f for s in args.unlabeled_from or [] for f in files[s]]
+    hub_of = {str(f): label for s, (_, label) in resolved.items() if label for f in files[s]}
     layouts = {str(f): detect_layout(f) for f in main_files + pool_files}  # every layout error before any work
     contamination, excluded = Contamination.from_dirs(args.exclude)
     too_long = lambda row: False  # noqa: E731

@@ -46,7 +46,11 @@ def resolve_source(spec: str) -> tuple[Path, str | None]:
 
 def source_files(spec: str) -> list[Path]:
     """A file, or every parquet/JSONL file under a folder or a hub dataset's snapshot (sorted: a stable order)."""
-    path = resolve_source(spec)[0]
+    return files_under(resolve_source(spec)[0])
+
+
+def files_under(path: Path) -> list[Path]:
+    """`path` itself when a file, else every parquet/JSONL file under it (sorted: a stable order)."""
     if path.is_file():
         return [path]
     if path.is_dir():

@@ -89,6 +89,7 @@ from trapo.commands.reproduce.plan import (
     ROOT,
     RULES,
     SEEDS,
+    TINY_TOY,
     budgets,
     steps_per_epoch,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "ROOT",
     "RULES",
     "SEEDS",
+    "TINY_TOY",
     "analyse",
     "base_eval",
     "budgets",
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = yaml.safe_load(CONFIG.read_text())
     toy, extra = dict(cfg["toy"]), list(args.overrides)
     if args.tiny:  # the test suite's smoke run: every path, a few questions
-        toy.update(labeled=16, unlabeled=48, test=16, validation=16, unlabeled_ood=48, sft_steps=100)
+        toy.update(TINY_TOY)
         extra = ["train.rollout_batch_size=16", "train.update_batch_size=16", "selection.warmup_epochs=1", *extra]
 
     def log(msg: str) -> None:

@@ -13,6 +13,8 @@ SEEDS, EPOCHS = [0, 1, 2, 3, 4, 5, 6, 7], 16
 QUICK_SEEDS, QUICK_EPOCHS = [0, 1, 2], 8
 EVAL_EVERY = 4  # steps; one epoch of the 256-question methods
 LABELED_RATIO = 0.25  # 64 of the 256 training questions
+# --tiny (the test suite's runs): the toy's sizes for every path with a few questions
+TINY_TOY = dict(labeled=16, unlabeled=48, test=16, validation=16, unlabeled_ood=48, sft_steps=100)
 PAPER_FIG4_GAP = 0.40  # Figure 4: top 10% by TCS beat the bottom 10% by over 40 points
 
 # method -> (setting, trainer overrides); setting "id": unlabeled questions are subtractions, "ood": additions

@@ -39,7 +39,7 @@ import yaml
 
 from trapo import runtime
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
-from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT
+from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT, TINY_TOY
 from trapo.config import ConfigError, load_config
 
 SPLITS = ("validation", "test", "test_ood")
@@ -106,7 +106,7 @@ def toy_root(out: Path, tiny: bool = False) -> Path:
 def toy_settings(tiny: bool) -> dict:
     toy = dict(yaml.safe_load((ROOT / "configs" / "toy_trap.yaml").read_text())["toy"])
     if tiny:  # the test suite's study: every path, a few questions
-        toy.update(labeled=16, unlabeled=48, test=16, validation=16, unlabeled_ood=48, sft_steps=100)
+        toy.update(TINY_TOY)
     toy.pop("dir", None)  # the studies' own, beside them
     return {**toy, "enabled": True, "seed": 0}
 
@@ -122,12 +122,12 @@ def run_key(study: Study, overrides: list[str]) -> str:
 def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> list[tuple[str, int, Path, list[str]]]:
     """(condition, seed, run directory, argv) of every run, in condition-major order."""
     runs = []
+    root = toy_root(out, tiny) if study.scale == "toy" else None
     for name, overrides in study.conditions.items():
         for seed in seeds:
             run_dir = out.parent / "runs" / f"{run_key(study, overrides)}-seed{seed}"
             args = [f"run_name={run_dir.name}", f"output_dir={run_dir.parent}", f"seed={seed}", "resume_from=latest"]
-            if study.scale == "toy":
-                root = toy_root(out, tiny)
+            if root is not None:
                 splits = ",".join(str(root / f"{s}.jsonl") for s in SPLITS)
                 args += [f"max_steps={study.steps}", "progress_bar=false", "toy.enabled=false",
                          f"model.path={root / 'model'}", f"data.train_files=[{root / 'train.jsonl'}]",
