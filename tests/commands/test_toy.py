@@ -1,5 +1,7 @@
 """The toy tasks: the trap family's arithmetic and splits."""
 
+import dataclasses
+
 from trapo.commands import toy
 from trapo.config import ToyConfig
 
@@ -51,3 +53,19 @@ def test_validation_split_is_held_out(tmp_path):
     assert not set(val) & set(test) and not set(val) & set(train) and not set(test) & set(train)
     ood = [json.loads(x) for x in (root / "unlabeled_ood.jsonl").read_text().splitlines()]
     assert len(ood) == 12 and not any(r["labeled"] for r in ood) and all("+" in r["question"] for r in ood)
+
+
+def test_assets_built_with_the_switch_off_are_reused_with_it_on_and_a_real_change_rebuilds(tmp_path):
+    """The manifest records what the assets are: a build for toy.enabled=false (the tests' fixture, the
+    reproduction's base) is what a toy run reuses, not a reason to rebuild it (two runs rebuilding one
+    directory at once collided)."""
+    import json
+
+    built = []
+    cfg = ToyConfig(enabled=False, dir=str(tmp_path), labeled=8, unlabeled=24, test=8, sft_steps=1)
+    root = toy.build_assets(cfg, log=built.append)
+    assert len(built) == 1 and "enabled" not in json.loads((root / "manifest.json").read_text())
+    toy.build_assets(dataclasses.replace(cfg, enabled=True), log=built.append)
+    assert len(built) == 1  # reused
+    toy.build_assets(dataclasses.replace(cfg, enabled=True, sft_steps=2), log=built.append)
+    assert len(built) == 2  # what the assets are changed: built again

@@ -169,10 +169,13 @@ def prepare(cfg: Config) -> None:
 def build_assets(cfg: ToyConfig, log=print) -> Path:
     """Build (or reuse) the toy model and data; returns the asset directory."""
     root = cfg.asset_dir
+    # What the assets are: neither where they live nor the `enabled` switch (a caller building them for a run
+    # with toy.enabled=false, as the tests and the reproduction do, reuses what a toy run built, and back).
     manifest = {"format": FORMAT_VERSION, **asdict(cfg)}
     manifest.pop("dir")
+    manifest.pop("enabled")
     done = root / "manifest.json"
-    if done.is_file() and json.loads(done.read_text()) == manifest:
+    if done.is_file() and {k: v for k, v in json.loads(done.read_text()).items() if k != "enabled"} == manifest:
         return root
     started = time.perf_counter()
     n_task = cfg.labeled + cfg.unlabeled + cfg.validation + cfg.test
