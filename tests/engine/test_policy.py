@@ -7,7 +7,7 @@ from trapo.engine.policy import Policy
 
 def test_reference_logprobs_need_a_reference_model():
     policy = Policy.__new__(Policy)  # loss.beta = 0: no reference model was loaded
-    policy.engine, policy.ref = object(), None
+    policy.engine, policy.ref, policy.lora = object(), None, False
     with pytest.raises(ValueError, match="loaded only when loss.beta > 0"):
         policy.with_logprobs([], "ref_logprobs")
 

@@ -114,10 +114,12 @@ def _model(tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def _warm_start(model, tokenizer, problems: list[tuple[str, str]], steps: int, seed: int) -> None:
-    """Supervised fit on (prompt, response) pairs; loss on response tokens only."""
+def _warm_start(model, tokenizer, problems: list[tuple[str, str]], steps: int, seed: int, schedule: str) -> None:
+    """Supervised fit on (prompt, response) pairs; loss on response tokens only. schedule: ToyConfig.sft_schedule."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    decay = schedule == "decay"
+    rate = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps if decay else 1.0)
     encoded = []
     for q, a in problems:
         p = tokenizer(q)["input_ids"]
@@ -139,7 +141,10 @@ def _warm_start(model, tokenizer, problems: list[tuple[str, str]], steps: int, s
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
         loss.backward()
+        if decay:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        rate.step()
     model.eval()
 
 
@@ -174,6 +179,8 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     manifest = {"format": FORMAT_VERSION, **asdict(cfg)}
     manifest.pop("dir")
     manifest.pop("enabled")
+    if cfg.sft_schedule == "constant":  # the schedule before it was a setting: those assets still match
+        manifest.pop("sft_schedule")
     done = root / "manifest.json"
     if done.is_file() and {k: v for k, v in json.loads(done.read_text()).items() if k != "enabled"} == manifest:
         return root
@@ -192,7 +199,7 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     tokenizer = _tokenizer(corpus)
     model = _model(tokenizer, cfg.seed)
     with torch.random.fork_rng():
-        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed)
+        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed, cfg.sft_schedule)
 
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

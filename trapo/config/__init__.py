@@ -18,6 +18,7 @@ from its modules.
 
 from trapo.config.loading import dump_config, load_config, parse_override, to_dict
 from trapo.config.schema import (
+    LORA_TARGETS,
     MODES,
     REFERENCES,
     REMOVED_KEYS,
@@ -28,6 +29,7 @@ from trapo.config.schema import (
     EvalConfig,
     HealthConfig,
     LoggingConfig,
+    LoraConfig,
     LossConfig,
     MlflowConfig,
     ModelConfig,
@@ -42,6 +44,7 @@ from trapo.config.schema import (
 from trapo.config.validation import validate
 
 __all__ = [
+    "LORA_TARGETS",
     "MODES",
     "REFERENCES",
     "REMOVED_KEYS",
@@ -51,6 +54,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "LoggingConfig",
+    "LoraConfig",
     "LossConfig",
     "MlflowConfig",
     "ModelConfig",

@@ -57,6 +57,12 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         "rollout.dynamic_sampling_max_rounds",
         f"must be >= 0 (0: no limit), got {r.dynamic_sampling_max_rounds}",
     )
+    lo = cfg.model.lora
+    need(lo.rank >= 0, "model.lora.rank", f"must be >= 0 (0: full fine-tuning), got {lo.rank}")
+    if lo.rank:
+        need(lo.alpha > 0, "model.lora.alpha", f"must be > 0, got {lo.alpha}")
+        need(0 <= lo.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lo.dropout}")
+        need(bool(lo.target_modules), "model.lora.target_modules", "must name a module, e.g. [q_proj, v_proj]")
     h = r.health
     need(h.warn is None or h.warn > 0, "rollout.health.warn", f"must be > 0 or null, got {h.warn}")
     need(h.stop is None or h.stop > 0, "rollout.health.stop", f"must be > 0 or null, got {h.stop}")

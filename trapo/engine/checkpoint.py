@@ -87,7 +87,10 @@ def save(
     if rank == 0:
         failure.attempt(begin, root, step)
     _fail_together(failure, root, step)
-    failure.attempt(engine.save_checkpoint, str(tmp), tag=DEEPSPEED_TAG, save_latest=False)
+    # A frozen LoRA base is not saved: DeepSpeed would write each rank's slice of it (engine.py 5433-5446).
+    failure.attempt(
+        engine.save_checkpoint, str(tmp), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True
+    )
     if failure:  # DeepSpeed's closing barrier, which this rank skipped: every rank makes one
         dist.barrier()
     failure.attempt(save_rng, tmp, rank)
@@ -192,14 +195,16 @@ def _size(n: float) -> str:
 
 
 def estimate_bytes(model) -> int:
-    """A first checkpoint's size before any exists: ZeRO-3 keeps fp32 master weights and two Adam
-    moments (12 bytes per parameter) plus the parameters in the model's dtype, and `hf/` holds the
-    weights again in that dtype. (ZeRO-3 parameters report their full size in `ds_numel`.)"""
-    numel = element = 0
+    """A first checkpoint's size before any exists: for each trained parameter, ZeRO-3's fp32 master weight
+    and two Adam moments (12 bytes) plus the parameter in the model's dtype; `hf/` holds every weight again
+    in that dtype (a frozen LoRA base only there). (ZeRO-3 parameters report their full size in `ds_numel`.)"""
+    total = trained = element = 0
     for p in model.parameters():
-        numel += getattr(p, "ds_numel", p.numel())
+        numel = getattr(p, "ds_numel", p.numel())
+        total += numel
+        trained += numel if p.requires_grad else 0
         element = p.element_size()
-    return numel * (12 + 2 * element)
+    return trained * (12 + element) + total * element
 
 
 def space_problem(root: Path, step: int, estimate: int, keep: int | None) -> str | None:
@@ -322,7 +327,9 @@ def restore(path: Path, *, rank: int, engine, saved_world: int | None = None, wo
         load_moved(path, DEEPSPEED_TAG, rank=rank, engine=engine)
         load_rng(path, rank if rank < saved_world else 0)
         return
-    load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG)
+    # Without the frozen base's (placeholder) entries a strict load would refuse the module states.
+    strict = all(p.requires_grad for p in engine.module.parameters())
+    load_path, _ = engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_module_strict=strict)
     if load_path is None:
         raise FileNotFoundError(f"{path}/{DEEPSPEED_TAG}: DeepSpeed could not load the checkpoint")
     load_rng(path, rank)

@@ -92,6 +92,19 @@ class Arch:
         layer = attention + 3 * h * self.intermediate + 2 * h  # + MLP gate/up/down + two RMSNorms
         return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h  # + embeddings, head, norm
 
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """Adapter parameters: rank x (in + out) for each targeted linear layer of every layer (A [r, in],
+        B [out, r]); a target is the layer's last name (q_proj ... down_proj)."""
+        q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in shapes]
+        if unknown:
+            raise ConfigError(
+                f"model.lora.target_modules: the plan knows {', '.join(shapes)}, not {', '.join(unknown)}"
+            )
+        return self.layers * sum(rank * sum(shapes[t.rsplit(".", 1)[-1]]) for t in set(targets))
+
     @property
     def largest_module(self) -> int:  # DeepSpeed's `model_to_params`: one module's own parameters
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)
@@ -192,9 +205,14 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
     a, r, t = arch, cfg.rollout, cfg.train
     b = 4 if cfg.model.dtype == "float32" else 2  # "auto" is bf16 on a GPU
     tp, P, s = r.tensor_parallel_size, arch.params, math.ceil(arch.params / world)
-    lp, grad, master, moments, ipg = b * s, z.grad_bytes * s, (4 * s if b != 4 else 0), 8 * s, b * z.bucket
-    ref = [Item("reference model partition (loss.beta > 0)", b * s)] if cfg.loss.beta > 0 else []
-    offload = t.offload_during_rollout is not False
+    lora = cfg.model.lora
+    # Trained parameters, one rank's partition: all of them, or with LoRA the adapters (the base frozen)
+    trained = arch.lora_params(lora.rank, lora.target_modules) if lora.rank else P
+    st = math.ceil(trained / world)
+    lp, grad, master, moments, ipg = b * st, z.grad_bytes * st, (4 * st if b != 4 else 0), 8 * st, b * z.bucket
+    with_ref = cfg.loss.beta > 0 and not lora.rank  # LoRA's reference is the base with its adapters off
+    ref = [Item("reference model partition (loss.beta > 0)", b * s)] if with_ref else []
+    offload = t.offload_during_rollout is not False and not lora.rank  # LoRA: nothing moves (Policy)
     reserve = Item("reserve: CUDA context, NCCL, fragmentation (assumed)", RESERVE)
     # vLLM
     requested = math.ceil(util * gpu)
@@ -215,12 +233,16 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
         vllm_fixed=v_weights + v_act + VLLM_RUNTIME,
     )
     vllm = Item(f"vLLM: rollout.gpu_memory_utilization {util:g} x card", requested)
+    trains = "adapter" if lora.rank else "param"
     ddp = [
-        Item(f"param partition ({b} B/param / {world})", lp),
-        Item(f"gradient partition ({z.grad_bytes} B/param / {world})", grad),
+        Item(f"{trains} partition ({b} B/{trains} / {world})", lp),
+        Item(f"gradient partition ({z.grad_bytes} B/{trains} / {world})", grad),
     ]
-    fp32 = [Item(f"fp32 master weights (4 B/param / {world})", master)]
-    adam = [Item(f"Adam moments (8 B/param / {world})", moments)]
+    if lora.rank:
+        ddp = [Item(f"frozen base partition ({b} B/param / {world}; stays during rollouts)", b * s)] + ddp
+        ddp[1].name = f"adapter partition ({trained / 1e6:.1f}M adapters x {b} B / {world})"
+    fp32 = [Item(f"fp32 master weights (4 B/{trains} / {world})", master)]
+    adam = [Item(f"Adam moments (8 B/{trains} / {world})", moments)]
     bucket = [Item(f"IPG gradient bucket ({z.bucket:,} x {b} B)", ipg)]
     startup = ddp + fp32 + bucket + ref + [reserve, vllm]
     trainer = fp32 + adam + ddp + bucket
@@ -243,16 +265,17 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
         kept, layer_name = (a.layers + 1) * T * a.hidden * b, "backward: one layer recomputed"
     else:
         kept, layer, layer_name = 0, a.layers * layer, "backward: every layer's activations (no checkpointing)"
-    head = HEAD_CHUNKS * t.loss_chunk_tokens * a.vocab * 4 + a.vocab * a.hidden * (4 + b) + 2 * T * a.hidden * b
+    head_grad = 0 if lora.rank else a.vocab * a.hidden * (4 + b)  # a frozen head has no weight gradient
+    head = HEAD_CHUNKS * t.loss_chunk_tokens * a.vocab * 4 + head_grad + 2 * T * a.hidden * b
     backward = gathered + kept + max(layer, head)
-    step = 4 * min(s, z.sub_group)
+    step = 4 * min(st, z.sub_group)
     update = ddp + fp32 + adam + bucket + ref + [reserve, Item("vLLM asleep: non-torch, CUDA graphs", VLLM_RUNTIME)]
     update += [
         Item(f"backward: gathered params (max_live {z.max_live:,} + largest module)", gathered, backward >= step),
         Item(f"backward: checkpointed layer inputs ({a.layers} + 1 layers x {T} tokens)", kept, backward >= step),
         Item(layer_name, layer, backward >= step and layer >= head),
         Item(
-            f"backward: LM head (chunks of {t.loss_chunk_tokens}, [V, H] fp32 grad)",
+            f"backward: LM head (chunks of {t.loss_chunk_tokens}{'' if lora.rank else ', [V, H] fp32 grad'})",
             head,
             backward >= step and head > layer,
         ),

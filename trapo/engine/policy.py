@@ -10,6 +10,7 @@ the work out first).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -24,7 +25,7 @@ from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_b
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
 from trapo.algorithm.loss import policy_loss
 from trapo.config import Config, ConfigError
-from trapo.engine import dist, packing
+from trapo.engine import dist, lora, packing
 from trapo.engine.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
 from trapo.runtime import torch_dtype
 
@@ -145,17 +146,26 @@ class Policy:
         model.config.use_cache = False
         if cfg.train.packing:  # packed rows: attention within each sequence, no [S, S] mask
             model.set_attn_implementation(packing.register_attention())
+        # model.lora: adapters on a frozen base (trapo/engine/lora.py); the base's identity goes in checkpoints
+        self.lora = cfg.model.lora.rank > 0
+        self.base = None
+        if self.lora:
+            model = lora.attach(model, cfg.model.lora, seed=cfg.seed)
+            self.base = dist.all_gather(lora.base_identity(model_dir) if dist.rank() == 0 else None)[0]
+            console.say(lora.describe(model, cfg.model.lora))
         t = cfg.train
         on_gpu = torch.cuda.is_available()
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, fused=on_gpu
-        )
+            [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
+            lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, fused=on_gpu,
+        )  # fmt: skip
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model = self.engine.module
         # loss.beta > 0: a frozen copy of the initial weights for the KL term, partitioned by ZeRO-3 like the
         # policy (each rank holds 1/world of it) and run forward only; no optimizer, never saved.
+        # With LoRA the reference is the base itself: the same model with its adapters off (`_reference`).
         self.ref = None
-        if cfg.loss.beta > 0:
+        if cfg.loss.beta > 0 and not self.lora:
             ref = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype).requires_grad_(False)
             ref.config.use_cache = False
             if cfg.train.packing:
@@ -171,7 +181,11 @@ class Policy:
         offload = t.offload_during_rollout
         if offload is None:
             offload = on_gpu and cfg.rollout.backend == "vllm"
-        self.offload_states = _offloadable_states(offload)
+        # With LoRA nothing moves: the adapters' states are small, and DeepSpeed 0.19's lp_params offload
+        # maps every parameter, frozen ones included, onto the trainable partitions' buffer (stage3.py
+        # 3900-3902), which breaks with a frozen base.
+        self.offload_states = _offloadable_states(offload and not self.lora)
+        self.scale = lora.scalings(self.model) if self.lora else {}
         self.offloaded = False
         self._host: dict[int, torch.Tensor] = {}  # host copies of the fp32 master and Adam moments, by tensor
         self.moved = {"offload_s": 0.0, "reload_s": 0.0, "bytes": 0}  # the last offload's figures (metrics.jsonl)
@@ -192,8 +206,24 @@ class Policy:
         }
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full tensor) of every parameter, gathered one block at a time."""
+        """(Hugging Face name, full tensor) of every parameter, gathered one block at a time; with LoRA the
+        adapted layers' weights merged (W + alpha / r B A), the adapters themselves not listed."""
+        if self.lora:
+            return lora.merged(dist.gathered_parameters(self.model), self.scale)
         return dist.gathered_parameters(self.model)
+
+    def base_model(self) -> torch.nn.Module:
+        """The transformers model (under peft's wrapper with LoRA): its config and generation config."""
+        return self.model.get_base_model() if self.lora else self.model
+
+    def _reference(self):
+        """(DeepSpeed engine, a context for each forward) that computes the KL reference's log-probs: the
+        frozen copy, or with LoRA the policy with its adapters disabled."""
+        if self.lora:
+            return self.engine, self.model.disable_adapter
+        if self.ref is None:  # without it the policy's own log-probs would pass for the reference's
+            raise ValueError("ref_logprobs need a reference model, which is loaded only when loss.beta > 0")
+        return self.ref, contextlib.nullcontext
 
     # ------------------------------------------------------------------ forward passes
 
@@ -276,12 +306,11 @@ class Policy:
         """The sequences with log-probs of their response tokens attached as `field`:
         "old_logprobs" from the policy now (pi_old, for several updates per batch) or
         "ref_logprobs" from the reference model (loss.beta > 0)."""
-        engine = self.ref if field == "ref_logprobs" else self.engine
-        if engine is None:  # without it the policy's own log-probs would pass for the reference's
-            raise ValueError("ref_logprobs need a reference model, which is loaded only when loss.beta > 0")
+        engine, context = self._reference() if field == "ref_logprobs" else (self.engine, contextlib.nullcontext)
         out = list(seqs)
         for group, batch in self._microbatches(seqs):
-            lp = self._token_stats(batch, engine=engine).logprobs.cpu()  # [b, T-1]
+            with context():
+                lp = self._token_stats(batch, engine=engine).logprobs.cpu()  # [b, T-1]
             for row, i in enumerate(group):
                 s = seqs[i]
                 out[i] = replace(s, **{field: lp[row, s.prompt_len - 1 : len(s.ids) - 1].tolist()})

@@ -32,7 +32,7 @@ from trapo import console, runtime
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier, merged
 from trapo.algorithm.selection import confidence_kind
-from trapo.config import Config, dump_config, to_dict
+from trapo.config import Config, ConfigError, dump_config, to_dict
 from trapo.data import epoch_batches, stop_token_ids
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
@@ -302,18 +302,16 @@ class Trainer:
             "world_size": self.world,
             "tracker_ids": self.loggers.ids() or self.tracker_ids,
             "model_commit": self.model_source and self.model_source.commit,  # a hub model's resolved revision
+            "base_model": self.policy.base,  # model.lora: the frozen base the adapters belong to (path, sha256)
             # each rank's memory of what exhausted the Math-Verify timeout: remembered verdicts survive a resume
             "grader_memory": dist.all_gather(self.verifier.memory()),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        saved, now = state.get("model_commit"), self.model_source and self.model_source.commit
-        if saved and now and saved != now:
-            raise TrainingError(
-                f"model.path {self.cfg.model.path}: the checkpoint trained from hub commit {saved}, and revision "
-                f"{self.cfg.model.revision or '(default branch)'} now resolves to {now}; resume with "
-                f"model.revision={saved}, or start a new run"
-            )
+        commit = self.model_source and self.model_source.commit
+        problem = run_record.model_problem(self.cfg.model, state, commit, self.policy.base)
+        if problem:  # the checkpoint's weights belong to another model: the input to fix
+            raise ConfigError(problem)
         self.tracker.load_state_dict(state["tracker"])
         self.step = state["step"]
         cursor = state.get("cursor")  # absent in checkpoints from before refills: one batch per step
@@ -336,7 +334,7 @@ class Trainer:
             engine=self.policy.engine,
             weights=self.policy.full_weights(),
             trainer_state=self.state_dict(),
-            model=self.policy.model,
+            model=self.policy.base_model(),
             tokenizer=self.tokenizer,
             keep=self.cfg.keep_checkpoints,
         )
