@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy lint bench clean-venv gpu-kit gpu-check
+.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy studies-toy lint bench clean-venv gpu-kit gpu-check
 
 setup: $(STAMP)
 
@@ -100,6 +100,16 @@ else
 	$(PY) -m trapo reproduce --quick
 endif
 
+# The five sensitivity and selection studies on the toy (configs/studies/toy/, paper Figure 5 and its tables):
+# every run, then docs/reproduce-toy/sensitivity.json, sensitivity.md and its plots. QUICK=1: 2 seeds, half the
+# steps, into outputs/studies-quick/.
+studies-toy: $(STAMP)
+ifeq ($(QUICK),)
+	$(PY) -m trapo reproduce --studies configs/studies/toy --docs docs/reproduce-toy
+else
+	$(PY) -m trapo reproduce --studies configs/studies/toy --quick
+endif
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -117,6 +127,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_rollout.py --backend hf | tee outputs/bench/rollout-hf.txt
 	$(PY) bench/bench_step.py
 	$(PY) bench/bench_update.py
+	$(PY) bench/bench_lora.py | tee outputs/bench/lora.txt
 	$(PY) -m trapo readme --bench outputs/bench
 
 # A lent GPU machine (Python 3.12, torch, transformers; no DeepSpeed, Math-Verify or vLLM, no index):

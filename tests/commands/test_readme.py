@@ -131,3 +131,19 @@ def test_without_a_block_it_says_where_each_lives(capsys):
     out = capsys.readouterr().out
     assert "make-train: README.md" in out and "memory-plan: docs/memory-plan.md" in out
     assert "reproduce-toy: docs/reproduce-toy.md" in out
+
+
+def test_bench_blocks_take_each_benchs_own_lines_and_need_some_output(tmp_path):
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "lora.txt").write_text(
+        "toy: update, 2 ranks on CPU\nINFO 11-26 vllm engine started\nset-up  trainable\nfull  476,288  0.3\n"
+        "[2026-11-26] [WARNING] accelerator\nlora-z3  38,912  0.3\n  merged   push 0.014 s\n  adapter  push 0.016 s\n"
+    )
+    target = tmp_path / "benchmarks.md"
+    target.write_text("<!-- generated:bench-lora -->\n<!-- /generated:bench-lora -->\n")
+    assert readme.main(["--bench", str(out), "--file", str(target)]) == 0  # no rollout outputs: that block is left
+    body = target.read_text()
+    assert "INFO" not in body and "WARNING" not in body
+    assert "full  476,288" in body and "lora-z3" in body and "  adapter  push" in body and body.count("```") == 2
+    assert readme.main(["--bench", str(tmp_path / "empty"), "--file", str(target)]) == 2

@@ -20,6 +20,7 @@ figure no code printed. Each block lives in one file (`BLOCKS`):
   configs/trapo_1k_3k.yaml on 8 x 80 and 8 x 141 GiB, and every paper config's verdict;
 - `bench-rollout` in docs/benchmarks.md: what bench/bench_rollout.py printed for both backends
   (`make bench` saves it as outputs/bench/rollout-vllm.txt and rollout-hf.txt).
+- `bench-lora` in docs/benchmarks.md: what bench/bench_lora.py printed (outputs/bench/lora.txt).
 
 `--file PATH` writes the blocks asked for into PATH instead (tests use it).
 """
@@ -46,8 +47,10 @@ BLOCKS = {
     "reproduce-toy": DOCS / "reproduce-toy.md",
     "memory-plan": DOCS / "memory-plan.md",
     "bench-rollout": DOCS / "benchmarks.md",
+    "bench-lora": DOCS / "benchmarks.md",
 }
 BENCH_ROLLOUT = ("rollout-vllm.txt", "rollout-hf.txt")  # bench_rollout.py's output, per backend
+BENCH_LORA = "lora.txt"  # bench_lora.py's output
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -104,7 +107,8 @@ def plan_block(config: str = "configs/trapo_1k_3k.yaml", cards: tuple[int, ...] 
 
 
 def verdicts_table(cards: tuple[int, ...]) -> str:
-    """Peak GiB per phase and the verdict of every paper config on 8 GPUs of each size (the doctor's plan)."""
+    """Peak GiB per phase and the verdict of every paper config on 8 GPUs of each size (a `*_1gpu` config: on
+    one), from the doctor's plan."""
     import json as _json
 
     from trapo.config import load_config
@@ -120,14 +124,13 @@ def verdicts_table(cards: tuple[int, ...]) -> str:
             continue
         ds = _json.loads((ROOT / cfg.train.deepspeed_config).read_text())
         arch = model_arch(cfg.model.path)
+        gpus = 1 if path.stem.endswith("_1gpu") else 8  # a config written for one GPU is planned on one
         for gb in cards:
-            plan = memory_plan(cfg, 8, gb * GiB, arch, ds)
+            plan = memory_plan(cfg, gpus, gb * GiB, arch, ds)
             peaks = " | ".join(f"{plan.peak(p) / GiB:.1f}" for p in ("start-up", "rollout", "update"))
             held = f"{plan.kv['sequences_held']} / {plan.kv['sequences_needed']}"
-            verdict = "fits" if plan.fits else "does not fit"
-            rows.append(
-                f"| {path.name} | 8 x {gb} GiB | {peaks} | {held} | {verdict}{' (warning)' if plan.warnings else ''} |"
-            )
+            verdict = ("fits" if plan.fits else "does not fit") + (" (warning)" if plan.warnings else "")
+            rows.append(f"| {path.name} | {gpus} x {gb} GiB | {peaks} | {held} | {verdict} |")
     return "Per-GPU peak GiB by phase for every paper config:\n\n" + "\n".join(rows)
 
 
@@ -140,13 +143,20 @@ def bench_block(folder: Path) -> str:
     return "```\n" + "\n".join(lines) + "\n```"
 
 
+def bench_lora_block(folder: Path) -> str:
+    """bench_lora.py's table lines (its own: the vLLM and DeepSpeed log lines it lets through are dropped)."""
+    mine = ("toy", "1.5B", "set-up", "full ", "lora-", "  merged", "  adapter")
+    lines = [line for line in (folder / BENCH_LORA).read_text().splitlines() if line.startswith(mine)]
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
     parser.add_argument("--test", type=Path, help="the JUnit XML of `make test` (outputs/make-test.xml)")
     parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
     parser.add_argument("--plan", action="store_true", help="the memory-plan block (trapo.commands.doctor --plan)")
-    parser.add_argument("--bench", type=Path, help="the folder `make bench` saved bench_rollout.py's output in")
+    parser.add_argument("--bench", type=Path, help="the folder `make bench` saved its benches' outputs in (each found)")
     parser.add_argument(
         "--file", "--readme", dest="file", type=Path, help="write the blocks into this file instead of their own"
     )
@@ -158,10 +168,17 @@ def main(argv: list[str] | None = None) -> int:
             ("make-test", args.test),
             ("reproduce-toy", args.reproduce),
             ("memory-plan", args.plan),
-            ("bench-rollout", args.bench),
+            ("bench-rollout", args.bench and all((args.bench / n).is_file() for n in BENCH_ROLLOUT)),
+            ("bench-lora", args.bench and (args.bench / BENCH_LORA).is_file()),
         )
         if on
     ]
+    if args.bench and not any(name.startswith("bench-") for name in wanted):
+        print(
+            f"trapo readme: {args.bench}: no benchmark output ({', '.join(BENCH_ROLLOUT)}, {BENCH_LORA})",
+            file=sys.stderr,
+        )
+        return 2
     if not wanted:
         for name, path in BLOCKS.items():
             print(f"{name}: {path.relative_to(ROOT).as_posix()}")
@@ -178,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 body = reproduce_block(args.reproduce, target)
             elif name == "bench-rollout":
                 body = bench_block(args.bench)
+            elif name == "bench-lora":
+                body = bench_lora_block(args.bench)
             else:
                 body = plan_block()
             text = texts[target] if target in texts else target.read_text()
