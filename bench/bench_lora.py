@@ -43,9 +43,16 @@ SETUPS = {
 }
 SHAPES = {
     "toy": None,  # trapo/commands/toy.py MODEL_SHAPE, vocabulary 320
-    "1.5B-shaped (2 layers)": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=151936,
-                                   tie_word_embeddings=False, max_position_embeddings=2048),  # fmt: skip
+    "1.5B-shaped (2 layers)": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    ),  # fmt: skip
 }
 
 
