@@ -132,7 +132,7 @@ bench: $(STAMP)
 
 # A lent GPU machine (Python 3.12, torch, transformers; no DeepSpeed, Math-Verify or vLLM, no index):
 # `make gpu-kit` here downloads what it lacks into .gpukit/ (git-ignored, about 21 MiB); there,
-# `make gpu-check [PART=1|2|3]` installs it offline and checks the trainer on the GPU, writing
+# `make gpu-check [PART=1|2|3|4]` installs it offline and checks the trainer on the GPU, writing
 # docs/gpu/<date>-<gpu>.md. GPU_CHECK_DRY_RUN=1 runs the same script on CPU with the toy (CI does).
 gpu-kit: $(STAMP)
 	$(PY) -m trapo gpu-kit

@@ -49,12 +49,15 @@ def test_merged_weights_give_the_adapted_models_logprobs():
     assert scale == {f"model.layers.{i}.{m}": 2.0 for i in range(2)
                      for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}  # fmt: skip
     state = dict(lora.merged(((n, p.detach().clone()) for n, p in adapted.named_parameters()), scale))
+    before = {n: p.detach().clone() for n, p in adapted.named_parameters()}
     plain = toy_model(seed=5)
     assert set(state) == set(plain.state_dict())  # every base name, no adapter names
     plain.load_state_dict(state)
     diff = (logprobs(plain, IDS) - logprobs(adapted, IDS)).abs().max().item()
     assert 0 < diff < 1e-5 or diff == 0, diff
     assert (logprobs(plain, IDS) - logprobs(toy_model(), IDS)).abs().max() > 1e-3  # the adapters did change it
+    # the merge wrote copies: the adapted model's base weights are untouched, bit for bit (no merge / unmerge)
+    assert all(torch.equal(p, before[n]) for n, p in adapted.named_parameters())
 
 
 def test_merge_weight_is_w_plus_scaled_ba():

@@ -188,3 +188,36 @@ def test_hf_backend_plan_by_hand():
     big = plan_for(8, 80, "rollout.backend=hf", "rollout.hf_max_batch=512", "train.rollout_batch_size=512",
                    "train.update_batch_size=512")  # fmt: skip
     assert not big.fits and any("rollout.hf_max_batch" in p for p in big.problems), big.problems
+
+
+LORA_1GPU = os.path.join(ROOT, "configs", "trapo_1k_3k_lora_1gpu.yaml")
+
+
+def test_lora_7b_on_one_80_gib_card_by_hand_and_full_fine_tuning_refused():
+    # Adapters, rank 32 on the 7 projections, per layer r x (in + out): q, o 3584 + 3584 each; k, v 3584 + 512
+    # each; gate, up 3584 + 18944 each; down 18944 + 3584 -> 32 x 90,112 = 2,883,584; x 28 = 80,740,352.
+    assert BUILTIN["Qwen2.5-Math-7B"].lora_params(32, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"]) == 80_740_352  # fmt: skip
+    assert BUILTIN["Qwen2.5-Math-7B"].lora_params(8, ["q_proj", "v_proj"]) == 28 * 8 * (7168 + 4096)
+    plan = plan_for(1, 80, config=LORA_1GPU)
+    assert plan.fits, plan.problems
+    a, p = 80_740_352, 7_615_616_512
+    update = figures(plan, "update")
+    assert update["frozen base partition (2 B/param / 1; stays during rollouts)"] == (2 * p, True)
+    assert update["adapter partition (80.7M adapters x 2 B / 1)"] == (2 * a, True)
+    assert update["gradient partition (4 B/adapter / 1)"] == (4 * a, True)  # fp32 accumulation (deepspeed config)
+    assert update["fp32 master weights (4 B/adapter / 1)"] == (4 * a, True)
+    assert update["Adam moments (8 B/adapter / 1)"] == (8 * a, True)
+    head = next(v for k, v in update.items() if k.startswith("backward: LM head"))
+    assert head[0] == 4 * 256 * 152064 * 4 + 2 * 16384 * 3584 * 2  # no [V, H] weight gradient: the head is frozen
+    rollout = figures(plan, "rollout")
+    assert all(counted for name, (_, counted) in rollout.items() if not name.startswith("  of which"))  # none moved
+    # full fine-tuning of the same model on the same card is refused, naming more GPUs
+    full = plan_for(1, 80, "model.lora.rank=0", config=LORA_1GPU)
+    assert not full.fits and any("at least 2 GPUs" in problem for problem in full.problems)
+    # LoRA's KL reference is the base with adapters off: no second copy
+    assert not any(
+        "reference" in name for name in figures(plan_for(1, 80, "loss.beta=0.01", config=LORA_1GPU), "update")
+    )
+    with pytest.raises(ConfigError, match="the plan knows q_proj"):
+        plan_for(1, 80, "model.lora.target_modules=[qkv]", config=LORA_1GPU)

@@ -10,7 +10,8 @@ is tested with (read from the environment that runs this command, i.e. `make set
 - DeepSpeed, built here from its source release with DS_BUILD_OPS=0 (no prebuilt CUDA ops: the trainer
   uses torch's own AdamW, so no DeepSpeed op is ever compiled), and its pydantic;
 - Math-Verify, its LaTeX parser and the ANTLR runtime that parser pins;
-- transformers and tokenizers at our pins (newer than the image's 5.17), and regex, which they need new.
+- transformers and tokenizers at our pins (newer than the image's 5.17), and regex, which they need new;
+- peft with accelerate and psutil, for model.lora.
 
 vLLM is not carried (a 330 MB wheel that pins another torch): the GPU check trains with rollout.backend=hf.
 Every file is checked against MAX_FILE and the kit against MAX_KIT, so kit plus repository fit one 64 MiB
@@ -38,6 +39,7 @@ WHEELS = [
     "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson",
     "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime",
     "transformers", "tokenizers", "regex",
+    "peft", "accelerate", "psutil",  # model.lora (the image's accelerate and psutil, if any, are replaced alike)
 ]  # fmt: skip
 BUILT = ["deepspeed"]  # a source release only: built into a wheel here
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]

@@ -1,7 +1,7 @@
 """`make gpu-check`: what works on a GPU machine, in minutes, with one line per check and a report.
 
     make gpu-kit                      # where the package index is reachable: the wheels, into .gpukit/
-    make gpu-check [PART=1|2|3]       # on the GPU machine (offline), one part per 10-minute call
+    make gpu-check [PART=1|2|3|4]     # on the GPU machine (offline), one part per 10-minute call
     GPU_CHECK_DRY_RUN=1 make gpu-check  # the same script on CPU, toy and tiny shapes (CI runs it)
 
 First the environment (nvidia-smi, nvcc, torch, CUDA and package versions), printed before anything can
@@ -15,7 +15,9 @@ limit, so one failure does not stop the others. Parts (at most ~9 minutes each o
    attention kernel packed rows ran, packing against padding;
 3. a bf16 toy run with the hf backend through the `deepspeed` launcher, killed mid-run (SIGKILL) and
    resumed, against an uninterrupted run; two training steps at the 1.5B shape with 512-token answers,
-   each phase's time and peak memory against the memory plan (shape_step.py).
+   each phase's time and peak memory against the memory plan (shape_step.py);
+4. two training steps at Qwen2.5-Math-7B's shape with rank-32 LoRA adapters on one GPU
+   (configs/trapo_1k_3k_lora_1gpu.yaml's model and adapters), each phase's peak against the plan.
 
 The report goes to docs/gpu/<date>-<gpu>[-part<n>].md (and to $OUT, where the device tool collects files).
 """
@@ -219,24 +221,30 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
               f"max logprob_diff_rollout_vs_policy {health:.2e}", "\n".join(log))  # fmt: skip
 
 
-def shape_step(check: Check, env: dict, dry_run: bool) -> None:
+def shape_step(check: Check, env: dict, dry_run: bool, lora: bool = False) -> None:
     cmd = [sys.executable, "-m", "trapo.commands.gpu_check.shape_step", "--work", str(WORK / "shape"),
-           *(["--dry-run"] if dry_run else [])]  # fmt: skip
+           *(["--dry-run"] if dry_run else []), *(["--lora"] if lora else [])]  # fmt: skip
     code, out = shell(cmd, env, 480)
     result = next((json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{")), None)
+    title = "7B-shape LoRA training step" if lora else "1.5B-shape training step"
     if code != 0 or result is None:
-        check.add("1.5B-shape training step", False, f"failed ({code})", tail(out, 40))
+        check.add(title, False, f"failed ({code})", tail(out, 40))
         return
     timing, peak, plan = result["timing_s"], result.get("peak_gib") or {}, result.get("plan_gib") or {}
     phases = ", ".join(f"{k} {timing[k]:.2f} s" + (f" peak {peak[k]:.1f} GiB" if k in peak else "")
                        for k in ("rollout", "grading", "update", "weight_push", "step") if k in timing)  # fmt: skip
     against = f"; plan: rollout {plan.get('rollout')} GiB, update {plan.get('update')} GiB" if plan else ""
-    name = "1.5B-shape training step" if not dry_run else "shape step (tiny shape, dry run)"
-    check.add(name, True, f"{result['params'] / 1e9:.2f}B params, mean answer {result['mean_response_tokens']:.0f} "
-              f"tokens: {phases}{against}", json.dumps(result))  # fmt: skip
+    name = title if not dry_run else f"shape step{' with LoRA' if lora else ''} (tiny shape, dry run)"
+    trains = f" ({result['trainable'] / 1e6:.1f}M trainable)" if lora else ""
+    check.add(name, True, f"{result['params'] / 1e9:.2f}B params{trains}, mean answer "
+              f"{result['mean_response_tokens']:.0f} tokens: {phases}{against}", json.dumps(result))  # fmt: skip
 
 
-PARTS = {1: [doctor, pytest_gpu], 2: [bench_update], 3: [kill_resume, shape_step]}
+def shape_step_lora(check: Check, env: dict, dry_run: bool) -> None:
+    shape_step(check, env, dry_run, lora=True)
+
+
+PARTS = {1: [doctor, pytest_gpu], 2: [bench_update], 3: [kill_resume, shape_step], 4: [shape_step_lora]}
 
 
 # ----------------------------------------------------------------------------- report

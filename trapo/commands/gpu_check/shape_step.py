@@ -1,12 +1,13 @@
 """Training steps at a real model's shape with random weights (no hub), each phase's time and peak memory beside
 the memory plan's: one check of `make gpu-check`, run in a process of its own.
 
-    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run]
+    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora]
 
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (--dry-run: the toy's shape), the questions and
 tokenizer the toy's; rollout.backend=hf with 512-token answers (random weights rarely stop early), 64
 questions x 8, bf16, ZeRO-3, gradient checkpointing. Two steps: the second has Adam moments, as the
-plan's rollout and update phases assume. Prints one JSON line.
+plan's rollout and update phases assume. --lora: Qwen2.5-Math-7B's shape with rank-32 adapters on every
+projection, as configs/trapo_1k_3k_lora_1gpu.yaml trains it on one GPU. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_laye
                        tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
 
 
-def build_model(work: Path, dry_run: bool) -> tuple[Path, Path]:
+# Qwen2.5-Math-7B's widths (memory_plan.BUILTIN), for the LoRA step: the paper's model on one GPU.
+QWEN_MATH_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                    num_key_value_heads=4, vocab_size=152064, max_position_embeddings=16384,
+                    tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
+LORA = ["model.lora.rank=32", "model.lora.alpha=64"]  # configs/trapo_1k_3k_lora_1gpu.yaml's adapters
+
+
+def build_model(work: Path, dry_run: bool, shape: dict = R1_DISTILL_1P5B) -> tuple[Path, Path]:
     """(model dir with the toy's tokenizer, the toy's training file)."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -32,7 +40,7 @@ def build_model(work: Path, dry_run: bool) -> tuple[Path, Path]:
 
     toy = build_assets(ToyConfig(dir=str(work / "toy"), sft_steps=50))
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
-    shape = dict(vocab_size=320, **MODEL_SHAPE) if dry_run else R1_DISTILL_1P5B
+    shape = dict(vocab_size=320, **MODEL_SHAPE) if dry_run else shape
     model_dir = work / "model"
     torch.manual_seed(0)
     config = Qwen2Config(**shape, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
@@ -49,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", required=True)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="Qwen2.5-Math-7B's shape with rank-32 adapters")
     args = parser.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from trapo.training.trainer import Trainer
 
     started = time.perf_counter()
-    model_dir, train_file = build_model(work, args.dry_run)
+    model_dir, train_file = build_model(work, args.dry_run, QWEN_MATH_7B if args.lora else R1_DISTILL_1P5B)
     build_s = time.perf_counter() - started
     answer = 32 if args.dry_run else 512
     overrides = [
@@ -69,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         f"rollout.max_tokens={answer}", "train.rollout_batch_size=64", "train.update_batch_size=64",
         "train.micro_batch_tokens=16384", "max_steps=2", "save_steps=0", f"output_dir={work / 'runs'}",
         "run_name=shape-step", "progress_bar=false", "eval.steps=0", "selection.warmup_epochs=1",
+        *(LORA if args.lora else []),
     ]  # fmt: skip
     cfg = load_config(str(runtime.ROOT / "configs" / "toy.yaml"), overrides)
     trainer = Trainer(cfg)
@@ -76,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         logs = [trainer.train_step() for _ in range(2)]
     finally:
         trainer.close()
-    last = logs[-1]
+    last, params = logs[-1], list(trainer.policy.model.parameters())
     result = {
         "model_build_s": round(build_s, 1),
-        "params": sum(getattr(p, "ds_numel", p.numel()) for p in trainer.policy.model.parameters()),
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+        "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad),
         "mean_response_tokens": last["response_tokens"] / (64 * 8) if "response_tokens" in last else None,
         "timing_s": last["timing"],
         "peak_gib": last.get("peak_gb"),
