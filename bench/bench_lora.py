@@ -7,8 +7,9 @@
    - full:     every parameter trains, ZeRO-3 (today's default);
    - lora-z3:  rank-8 adapters on the 7 projections, the frozen base partitioned by ZeRO-3 (what we ship);
    - lora-z2:  the same adapters, the frozen base replicated on every rank (ZeRO-2 partitions only what trains).
-   Printed per set-up: trainable parameters, rank 0's resident memory once built and its peak during the
-   updates (sampled every 5 ms), and the median update time (3 after a warm-up).
+   The toy in fp32, the 1.5B shape in bf16 (fp32 master weights and Adam moments either way), DeepSpeed's
+   gradient bucket at 5e7 elements. Printed per set-up: trainable parameters, rank 0's resident memory once
+   built and its peak during the updates (sampled every 5 ms), and the median update time (3 after a warm-up).
 2. The push after an update, on one rank with one vLLM engine per method (toy shape and the tiny 1.5B shape):
    - merged:   the gathered base with W + (alpha / r) B A computed per layer (trapo/engine/lora.py), loaded into
                vLLM in place (`reload_weights`, as trapo/engine/vllm_rollout.py does every step);
@@ -56,6 +57,11 @@ SHAPES = {
 }
 
 
+# The toy trains in fp32 as on CPU; the 1.5B shape in bf16, as on a GPU (in fp32 its full fine-tuning would not
+# fit two ranks in this machine's 24 GiB: the first attempt was killed for memory).
+DTYPES = {"toy": "float32", "1.5B-shaped (2 layers)": "bfloat16"}
+
+
 class PeakRss:
     """The process's resident memory, sampled every 5 ms while running (`with PeakRss() as peak: ...`)."""
 
@@ -92,7 +98,7 @@ def make_model(shape: dict | None, tokenizer_dir: str) -> str:
     return out
 
 
-def update_worker(rank: int, port: int, model_dir: str, setup: str, queue) -> None:
+def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     import json
@@ -106,15 +112,19 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, queue) -> No
     from trapo.engine.policy import Policy
 
     dist.init_distributed()
-    overrides = ["loss.entropy_coef=0.0", "train.micro_batch_tokens=1024", *SETUPS[setup]]
+    overrides = ["loss.entropy_coef=0.0", "train.micro_batch_tokens=1024", f"model.dtype={dtype}", *SETUPS[setup]]
+    # configs/deepspeed_zero3.json with a 5e7-element gradient bucket (its 5e8 would take 2 GiB per rank in
+    # fp32 here); lora-z2: the same as ZeRO stage 2
+    ds = json.load(open(os.path.join(ROOT, "configs", "deepspeed_zero3.json")))
+    ds["zero_optimization"].update(reduce_bucket_size=int(5e7))
     if setup == "lora-z2":
-        ds = json.load(open(os.path.join(ROOT, "configs", "deepspeed_zero3.json")))
-        ds["zero_optimization"] = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}
-        path = os.path.join(model_dir, "ds_zero2.json")
-        if rank == 0:
-            json.dump(ds, open(path, "w"))
-        dist.barrier()
-        overrides.append(f"train.deepspeed_config={path}")
+        ds["zero_optimization"] = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                   "reduce_bucket_size": int(5e7)}  # fmt: skip
+    path = os.path.join(model_dir, f"ds-{setup}.json")
+    if rank == 0:
+        json.dump(ds, open(path, "w"))
+    dist.barrier()
+    overrides.append(f"train.deepspeed_config={path}")
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
     gen = torch.Generator().manual_seed(rank)
     seqs = []
@@ -138,7 +148,24 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, queue) -> No
         queue.put((trainable, built, peak.peak, statistics.median(times[1:])))
 
 
-def run_update(model_dir: str, setup: str):
+def collect(queue, procs):
+    """The result a worker puts on `queue`; a worker that died (killed for memory, say) is an error, not a hang."""
+    import queue as queues
+
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queues.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a bench worker died (exit codes {dead}); its output is above") from None
+    for p in procs:
+        p.join()
+    return result
+
+
+def run_update(model_dir: str, setup: str, dtype: str):
     import multiprocessing
 
     with socket.socket() as s:
@@ -146,31 +173,28 @@ def run_update(model_dir: str, setup: str):
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=update_worker, args=(r, port, model_dir, setup, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=update_worker, args=(r, port, model_dir, setup, dtype, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return result
+    return collect(queue, procs)
 
 
-def push_worker(model_dir: str, method: str, queue) -> None:
+def push_worker(model_dir: str, method: str, dtype: str, queue) -> None:
     """One vLLM engine; PUSHES pushes of a trained adapter's weights by `method`, then one generation round."""
     import torch
+    from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
     from trapo.config import LoraConfig
     from trapo.engine import lora
 
-    adapted = lora.attach(
-        __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(rank=RANK, alpha=16)
-    )
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    adapted = lora.attach(base, LoraConfig(rank=RANK, alpha=16))
     with torch.no_grad():  # a trained adapter: B away from zero
         for name, p in adapted.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0, 0.01)
-    kwargs = dict(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    kwargs = dict(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=256, seed=0)
     if method == "adapter":
         kwargs.update(enable_lora=True, max_lora_rank=RANK, max_loras=1, max_cpu_loras=2)
     llm = LLM(**kwargs, kv_cache_memory_bytes=256 << 20)
@@ -206,19 +230,34 @@ def push_worker(model_dir: str, method: str, queue) -> None:
     queue.put((statistics.median(seconds[1:]), generate))
 
 
-def run_push(model_dir: str, method: str):
+def run_push(model_dir: str, method: str, dtype: str):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=push_worker, args=(model_dir, method, queue))
+    proc = ctx.Process(target=push_worker, args=(model_dir, method, dtype, queue))
     proc.start()
-    result = queue.get(timeout=3600)
-    proc.join()
-    return result
+    return collect(queue, [proc])
+
+
+def merge_drift(pairs: int = 100) -> float:
+    """The share of a bf16 [1024, 1024] matrix's entries that `pairs` in-place merge / unmerge pairs of
+    rank-8 updates (W += dW; W -= dW, as peft's merge_adapter / unmerge_adapter do) leave changed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 1024, generator=gen).bfloat16()
+    start = weight.clone()
+    for _ in range(pairs):
+        delta = (torch.randn(1024, 8, generator=gen) @ torch.randn(8, 1024, generator=gen) * 1e-3).bfloat16()
+        weight += delta
+        weight -= delta
+    return (weight != start).float().mean().item()
 
 
 def main() -> None:
+    print(f"merge/unmerge in bf16: 100 pairs change {100 * merge_drift():.1f}% of a [1024, 1024] matrix's "
+          "entries (our merged push writes copies: 0%)")  # fmt: skip
     from trapo.commands.toy import build_assets
     from trapo.config import ToyConfig
 
@@ -227,17 +266,18 @@ def main() -> None:
     gib = 2**30
     for shape_name, shape in SHAPES.items():
         model_dir = make_model(shape, tokenizer)
-        print(f"\n{shape_name}: update, {WORLD} ranks on CPU, {SEQS} sequences of 64-128 tokens per rank")
+        print(f"\n{shape_name}: update, {WORLD} ranks on CPU, {SEQS} sequences of 64-128 tokens per rank, "
+              f"{DTYPES[shape_name]}")  # fmt: skip
         print(f"{'set-up':9s} {'trainable':>12s} {'RSS built GiB':>14s} {'RSS peak GiB':>13s} {'update s':>9s}")
         rows = {}
         for setup in SETUPS:
-            rows[setup] = trainable, built, peak, sec = run_update(model_dir, setup)
+            rows[setup] = trainable, built, peak, sec = run_update(model_dir, setup, DTYPES[shape_name])
             print(f"{setup:9s} {trainable:12,d} {built / gib:14.2f} {peak / gib:13.2f} {sec:9.3f}")
         full, z3, z2 = rows["full"], rows["lora-z3"], rows["lora-z2"]
         print(f"lora-z3 / full: update time {z3[3] / full[3]:.2f}, peak RSS {z3[2] / full[2]:.2f}; "
               f"lora-z3 / lora-z2: update time {z3[3] / z2[3]:.2f}, peak RSS {z3[2] / z2[2]:.2f}")  # fmt: skip
         print(f"{shape_name}: push after an update, 1 rank, vLLM on CPU (rank {RANK}, all 7 projections)")
-        pushes = {method: run_push(model_dir, method) for method in ("merged", "adapter")}
+        pushes = {method: run_push(model_dir, method, DTYPES[shape_name]) for method in ("merged", "adapter")}
         for method, (push, generate) in pushes.items():
             print(f"  {method:8s} push {push:7.3f} s   generation round (64 x 16 tokens) {generate:7.3f} s")
         (mp, mg), (ap, ag) = pushes["merged"], pushes["adapter"]

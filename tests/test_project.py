@@ -14,6 +14,11 @@ def test_deepspeed_config_is_valid_zero3():
     with open(os.path.join(ROOT, "configs", "deepspeed_zero3.json")) as f:
         cfg = json.load(f)
     assert DeepSpeedZeroConfig(**cfg["zero_optimization"]).stage == 3
+    with open(os.path.join(ROOT, "configs", "deepspeed_zero2.json")) as f:  # LoRA on one GPU: the base whole
+        zero2 = json.load(f)
+    assert DeepSpeedZeroConfig(**zero2["zero_optimization"]).stage == 2
+    assert {k: v for k, v in zero2.items() if k != "zero_optimization"} == {
+        k: v for k, v in cfg.items() if k != "zero_optimization"}  # the same precision and clipping  # fmt: skip
 
 
 def test_entry_point_help_names_the_launch_command():

@@ -203,8 +203,8 @@ def test_lora_7b_on_one_80_gib_card_by_hand_and_full_fine_tuning_refused():
     assert plan.fits, plan.problems
     a, p = 80_740_352, 7_615_616_512
     update = figures(plan, "update")
-    assert update["frozen base partition (2 B/param / 1; stays during rollouts)"] == (2 * p, True)
-    assert update["adapter partition (80.7M adapters x 2 B / 1)"] == (2 * a, True)
+    assert update["frozen base (2 B/param, whole: ZeRO-2)"] == (2 * p, True)  # the shipped config: ZeRO-2
+    assert update["adapters (80.7M x 2 B, whole: ZeRO-2)"] == (2 * a, True)
     assert update["gradient partition (4 B/adapter / 1)"] == (4 * a, True)  # fp32 accumulation (deepspeed config)
     assert update["fp32 master weights (4 B/adapter / 1)"] == (4 * a, True)
     assert update["Adam moments (8 B/adapter / 1)"] == (8 * a, True)
@@ -213,7 +213,7 @@ def test_lora_7b_on_one_80_gib_card_by_hand_and_full_fine_tuning_refused():
     rollout = figures(plan, "rollout")
     assert all(counted for name, (_, counted) in rollout.items() if not name.startswith("  of which"))  # none moved
     # full fine-tuning of the same model on the same card is refused, naming more GPUs
-    full = plan_for(1, 80, "model.lora.rank=0", config=LORA_1GPU)
+    full = plan_for(1, 80)  # configs/trapo_1k_3k.yaml
     assert not full.fits and any("at least 2 GPUs" in problem for problem in full.problems)
     # LoRA's KL reference is the base with adapters off: no second copy
     assert not any(
@@ -221,3 +221,25 @@ def test_lora_7b_on_one_80_gib_card_by_hand_and_full_fine_tuning_refused():
     )
     with pytest.raises(ConfigError, match="the plan knows q_proj"):
         plan_for(1, 80, "model.lora.target_modules=[qkv]", config=LORA_1GPU)
+
+
+def test_zero2_holds_the_frozen_base_whole_and_gathers_nothing_and_is_for_lora_only():
+    path = os.path.join(ROOT, "configs", "deepspeed_zero2.json")
+    z3 = plan_for(2, 80, "train.deepspeed_config=configs/deepspeed_zero3.json", config=LORA_1GPU)
+    z2 = plan_for(2, 80, f"train.deepspeed_config={path}", config=LORA_1GPU)
+    a, p = 80_740_352, 7_615_616_512
+    update = figures(z2, "update")
+    assert update["frozen base (2 B/param, whole: ZeRO-2)"] == (2 * p, True)
+    assert update["adapters (80.7M x 2 B, whole: ZeRO-2)"] == (2 * a, True)
+    assert update["gradient partition (4 B/adapter / 2)"] == (4 * a // 2, True)  # gradients and states: partitioned
+    assert update["Adam moments (8 B/adapter / 2)"] == (8 * a // 2, True)
+    gathered = next(v for k, v in update.items() if k.startswith("backward: gathered"))
+    assert (
+        gathered[0] == 0
+        and next(v for k, v in figures(z3, "update").items() if k.startswith("backward: gathered"))[0] > 0
+    )
+    # on 2 GPUs the replicated base costs half a base more per GPU than ZeRO-3's partition
+    assert z2.peak("update") - z3.peak("update") == p - next(
+        v for k, v in figures(z3, "update").items() if k.startswith("backward: gathered"))[0] + 2 * a - a  # fmt: skip
+    with pytest.raises(ConfigError, match="ZeRO stage 2 is for LoRA runs"):
+        plan_for(2, 80, f"train.deepspeed_config={path}", "model.lora.rank=0", config=LORA_1GPU)

@@ -145,7 +145,7 @@ def bench_block(folder: Path) -> str:
 
 def bench_lora_block(folder: Path) -> str:
     """bench_lora.py's table lines (its own: the vLLM and DeepSpeed log lines it lets through are dropped)."""
-    mine = ("toy", "1.5B", "set-up", "full ", "lora-", "  merged", "  adapter")  # see bench_lora.py's prints
+    mine = ("merge/unmerge", "toy", "1.5B", "set-up", "full ", "lora-", "  merged", "  adapter")  # its prints
     lines = [line for line in (folder / BENCH_LORA).read_text().splitlines() if line.startswith(mine)]
     return "```\n" + "\n".join(lines) + "\n```"
 

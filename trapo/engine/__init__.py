@@ -3,6 +3,8 @@ they share with disk and with other ranks.
 
 - policy.py        the policy: built from a Hugging Face directory, forwarded in token-budget micro-batches,
                    updated, its full weights gathered block by block
+- lora.py          LoRA adapters on a frozen base (model.lora): attached, merged per layer for the push and
+                   hf/, and the base's identity a checkpoint keeps
 - rollout.py       what both rollout backends share: the Rollout record, per-request seeds, one decode per call
 - vllm_rollout.py  rollout.backend vllm: one vLLM engine per rank (or tensor-parallel group): generate, push, sleep
 - hf_rollout.py    rollout.backend hf: the policy's own model generates (ZeRO-3 gathered once per turn)

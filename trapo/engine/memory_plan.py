@@ -61,6 +61,10 @@ from pathlib import Path
 from trapo.config import Config, ConfigError
 
 GiB = 2**30
+STAGE2_LORA_ONLY = (
+    "train.deepspeed_config: ZeRO stage 2 is for LoRA runs (model.lora.rank > 0), where the frozen base is held "
+    "whole on every GPU; full fine-tuning runs under ZeRO-3 (configs/deepspeed_zero3.json)"
+)
 RESERVE = 2 * GiB
 VLLM_RUNTIME = 1 * GiB
 LAYER_H, LAYER_KV, LAYER_I = 20, 4, 6  # [T, H], [T, kv_dim], [T, I] tensors of one recomputed layer
@@ -178,6 +182,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class _Zero:
+    stage: int  # 3; or 2, for LoRA only: the frozen base whole on every rank, nothing gathered
     grad_bytes: int
     bucket: int  # reduce_bucket_size, elements (0 without contiguous_gradients)
     max_live: int
@@ -185,15 +190,16 @@ class _Zero:
 
 
 def _zero(ds_config: dict | None, b: int) -> _Zero:
-    """The ZeRO-3 settings the plan uses, DeepSpeed's defaults where absent (runtime/zero/config.py:102-245)."""
+    """The ZeRO settings the plan uses, DeepSpeed's defaults where absent (runtime/zero/config.py:102-245)."""
     ds = ds_config or {}
     z = ds.get("zero_optimization") or {}
-    if z.get("stage", 3) != 3:
-        raise ConfigError(f"train.deepspeed_config: the plan models ZeRO stage 3, got stage {z.get('stage')}")
+    if z.get("stage", 3) not in (2, 3):
+        raise ConfigError(f"train.deepspeed_config: the plan models ZeRO stages 3 and 2, got {z.get('stage')}")
     accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
     if accum is not None and accum not in _DTYPE_BYTES:
         raise ConfigError(f"train.deepspeed_config: unknown data_types.grad_accum_dtype {accum!r}")
     return _Zero(
+        int(z.get("stage", 3)),
         _DTYPE_BYTES[accum] if accum else b,
         int(z.get("reduce_bucket_size", 5e8)) if z.get("contiguous_gradients", True) else 0,
         int(z.get("stage3_max_live_parameters", 5e8 * 2)),
@@ -210,6 +216,9 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
     trained = arch.lora_params(lora.rank, lora.target_modules) if lora.rank else P
     st = math.ceil(trained / world)
     lp, grad, master, moments, ipg = b * st, z.grad_bytes * st, (4 * st if b != 4 else 0), 8 * st, b * z.bucket
+    whole = z.stage == 2  # ZeRO-2 (LoRA only): parameters whole on every rank; gradients and states partitioned
+    if whole:
+        s, lp = P, b * trained
     with_ref = cfg.loss.beta > 0 and not lora.rank  # LoRA's reference is the base with its adapters off
     ref = [Item("reference model partition (loss.beta > 0)", b * s)] if with_ref else []
     offload = t.offload_during_rollout is not False and not lora.rank  # LoRA: nothing moves (Policy)
@@ -239,8 +248,9 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
         Item(f"gradient partition ({z.grad_bytes} B/{trains} / {world})", grad),
     ]
     if lora.rank:
-        ddp = [Item(f"frozen base partition ({b} B/param / {world}; stays during rollouts)", b * s)] + ddp
-        ddp[1].name = f"adapter partition ({trained / 1e6:.1f}M adapters x {b} B / {world})"
+        share = ", whole: ZeRO-2" if whole else f" / {world}"  # the base stays in rollouts: nothing moves
+        ddp = [Item(f"frozen base ({b} B/param{share})", b * s)] + ddp
+        ddp[1].name = f"adapters ({trained / 1e6:.1f}M x {b} B{share})"
     fp32 = [Item(f"fp32 master weights (4 B/{trains} / {world})", master)]
     adam = [Item(f"Adam moments (8 B/{trains} / {world})", moments)]
     bucket = [Item(f"IPG gradient bucket ({z.bucket:,} x {b} B)", ipg)]
@@ -258,7 +268,7 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
         Item("  of which KV cache", kv_bytes, False),
     ]
     # update
-    gathered = b * min(P, z.max_live + a.largest_module)
+    gathered = 0 if whole else b * min(P, z.max_live + a.largest_module)
     layer = T * b * (LAYER_H * a.hidden + LAYER_KV * a.kv_heads * a.head_dim + LAYER_I * a.intermediate)
     layer += T * a.heads * 4  # sdpa's fp32 log-sum-exp
     if cfg.model.gradient_checkpointing:
@@ -290,7 +300,7 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
             + ref
             + [
                 reserve,
-                Item(f"hf generation: the whole model gathered ({b} B/param)", b * P),
+                Item(f"hf generation: the whole model gathered ({b} B/param)", 0 if whole else b * P),
                 Item(f"hf generation: KV cache ({batch} sequences x {seq_tokens} tokens)", kv["kv_cache_bytes"]),
                 Item(f"hf generation: sampler rows (4 fp32 [{batch}, V])", 4 * batch * a.vocab * 4),
             ]
@@ -358,6 +368,8 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
         )
     b = 4 if cfg.model.dtype == "float32" else 2
     z, util, seq = _zero(ds_config, b), r.gpu_memory_utilization, cfg.data.max_prompt_tokens + r.max_tokens
+    if z.stage != 3 and not cfg.model.lora.rank:
+        raise ConfigError(STAGE2_LORA_ONLY)
     T = max(t.micro_batch_tokens, seq)
     ph, kv = _phases(cfg, world, gpu_bytes, arch, z, util, T)
     hf = r.backend == "hf"

@@ -50,6 +50,10 @@ Each run is `trapo_train.py` on `configs/toy_trap.yaml`; two run side by side (o
 thread each). A finished run (its summary.json, same step count) is reused, so an
 interrupted reproduction continues. Outputs: runs under `--out`; results.md,
 results.json and the plots under `--docs`.
+
+The sensitivity and selection studies share the command: `--study FILE` runs one
+study file (study.py), `--studies DIR` all of a directory's into one results file,
+and `--render DOCS` writes their page and plots from that file (sensitivity.py).
 """
 
 from __future__ import annotations
