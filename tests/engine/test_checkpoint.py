@@ -46,6 +46,7 @@ def test_trainer_state_round_trip(tmp_path):
     from trapo.algorithm.rewards.verifier import MathVerifier
     from trapo.training.loggers import Loggers
     from trapo.training.sampling import Cursor
+    from trapo.config import Config
     from trapo.training.trainer import Trainer
 
     def skeleton(world):  # the state-holding part of a Trainer, without a model or an engine
@@ -56,6 +57,8 @@ def test_trainer_state_round_trip(tmp_path):
         t.tracker = PassRateTracker(torch.tensor([True, False, False]), SelectionConfig(warmup_epochs=1, top_p=0.5))
         t.loggers, t.tracker_ids = Loggers([]), {}  # no tracker open (a resumed run keeps the ids it loaded)
         t.model_source = None  # a local model directory: no hub commit to compare
+        t.policy = type("FullFineTuning", (), {"base": None})()  # no LoRA base identity to compare
+        t.cfg = Config()
         t.verifier = MathVerifier(num_workers=1)  # started only if a request comes: none here
         return t
 

@@ -114,3 +114,20 @@ def test_lora_on_two_ranks_partitions_the_adapters_and_merges_them_whole(toy_dir
     train(lora_run(toy_dir, tmp_path, run_name="two", max_steps=2), nproc=2)
     diffs = [r["logprob_diff_rollout_vs_policy"] for r in metrics(tmp_path / "two")]
     assert all(d < 1e-4 for d in diffs), diffs  # a half-gathered or unmerged layer would be far off
+
+
+@pytest.mark.toy_run
+def test_lora_under_zero2_resumes_exactly_and_full_fine_tuning_there_is_refused(toy_dir, tmp_path):
+    """configs/trapo_1k_3k_lora_1gpu.yaml's DeepSpeed config: the frozen base whole, nothing gathered."""
+    zero2 = {"train.deepspeed_config": "configs/deepspeed_zero2.json", "save_steps": 2}
+    train(lora_run(toy_dir, tmp_path, run_name="z2", max_steps=4, **zero2))
+    train(lora_run(toy_dir, tmp_path, run_name="z2r", max_steps=2, **zero2))
+    train(lora_run(toy_dir, tmp_path, run_name="z2r", max_steps=4, resume_from="latest", **zero2))
+    straight, resumed = metrics(tmp_path / "z2"), metrics(tmp_path / "z2r")
+    assert all(r["logprob_diff_rollout_vs_policy"] < 1e-4 for r in straight)
+    for a, b in zip(straight, resumed, strict=True):
+        for key in SAME:
+            assert a.get(key) == b.get(key), (a["step"], key)
+    full = train(overrides(toy_dir, tmp_path, run_name="full", max_steps=1, **zero2), check=False)
+    lines = [line for line in full.stderr.splitlines() if line.strip()]
+    assert full.returncode == 2 and "ZeRO stage 2 is for LoRA runs" in lines[-1], full.stderr[-2000:]
