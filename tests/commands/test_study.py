@@ -116,3 +116,9 @@ def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert set(res["conditions"]) == {"a", "b"} and res["claims"][0]["verdict"] in ("held", "not held", "inconclusive")
     assert "| a_beats_b | a smoke test |" in (out / "results.md").read_text()
+    # the same study, never killed, in a store of its own: the same results
+    straight = tmp_path / "straight" / "tiny"
+    again = subprocess.run([*args[:-1], str(straight)], cwd=ROOT, env=runtime.subprocess_env(), capture_output=True,
+                           text=True, timeout=900)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((straight / "results.json").read_text()) == res
