@@ -46,6 +46,13 @@ hf backend (rollout.backend: hf, no vLLM): nothing at start-up beyond the traine
   state stays (nothing is offloaded) and the policy itself generates: the whole model gathered, b*P, a KV
   cache of min(hf_max_batch, the rank's sequences) x (max_prompt_tokens + max_tokens) x bytes per token, and
   the sampler's fp32 [batch, V] rows (logits, log-softmax, noise, top-p sort: 4 of them).
+LoRA (model.lora.rank > 0): P_t = rank x (in + out) per adapted projection and layer trains; s_t = ceil(P_t / w)
+  takes s's place in the gradient, fp32 master and Adam terms (stage3.py:726-758 builds them from the
+  optimizer's parameters only). The frozen base is b*s, kept in rollouts (offload_states would map it onto the
+  trainable buffer, stage3.py:3900-3902, so nothing moves); the LM head has no [V, H] weight gradient; no
+  reference copy (the base with adapters off). ZeRO-2 (LoRA only): the base and adapters whole, b*P + b*P_t
+  (frozen parameters stay whole, engine.py:1859-1862; stage_1_and_2.py:423-434 flattens the trainable ones
+  only), gradients and states over w as above, nothing gathered.
 Not computed, margins: RESERVE (CUDA context, NCCL buffers, allocator fragmentation) in every phase and
   VLLM_RUNTIME (vLLM's non-torch memory and CUDA graph pool, in its share; kept while asleep).
 Ignored (< 1 MB): parameters under stage3_param_persistence_threshold kept whole on every rank.
