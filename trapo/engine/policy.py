@@ -189,6 +189,9 @@ class Policy:
         # maps every parameter, frozen ones included, onto the trainable partitions' buffer (stage3.py
         # 3900-3902), which breaks with a frozen base.
         self.offload_states = _offloadable_states(offload and not self.lora)
+        if self.lora and t.offload_during_rollout:
+            console.warn_once("lora_offload", "train.offload_during_rollout=true moves nothing with model.lora: "
+                              "the frozen base stays on the device (the plan counts it in rollouts)")  # fmt: skip
         self.scale = lora.scalings(self.model) if self.lora else {}
         self.offloaded = False
         self._host: dict[int, torch.Tensor] = {}  # host copies of the fp32 master and Adam moments, by tensor
