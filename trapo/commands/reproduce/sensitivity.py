@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from trapo.commands.reproduce.analysis import t_quantile
@@ -89,6 +90,19 @@ def _interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
     return mean, t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
 
 
+def _series(names: list[str]) -> dict[str, list[tuple[int, str]]] | None:
+    """{strategy: [(ratio, condition), ...]} when every condition is named `<strategy>_<ratio>`, else None."""
+    import re
+
+    found: dict[str, list[tuple[int, str]]] = {}
+    for name in names:
+        m = re.fullmatch(r"(\w+?)_(\d+)", name)
+        if not m:
+            return None
+        found.setdefault(m[1], []).append((int(m[2]), name))
+    return found
+
+
 def plot(res: dict, dest: Path) -> None:
     """Figure-5 style: ID test accuracy against the knob (mean and 95% interval over seeds); a study without
     a knob gets one bar per condition."""
@@ -98,20 +112,31 @@ def plot(res: dict, dest: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(res["conditions"])
-    stats = [_interval(res["conditions"][n]["test"]["per_seed"]) for n in names]
-    means = [100 * m for m, _ in stats]
-    halves = [100 * h for _, h in stats]
+    stats = {n: _interval(res["conditions"][n]["test"]["per_seed"]) for n in names}
     fig, ax = plt.subplots(figsize=(5.2, 3.4))
-    if res.get("knob_values"):
-        xs = [res["knob_values"][n] for n in names]
-        ax.errorbar(xs, means, yerr=halves, marker="o", capsize=4)
+    series = _series(names)
+    knob = res.get("knob_values")
+    if series:  # strategy_ratio conditions: one line per strategy against the ratio
+        for shift, (strategy, points) in zip((-0.006, 0.006, 0.0, 0.012), series.items()):
+            xs = [(knob[n] if knob else ratio / 100) + shift for ratio, n in points]
+            ax.errorbar(xs, [100 * stats[n][0] for _, n in points], yerr=[100 * stats[n][1] for _, n in points],
+                        marker="o", capsize=4, label=strategy)  # fmt: skip
+        ax.set_xticks(sorted({knob[n] if knob else ratio / 100 for pts in series.values() for ratio, n in pts}))
+        ax.set_xlabel(res["knob"] or "share of unlabeled questions selected")
+        ax.legend()
+    elif knob:
+        xs = [knob[n] for n in names]
+        ax.errorbar(xs, [100 * stats[n][0] for n in names], yerr=[100 * stats[n][1] for n in names], marker="o",
+                    capsize=4)  # fmt: skip
         ax.set_xlabel(res["knob"] + (" (toy epochs)" if res["knob"].endswith("warmup_epochs") else ""))
         ax.set_xticks(xs)
-    else:
-        ax.bar(range(len(names)), means, yerr=halves, capsize=4, color="tab:blue", alpha=0.8)
-        ax.set_xticks(range(len(names)), names, rotation=20)
+    else:  # one point per condition
+        ax.errorbar(range(len(names)), [100 * stats[n][0] for n in names], yerr=[100 * stats[n][1] for n in names],
+                    fmt="o", capsize=4)  # fmt: skip
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_ylabel("ID test accuracy, % (best validation step)")
-    ax.set_title(res["title"].replace(" (toy)", ""), fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(res["title"].replace(" (toy)", ""), 60)), fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(dest, dpi=110)
