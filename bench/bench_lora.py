@@ -281,7 +281,7 @@ def main() -> None:
         for method, (push, generate) in pushes.items():
             print(f"  {method:8s} push {push:7.3f} s   generation round (64 x 16 tokens) {generate:7.3f} s")
         (mp, mg), (ap, ag) = pushes["merged"], pushes["adapter"]
-        print(f"  adapter/merged: push {ap / mp:.2f}x, generation {ag / mg:.2f}x")
+        print(f"  adapter/merged: push {ap / mp:.3g}x, generation {ag / mg:.3g}x")
         shutil.rmtree(model_dir, ignore_errors=True)
     shutil.rmtree(assets, ignore_errors=True)
 
