@@ -37,7 +37,9 @@ def test_gpu_check_dry_run_passes_every_check_and_writes_its_report():
     names = [line.split("]", 1)[1].split(":", 1)[0].strip() for line in lines]
     assert all(line.startswith("[PASS]") for line in lines), lines
     assert names == ["kit", "doctor (rollout.backend=hf)", "pytest -m gpu", "bench_update_gpu (tiny shape)",
-                     "toy kill and resume (hf, float32, launcher)", "shape step (tiny shape, dry run)"]  # fmt: skip
+                     "toy kill and resume (hf, float32, launcher)", "shape step (tiny shape, dry run)",
+                     "shape step with LoRA (tiny shape, dry run)"]  # fmt: skip
+    assert "trainable)" in next(line for line in lines if "with LoRA" in line)  # the adapters' count
     assert "max |loss diff| vs straight 0.00e+00" in out.stdout  # fp32 on CPU: the resume is exact
     report = out.stdout.strip().splitlines()[-1].split("report ")[-1]
     text = (Path(ROOT) / report).read_text()
