@@ -44,9 +44,9 @@ def test_trainer_state_round_trip(tmp_path):
 
     from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
     from trapo.algorithm.rewards.verifier import MathVerifier
+    from trapo.config import Config
     from trapo.training.loggers import Loggers
     from trapo.training.sampling import Cursor
-    from trapo.config import Config
     from trapo.training.trainer import Trainer
 
     def skeleton(world):  # the state-holding part of a Trainer, without a model or an engine
