@@ -36,6 +36,8 @@ from trapo import runtime  # noqa: E402
 
 runtime.configure()  # bounded threads before torch is imported
 
+from trapo.commands.gpu_check.shape_step import R1_DISTILL_1P5B  # noqa: E402
+
 WORLD, SEQS, REPEATS, PUSHES, RANK = 2, 8, 3, 3, 8
 SETUPS = {
     "full": [],
@@ -44,16 +46,8 @@ SETUPS = {
 }
 SHAPES = {
     "toy": None,  # trapo/commands/toy.py MODEL_SHAPE, vocabulary 320
-    "1.5B-shaped (2 layers)": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-        max_position_embeddings=2048,
-    ),  # fmt: skip
+    # DeepSeek-R1-Distill-Qwen-1.5B's widths (gpu_check's shape step), 2 layers
+    "1.5B-shaped (2 layers)": dict(R1_DISTILL_1P5B, num_hidden_layers=2, max_position_embeddings=2048),
 }
 
 

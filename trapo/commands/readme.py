@@ -134,20 +134,21 @@ def verdicts_table(cards: tuple[int, ...]) -> str:
     return "Per-GPU peak GiB by phase for every paper config:\n\n" + "\n".join(rows)
 
 
-def bench_block(folder: Path) -> str:
-    """bench_rollout.py's result lines (its title and the indented figures; the libraries' log lines dropped)."""
-    lines = []
-    for name in BENCH_ROLLOUT:
-        text = (folder / name).read_text()
-        lines += [line for line in text.splitlines() if line.startswith(("rollout", "  "))]
+def _bench_lines(files: list[Path], starts: tuple[str, ...]) -> str:
+    """A bench's own printed lines (those starting with `starts`; the libraries' log lines dropped), fenced."""
+    lines = [line for file in files for line in file.read_text().splitlines() if line.startswith(starts)]
     return "```\n" + "\n".join(lines) + "\n```"
+
+
+def bench_block(folder: Path) -> str:
+    """bench_rollout.py's result lines: its title and the indented figures, both backends."""
+    return _bench_lines([folder / name for name in BENCH_ROLLOUT], ("rollout", "  "))
 
 
 def bench_lora_block(folder: Path) -> str:
-    """bench_lora.py's table lines (its own: the vLLM and DeepSpeed log lines it lets through are dropped)."""
+    """bench_lora.py's table lines."""
     mine = ("merge/unmerge", "toy", "1.5B", "set-up", "full ", "lora-", "  merged", "  adapter")  # its prints
-    lines = [line for line in (folder / BENCH_LORA).read_text().splitlines() if line.startswith(mine)]
-    return "```\n" + "\n".join(lines) + "\n```"
+    return _bench_lines([folder / BENCH_LORA], mine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,11 +138,6 @@ def merged(named: Iterable[tuple[str, torch.Tensor]], scale: dict[str, float]) -
         raise RuntimeError(f"LoRA merge: incomplete layers {sorted(waiting)[:3]} (parts {list(waiting.values())[0]})")
 
 
-def trainable_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(peft name, parameter) of the adapters: the only parameters that train."""
-    return ((n, p) for n, p in model.named_parameters() if p.requires_grad)
-
-
 # ----------------------------------------------------------------------------- the base's identity
 
 

@@ -68,10 +68,6 @@ from pathlib import Path
 from trapo.config import Config, ConfigError
 
 GiB = 2**30
-STAGE2_LORA_ONLY = (
-    "train.deepspeed_config: ZeRO stage 2 is for LoRA runs (model.lora.rank > 0), where the frozen base is held "
-    "whole on every GPU; full fine-tuning runs under ZeRO-3 (configs/deepspeed_zero3.json)"
-)
 RESERVE = 2 * GiB
 VLLM_RUNTIME = 1 * GiB
 LAYER_H, LAYER_KV, LAYER_I = 20, 4, 6  # [T, H], [T, kv_dim], [T, I] tensors of one recomputed layer
@@ -196,6 +192,16 @@ class _Zero:
     sub_group: int
 
 
+def check_stage(stage: int, lora_rank: int) -> None:
+    """ZeRO stage 2 serves LoRA runs only (the policy and the plan both hold to it): full fine-tuning's code
+    paths (offload, resharding) and the plan's formulas for it are ZeRO-3's."""
+    if stage != 3 and not lora_rank:
+        raise ConfigError(
+            "train.deepspeed_config: ZeRO stage 2 is for LoRA runs (model.lora.rank > 0), where the frozen base is "
+            "held whole on every GPU; full fine-tuning runs under ZeRO-3 (configs/deepspeed_zero3.json)"
+        )
+
+
 def _zero(ds_config: dict | None, b: int) -> _Zero:
     """The ZeRO settings the plan uses, DeepSpeed's defaults where absent (runtime/zero/config.py:102-245)."""
     ds = ds_config or {}
@@ -250,14 +256,13 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
     )
     vllm = Item(f"vLLM: rollout.gpu_memory_utilization {util:g} x card", requested)
     trains = "adapter" if lora.rank else "param"
-    ddp = [
-        Item(f"{trains} partition ({b} B/{trains} / {world})", lp),
-        Item(f"gradient partition ({z.grad_bytes} B/{trains} / {world})", grad),
-    ]
+    gradients = Item(f"gradient partition ({z.grad_bytes} B/{trains} / {world})", grad)
     if lora.rank:
         share = ", whole: ZeRO-2" if whole else f" / {world}"  # the base stays in rollouts: nothing moves
-        ddp = [Item(f"frozen base ({b} B/param{share})", b * s)] + ddp
-        ddp[1].name = f"adapters ({trained / 1e6:.1f}M x {b} B{share})"
+        ddp = [Item(f"frozen base ({b} B/param{share})", b * s),
+               Item(f"adapters ({trained / 1e6:.1f}M x {b} B{share})", lp), gradients]  # fmt: skip
+    else:
+        ddp = [Item(f"param partition ({b} B/param / {world})", lp), gradients]
     fp32 = [Item(f"fp32 master weights (4 B/{trains} / {world})", master)]
     adam = [Item(f"Adam moments (8 B/{trains} / {world})", moments)]
     bucket = [Item(f"IPG gradient bucket ({z.bucket:,} x {b} B)", ipg)]
@@ -375,8 +380,7 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
         )
     b = 4 if cfg.model.dtype == "float32" else 2
     z, util, seq = _zero(ds_config, b), r.gpu_memory_utilization, cfg.data.max_prompt_tokens + r.max_tokens
-    if z.stage != 3 and not cfg.model.lora.rank:
-        raise ConfigError(STAGE2_LORA_ONLY)
+    check_stage(z.stage, cfg.model.lora.rank)
     T = max(t.micro_batch_tokens, seq)
     ph, kv = _phases(cfg, world, gpu_bytes, arch, z, util, T)
     hf = r.backend == "hf"

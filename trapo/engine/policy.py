@@ -27,7 +27,7 @@ from trapo.algorithm.loss import policy_loss
 from trapo.config import Config, ConfigError
 from trapo.engine import dist, lora, packing
 from trapo.engine.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
-from trapo.engine.memory_plan import STAGE2_LORA_ONLY
+from trapo.engine.memory_plan import check_stage
 from trapo.runtime import torch_dtype
 
 # The update statistics one `update` call returns, summed over its micro-batches (this rank only).
@@ -124,9 +124,7 @@ class Policy:
             raise ConfigError(
                 f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})"
             ) from None
-        stage = (ds_config.get("zero_optimization") or {}).get("stage", 3)
-        if stage != 3 and cfg.model.lora.rank == 0:  # full fine-tuning's code paths (offload, reshard) are ZeRO-3's
-            raise ConfigError(STAGE2_LORA_ONLY)
+        check_stage((ds_config.get("zero_optimization") or {}).get("stage", 3), cfg.model.lora.rank)
         # We micro-batch by tokens ourselves and call step() once per update batch:
         # unmanaged gradient accumulation makes step() the boundary however many backward() calls came first.
         ds_config.update(

@@ -62,7 +62,7 @@ def run_set(directory: Path, out: Path, docs: Path, quick: bool, jobs: int, log)
     studies = [load_study(directory / f"{name}.yaml") for name in ORDER if (directory / f"{name}.yaml").is_file()]
     results, dirs = [], set()
     for study in studies:
-        seeds = (study.quick_seeds or study.seeds[:2]) if quick else study.seeds
+        seeds = study.seeds_for(quick)
         if quick:  # half the steps: a smoke check of the whole set (warm-ups past the budget select nothing)
             half = max(study.eval_every, study.steps // 2 // study.eval_every * study.eval_every)
             study = dataclasses.replace(study, steps=half)

@@ -61,6 +61,10 @@ class Study:
     eval_every: int = 0
     path: str = ""
 
+    def seeds_for(self, quick: bool) -> list[int]:
+        """The paired seeds a run of the study takes: all, or with --quick its quick seeds (else the first 2)."""
+        return (self.quick_seeds or self.seeds[:2]) if quick else self.seeds
+
 
 def load_study(path: str | Path) -> Study:
     """A study file, checked whole before any run: its keys, the claims' conditions, and every condition's
@@ -220,8 +224,7 @@ def main(args) -> int:
     except ConfigError as err:
         print(f"reproduce: {err}", file=sys.stderr)
         return 2
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (
-        (study.quick_seeds or study.seeds[:2]) if args.quick else study.seeds)  # fmt: skip
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else study.seeds_for(args.quick)
     out = args.out or Path("outputs/studies") / study.name
     if args.print:
         for _, _, _, argv in launches(study, out, seeds, args.tiny):
