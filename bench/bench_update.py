@@ -68,7 +68,8 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
-    from trapo.engine.packing import ATTENTION, update_efficiency
+    from trapo.engine.attention import ATTENTION
+    from trapo.engine.packing import update_efficiency
     from trapo.engine.policy import Policy
 
     dist.init_distributed()

@@ -154,7 +154,7 @@ def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
     the same update, tokens/s of each and which attention kernel the packed rows ran."""
     import dataclasses
 
-    from trapo.engine import packing
+    from trapo.engine import attention
     from trapo.engine.batch import TrainSequence
 
     g = torch.Generator().manual_seed(1)
@@ -168,8 +168,8 @@ def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
         policy.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed))
         speed[packed] = sum(lengths) / update_seconds(policy, seqs, batch, args.steps, gpu)
     policy.cfg = cfg
-    why = f" ({packing.KERNEL['why']})" if packing.KERNEL["why"] else ""
-    print(f"packed rows ran: {packing.KERNEL['name']}{why}")
+    why = f" ({attention.KERNEL['why']})" if attention.KERNEL["why"] else ""
+    print(f"packed rows ran: {attention.KERNEL['name']}{why}")
     print(f"mixed lengths {min(lengths)}-{max(lengths)}: packed {speed[True]:.0f} tokens/s, padded "
           f"{speed[False]:.0f} tokens/s, packed/padded {speed[True] / speed[False]:.2f}")  # fmt: skip
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from trapo.engine.batch import TrainSequence, collate
+from trapo.engine.attention import register_attention
 from trapo.engine.packing import (
     balance,
     collate_packed,
     pack_rows,
-    register_attention,
     update_efficiency,
     work_counts,
 )

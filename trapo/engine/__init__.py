@@ -11,6 +11,7 @@ they share with disk and with other ranks.
 - rollout_engine.py  the engine a run's config names
 - batch.py         graded rollouts -> training sequences, micro-batches, collation
 - packing.py       padding-free packing, token-balanced ranks, the update's efficiency
+- attention.py     the packed rows' attention: the kernel chosen once (checked), the registered implementation
 - dist.py          the process group, small collectives, ZeRO-3 parameter gathering
 - checkpoint.py    atomic checkpoint directories (with checksums.py: verified before loading)
 - reshard.py       a checkpoint saved on N ranks loaded on M (DeepSpeed's universal form)

@@ -5,8 +5,7 @@ Pure functions (no model, no distributed calls); `trapo.engine.policy` runs them
 - `pack_rows` groups sequences into micro-batches of at most `budget` tokens *without* padding, and
   `collate_packed` concatenates one micro-batch into a single row whose `position_ids` restart at 0 for
   every sequence, with the sequences' offsets (`packed_bounds`). The registered attention
-  (`varlen_attention`) reads those offsets: on a GPU torch's varlen flash-attention kernel runs the pack in
-  one call, elsewhere sdpa runs once per sequence; no token attends across sequences and no [S, S] mask
+  (trapo/engine/attention.py) reads those offsets: no token attends across sequences and no [S, S] mask
   exists. The loss still sees the padded `[b, T-1]` layout: the packed row's response positions come out
   in the same order as the padded mask's, and are scattered back to it.
 - `balance` assigns the update batch's sequences to ranks so each rank's token count is nearly equal
@@ -16,8 +15,6 @@ Pure functions (no model, no distributed calls); `trapo.engine.policy` runs them
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import Tensor
@@ -127,116 +124,3 @@ def update_efficiency(counts: dict[str, int]) -> dict[str, float]:
         "imbalance_share": (computed - counts["padded"]) / computed,
         "zero_signal_share": (counts["real"] - counts["signal"]) / computed,
     }
-
-
-ATTENTION = "trapo_varlen"  # the attention implementation registered for packed rows (`register_attention`)
-# Which kernel packed rows ran, and why not the varlen one (read by the GPU check and bench_update_gpu).
-KERNEL = {"name": "sdpa per sequence", "why": "not tried: no packed row on a GPU yet"}
-_VARLEN_OK: dict[tuple, bool] = {}  # (device, dtype, heads, kv_heads, head_dim) -> the self-check's verdict
-
-
-def _per_sequence(module, query, key, value, bounds, **kw) -> Tensor:
-    """transformers' sdpa kernel once per packed sequence: [1, S, heads, d]."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    parts = [
-        sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, is_causal=True, **kw)[
-            0
-        ]
-        for a, b in zip(bounds, bounds[1:])
-    ]
-    return torch.cat(parts, dim=1)
-
-
-def _varlen(query: Tensor, key: Tensor, value: Tensor, bounds: list[int], scaling: float | None) -> Tensor:
-    """torch's varlen flash attention (torch.nn.attention.varlen, CUDA) over the whole pack: [1, S, heads, d].
-
-    Causal within each sequence by `cu_seqlens`; no [S, S] mask and no per-sequence launches. Key-value
-    heads are repeated for grouped-query attention where the kernel has no `enable_gqa`."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, heads, d]
-    causal, gqa = _varlen_keywords()
-    kw = {"scale": scaling, **causal}
-    if q.shape[1] != k.shape[1]:
-        if gqa:
-            kw["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    cu, longest = _cu_seqlens(tuple(bounds), str(q.device))
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw).unsqueeze(0)
-
-
-@functools.cache
-def _varlen_keywords() -> tuple[dict, bool]:
-    """(how this torch's varlen_attn asks for causal attention, whether it takes enable_gqa), read once."""
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    return ({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}), "enable_gqa" in params
-
-
-@functools.lru_cache(maxsize=8)
-def _cu_seqlens(bounds: tuple[int, ...], device: str) -> tuple[Tensor, int]:
-    """The pack's cumulative offsets on the device and its longest sequence: built once per micro-batch (every
-    layer reads the same; a host-to-device copy per layer would synchronise each one)."""
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return torch.tensor(bounds, dtype=torch.int32, device=device), longest
-
-
-def _varlen_works(module, query: Tensor, key: Tensor, scaling: float | None, **kw) -> bool:
-    """Once per (device, dtype, head layout): the varlen kernel's output and gradients on a small random pack
-    against the per-sequence path. A kernel that is missing, fails, or differs is not used (KERNEL says why)."""
-    sig = (str(query.device), query.dtype, query.shape[1], key.shape[1], query.shape[-1])
-    if sig not in _VARLEN_OK:
-        try:
-            gen = torch.Generator(device=query.device).manual_seed(0)
-            bounds = [0, 5, 12, 20]
-            q, k, v = (torch.randn((1, h, 20, sig[4]), generator=gen, device=query.device, dtype=query.dtype,
-                                   requires_grad=True) for h in (sig[2], sig[3], sig[3]))  # fmt: skip
-            ours = _varlen(q, k, v, bounds, scaling)
-            ref = _per_sequence(module, q, k, v, bounds, scaling=scaling, **kw)
-            grads = [torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in (ours, ref)]
-            worst = max(float((a.float() - b.float()).abs().max()) for a, b in [(ours, ref), *zip(*grads)])
-            _VARLEN_OK[sig] = worst < 5e-2
-            KERNEL.update(why="" if _VARLEN_OK[sig] else f"differs from sdpa by {worst:.3g} on a check pack")
-        except Exception as err:  # noqa: BLE001 - no such kernel in this torch, or not for this GPU or dtype
-            _VARLEN_OK[sig] = False
-            KERNEL.update(why=f"{type(err).__name__}: {str(err)[:120]}")
-    return _VARLEN_OK[sig]
-
-
-def varlen_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, *, packed_bounds=None, **kw):
-    """Causal attention within each packed sequence, never across: a [S, S] mask is never built.
-
-    query: [1, heads, S, d]; key, value: [1, kv_heads, S, d]; packed_bounds: the sequences' start offsets
-    and S, as a list (no device sync per layer). On a GPU with bf16/fp16, torch's varlen flash-attention
-    kernel runs the whole pack in one call (after a one-time self-check against the per-sequence path);
-    elsewhere transformers' sdpa kernel runs once per sequence. Without bounds (one sequence per row,
-    right-padded), plain causal attention is exact for every real token.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if kw.get("sliding_window"):
-        raise ValueError("packed micro-batches do not support sliding-window attention; set train.packing=false")
-    kw.pop("is_causal", None)
-    if packed_bounds is None:
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kw)
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not kw.get("dropout"):
-        scaling = kw.pop("scaling", None)
-        if _varlen_works(module, query, key, scaling, **kw):
-            KERNEL["name"] = "torch varlen_attn (flash attention over cu_seqlens)"
-            return _varlen(query, key, value, packed_bounds, scaling), None
-        kw["scaling"] = scaling
-    KERNEL["name"] = "sdpa per sequence"
-    return _per_sequence(module, query, key, value, packed_bounds, **kw), None  # [1, S, heads, d]
-
-
-def register_attention() -> str:
-    """Make `ATTENTION` a transformers attention implementation (idempotent); returns its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, varlen_attention)
-    return ATTENTION

@@ -25,7 +25,7 @@ from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_b
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
 from trapo.algorithm.loss import policy_loss
 from trapo.config import Config, ConfigError
-from trapo.engine import dist, lora, packing
+from trapo.engine import attention, dist, lora, packing
 from trapo.engine.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
 from trapo.engine.memory_plan import check_stage
 from trapo.runtime import torch_dtype
@@ -147,7 +147,9 @@ class Policy:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
         if cfg.train.packing:  # packed rows: attention within each sequence, no [S, S] mask
-            model.set_attn_implementation(packing.register_attention())
+            model.set_attn_implementation(attention.register_attention())
+            # the kernel is chosen here, before any forward: a check inside a checkpointed forward breaks its backward
+            attention.choose_kernel(hf_config, self.device, dtype)
         # model.lora: adapters on a frozen base (trapo/engine/lora.py); the base's identity goes in checkpoints
         self.lora = cfg.model.lora.rank > 0
         self.base = None
@@ -171,7 +173,7 @@ class Policy:
             ref = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype).requires_grad_(False)
             ref.config.use_cache = False
             if cfg.train.packing:
-                ref.set_attn_implementation(packing.ATTENTION)
+                ref.set_attn_implementation(attention.ATTENTION)
             ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
             self.ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
             self.ref.eval()
