@@ -3,6 +3,7 @@ shapes), so the check a lent GPU machine runs keeps working without one."""
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -36,11 +37,36 @@ def test_gpu_check_dry_run_passes_every_check_and_writes_its_report():
     lines = [line for line in out.stdout.splitlines() if line.startswith("[")]
     names = [line.split("]", 1)[1].split(":", 1)[0].strip() for line in lines]
     assert all(line.startswith("[PASS]") for line in lines), lines
-    assert names == ["kit", "doctor (rollout.backend=hf)", "pytest -m gpu", "bench_update_gpu (tiny shape)",
-                     "toy kill and resume (hf, float32, launcher)", "shape step (tiny shape, dry run)",
-                     "shape step with LoRA (tiny shape, dry run)"]  # fmt: skip
-    assert "trainable)" in next(line for line in lines if "with LoRA" in line)  # the adapters' count
+    assert names == [
+        "kit",
+        "shape step (tiny shape, dry run)",
+        "pytest -m gpu",
+        "doctor (rollout.backend=hf)",
+        "bench_update_gpu (tiny shape)",
+        "toy kill and resume (hf, float32, launcher)",
+        "shape step with LoRA (tiny shape, dry run)",
+    ]
+    # the adapters' count, under the one-GPU LoRA recipe's ZeRO-2 (configs/trapo_1k_3k_lora_1gpu.yaml)
+    assert "trainable, ZeRO-2)" in next(line for line in lines if "with LoRA" in line)
     assert "max |loss diff| vs straight 0.00e+00" in out.stdout  # fp32 on CPU: the resume is exact
-    report = out.stdout.strip().splitlines()[-1].split("report ")[-1]
-    text = (Path(ROOT) / report).read_text()
+    # one device call planned from the GPU estimates, what tells most first, within 480 s
+    *_, summary, planned = out.stdout.strip().splitlines()
+    match = re.fullmatch(r"one call: kit, shape_step, (.*) planned in (\d+) s \(limit 480\)", planned)
+    assert match and int(match[2]) <= 480, planned
+    text = (Path(ROOT) / summary.split("report ")[-1]).read_text()
     assert "## Environment" in text and "| toy kill and resume (hf, float32, launcher) | pass |" in text
+    assert re.search(r"\| shape step \(tiny shape, dry run\) \| pass \| \d+ \(\d+\) \|", text)  # CPU s (GPU estimate)
+
+
+def test_one_call_plan_takes_checks_in_order_while_the_estimates_fit():
+    from trapo.commands.gpu_check import plan
+
+    order = list(plan.ESTIMATES)
+    names, total = plan.one_call(order)
+    assert names == order[: len(names)] and total <= plan.LIMIT_S
+    assert total + plan.ESTIMATES[order[len(names)]] > plan.LIMIT_S  # the next one would not fit
+    assert plan.one_call(order, limit=plan.ESTIMATES["kit"]) == (["kit"], plan.ESTIMATES["kit"])
+    # the cost model by hand: 2 rounds of 256 rows x 512 decode steps x 28 layers x 0.4 ms
+    assert plan.generation_s(plan.R1_1P5B) == pytest.approx(2 * 512 * 28 * 0.4e-3)
+    # (fwd 2 + recompute 2 + bwd 4) x 1.78e9 x 512 x 576 tokens / (0.3 x 790e12)
+    assert plan.update_s(plan.R1_1P5B) == pytest.approx(8 * 1.78e9 * 512 * 576 / (0.3 * 790e12))

@@ -10,8 +10,14 @@ is tested with (read from the environment that runs this command, i.e. `make set
 - DeepSpeed, built here from its source release with DS_BUILD_OPS=0 (no prebuilt CUDA ops: the trainer
   uses torch's own AdamW, so no DeepSpeed op is ever compiled), and its pydantic;
 - Math-Verify, its LaTeX parser and the ANTLR runtime that parser pins;
-- transformers and tokenizers at our pins (newer than the image's 5.17), and regex, which they need new;
-- peft with accelerate and psutil, for model.lora.
+- transformers and tokenizers at our pins (the image's 5.17 and 0.23.2 are older), and regex and
+  typing-extensions, which they and pydantic need newer than an image may have;
+- peft, for model.lora (the image's version is not known ahead).
+
+Left out, since the image has them within what we need (KINDS.md's package list, read 2026-11-17):
+accelerate 1.15.0 (our pin), psutil, einops, msgpack, ninja, py-cpuinfo, pyarrow, huggingface-hub 1.33,
+safetensors 0.8.0, pytest. On the machine, `make gpu-check` installs only the wheels whose exact version
+the image lacks (`needed`).
 
 vLLM is not carried (a 330 MB wheel that pins another torch): the GPU check trains with rollout.backend=hf.
 Every file is checked against MAX_FILE and the kit against MAX_KIT, so kit plus repository fit one 64 MiB
@@ -39,7 +45,7 @@ WHEELS = [
     "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson",
     "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime",
     "transformers", "tokenizers", "regex",
-    "peft", "accelerate", "psutil",  # model.lora (the image's accelerate and psutil, if any, are replaced alike)
+    "peft",  # model.lora
 ]  # fmt: skip
 BUILT = ["deepspeed"]  # a source release only: built into a wheel here
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
@@ -96,6 +102,20 @@ def verify(out: Path) -> list[dict]:
     if set(found) - {r["file"] for r in listed}:
         raise KitError(f"{out}: holds wheels the manifest does not list; run `make gpu-kit` again")
     return listed
+
+
+def needed(rows: list[dict]) -> list[dict]:
+    """The kit's wheels whose exact version this Python does not already have (installed or not, the image's
+    own copy of the same version is as good, and replacing it would shadow nothing)."""
+    missing = []
+    for row in rows:
+        try:
+            have = importlib.metadata.version(row["name"])
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        if have != row["version"]:
+            missing.append(row)
+    return missing
 
 
 def build(out: Path) -> list[dict]:

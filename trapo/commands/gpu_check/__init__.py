@@ -1,14 +1,21 @@
 """`make gpu-check`: what works on a GPU machine, in minutes, with one line per check and a report.
 
     make gpu-kit                      # where the package index is reachable: the wheels, into .gpukit/
-    make gpu-check [PART=1|2|3|4]     # on the GPU machine (offline), one part per 10-minute call
+    make gpu-check                    # on the GPU machine (offline): one call, the checks that tell most first
+    make gpu-check PART=1|2|3|4       # a second call: one part
     GPU_CHECK_DRY_RUN=1 make gpu-check  # the same script on CPU, toy and tiny shapes (CI runs it)
 
 First the environment (nvidia-smi, nvcc, torch, CUDA and package versions), printed before anything can
 fail; then the kit, installed offline (`pip --no-index --target .gpucheck/site`) as a layer over the
 machine's own Python, so its torch is the one used (a venv made from that Python, itself a venv, would
 see the base interpreter's packages, not its torch). Each check runs in its own process with a time
-limit, so one failure does not stop the others. Parts (at most ~9 minutes each on one H100):
+limit, so one failure does not stop the others.
+
+With no PART it plans one device call (plan.py): each check's GPU time estimated from its shapes, taken
+in the order that tells most first (`ORDER`) while the estimates fit plan.LIMIT_S (480 s, the kit's install
+included); the report is rewritten after each check. The dry run runs every check, times each on this CPU
+and ends with the line `one call: <checks> planned in <N> s (limit 480)`. Parts (at most ~9 minutes each on
+one H100), for a second call:
 
 1. the doctor (rollout.backend=hf) and `pytest -m gpu`;
 2. bench/bench_update_gpu.py at the 1.5B shape: tokens/s, MFU, peak memory against the plan, the
@@ -37,6 +44,7 @@ import time
 from pathlib import Path
 
 from trapo import runtime
+from trapo.commands.gpu_check import plan
 
 ROOT = runtime.ROOT
 WORK = ROOT / ".gpucheck"
@@ -67,6 +75,8 @@ class Check:
     def __init__(self):
         self.rows: list[tuple[str, bool, str]] = []
         self.logs: dict[str, str] = {}
+        self.seconds: dict[str, float] = {}  # row name -> seconds its check took here
+        self.estimates: dict[str, float] = {}  # row name -> its check's GPU estimate (plan.ESTIMATES)
 
     def add(self, name: str, ok: bool, figure: str, log: str = "") -> None:
         self.rows.append((name, ok, figure))
@@ -76,6 +86,7 @@ class Check:
 
 
 PART_BUDGET = 510  # seconds a part may run: a device call lasts 10 minutes, the kit install included
+CALL_BUDGET = 540  # seconds the planned call may run before a check is cut: the report must get back
 DEADLINE = [float("inf")]  # when the running part's budget ends (time.time())
 
 
@@ -117,7 +128,7 @@ def environment(dry_run: bool, env: dict) -> list[str]:
 
 
 def install_kit(check: Check, env: dict, dry_run: bool) -> None:
-    from trapo.commands.gpu_kit import KitError, verify
+    from trapo.commands.gpu_kit import KitError, needed, verify
 
     try:
         wheels = verify(KIT)
@@ -133,14 +144,18 @@ def install_kit(check: Check, env: dict, dry_run: bool) -> None:
         return
     site = WORK / "site"
     shutil.rmtree(site, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--target", str(site), *map(str, sorted(KIT.glob("*.whl")))]  # fmt: skip
-    code, out = shell(cmd, env, 300)
+    missing = needed(wheels)  # the image's own copy of a wheel's exact version is kept
+    have = ", ".join(f"{w['name']} {w['version']}" for w in wheels if w not in missing) or "none"
+    print(f"  kit: {len(missing)} of {len(wheels)} wheels to install; the image has {have}", flush=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
+           str(site), *(str(KIT / w["file"]) for w in missing)]
+    code, out = shell(cmd, env, 300) if missing else (0, "")
     probe = "import deepspeed, math_verify, transformers; print(deepspeed.__version__, transformers.__version__)"
     if code == 0:
         code, out = shell([sys.executable, "-c", probe], env, 300)
-    check.add("kit", code == 0, f"{len(wheels)} wheels ({size:.1f} MiB) installed offline: deepspeed, "
-              f"transformers {out.split()[-2:] if code == 0 else ''}", tail(out))  # fmt: skip
+    found = " ".join(out.split()[-2:]) if code == 0 else "?"
+    figure = f"{len(missing)} of {len(wheels)} wheels ({size:.1f} MiB) installed offline (image has: {have}); "
+    check.add("kit", code == 0, figure + f"deepspeed, transformers {found}", tail(out))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -235,7 +250,7 @@ def shape_step(check: Check, env: dict, dry_run: bool, lora: bool = False) -> No
                        for k in ("rollout", "grading", "update", "weight_push", "step") if k in timing)  # fmt: skip
     against = f"; plan: rollout {plan.get('rollout')} GiB, update {plan.get('update')} GiB" if plan else ""
     name = title if not dry_run else f"shape step{' with LoRA' if lora else ''} (tiny shape, dry run)"
-    trains = f" ({result['trainable'] / 1e6:.1f}M trainable)" if lora else ""
+    trains = f" ({result['trainable'] / 1e6:.1f}M trainable, ZeRO-{result['zero_stage']})" if lora else ""
     check.add(name, True, f"{result['params'] / 1e9:.2f}B params{trains}, mean answer "
               f"{result['mean_response_tokens']:.0f} tokens: {phases}{against}", json.dumps(result))  # fmt: skip
 
@@ -245,21 +260,28 @@ def shape_step_lora(check: Check, env: dict, dry_run: bool) -> None:
 
 
 PARTS = {1: [doctor, pytest_gpu], 2: [bench_update], 3: [kill_resume, shape_step], 4: [shape_step_lora]}
+# One call's order, what tells most first (plan.ESTIMATES has each one's GPU time): the real loop at a real width,
+# the GPU tests, the doctor, the update's throughput, the launcher's kill and resume, the 7B LoRA step.
+ORDER = [shape_step, pytest_gpu, doctor, bench_update, kill_resume, shape_step_lora]
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def report(check: Check, env_lines: list[str], part: int | None, dry_run: bool, seconds: float) -> Path:
+def report(check: Check, env_lines: list[str], title: str, dry_run: bool, seconds: float) -> Path:
     gpu = next((line for line in env_lines if line.startswith("nvidia-smi:")), "")
     name = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", gpu.split(":", 1)[-1].split(",")[0].lower())
     name = name.strip("-") or "unknown-gpu"
-    stem = f"{datetime.date.today().isoformat()}-{name}" + (f"-part{part}" if part else "")
-    lines = [f"# GPU check {stem}", "", f"`make gpu-check{f' PART={part}' if part else ''}`"
-             f"{' (GPU_CHECK_DRY_RUN=1: CPU, toy and tiny shapes; not GPU figures)' if dry_run else ''}, "
+    stem = f"{datetime.date.today().isoformat()}-{name}" + (f"-{title}" if title else "")
+    note = " (GPU_CHECK_DRY_RUN=1: CPU, toy and tiny shapes; not GPU figures)" if dry_run else ""
+    lines = [f"# GPU check {stem}", "", f"`make gpu-check{f' PART={title[4:]}' if title else ''}`{note}, "
              f"{seconds / 60:.1f} min. Written by trapo/commands/gpu_check.", "", "## Environment", "", "```",
-             *env_lines, "```", "", "## Checks", "", "| check | result | figures |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {n} | {'pass' if ok else 'FAIL'} | {fig.replace('|', '/')} |" for n, ok, fig in check.rows]
+             *env_lines, "```", "", "## Checks", "", "| check | result | seconds (GPU estimate) | figures |",
+             "|---|---|---|---|"]  # fmt: skip
+    for n, ok, fig in check.rows:
+        took = check.seconds.get(n)
+        timing = f"{took:.0f} ({check.estimates[n]:.0f})" if took is not None and n in check.estimates else ""
+        lines.append(f"| {n} | {'pass' if ok else 'FAIL'} | {timing} | {fig.replace('|', '/')} |")
     for n, log in check.logs.items():
         lines += ["", f"### {n}", "", "```", log, "```"]
     folder = WORK / "reports" if dry_run else ROOT / "docs" / "gpu"
@@ -271,35 +293,59 @@ def report(check: Check, env_lines: list[str], part: int | None, dry_run: bool, 
     return path
 
 
+def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: float, write) -> None:
+    """Each check in turn, its own failure its finding; one whose estimate no longer fits before `deadline`
+    (earlier ones ran long) is skipped, named in the report. `write()` rewrites the report after each."""
+    for fn in fns:
+        estimate = plan.ESTIMATES.get(fn.__name__, 30.0)
+        left = deadline - time.time()
+        if left < 30 or (not dry_run and estimate > left):
+            check.add(fn.__name__, False, f"not run: {left:.0f} s of the call left, estimated {estimate:.0f} s")
+            continue
+        DEADLINE[0] = deadline
+        started, before = time.perf_counter(), len(check.rows)
+        try:
+            fn(check, env, dry_run)
+        except Exception as err:  # noqa: BLE001 - a check's own failure is its finding; the others run
+            check.add(fn.__name__, False, f"{type(err).__name__}: {err}")
+        for name, _, _ in check.rows[before:]:
+            check.seconds[name], check.estimates[name] = time.perf_counter() - started, estimate
+        write()  # a call cut short still brings back what ran
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trapo gpu-check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", type=int, choices=sorted(PARTS), help="one part (default: all)")
+    parser.add_argument("--part", type=int, choices=sorted(PARTS), help="one part (default: the one-call plan)")
     parser.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
-                        help="on CPU with the toy and tiny shapes (also GPU_CHECK_DRY_RUN=1)")  # fmt: skip
+                        help="on CPU with the toy and tiny shapes, every check (also GPU_CHECK_DRY_RUN=1)")  # fmt: skip
     args = parser.parse_args(argv)
-    started = time.perf_counter()
+    started, began = time.perf_counter(), time.time()
     WORK.mkdir(exist_ok=True)
     site = WORK / "site"
     path = [str(site)] if not args.dry_run else []
     env = runtime.subprocess_env(PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([*path, env["PYTHONPATH"]])
+    names = [fn.__name__ for fn in ORDER]
+    planned, planned_s = plan.one_call(["kit", *names])
+    if args.part:
+        fns, title, budget = PARTS[args.part], f"part{args.part}", PART_BUDGET
+    else:  # the dry run runs every check, so CI keeps each one working; the GPU runs the plan
+        fns = ORDER if args.dry_run else [fn for fn in ORDER if fn.__name__ in planned]
+        title, budget = "", CALL_BUDGET
     print(f"gpu-check{' (dry run on CPU)' if args.dry_run else ''}: environment", flush=True)
     env_lines = environment(args.dry_run, env)
     check = Check()
+    kit_started = time.perf_counter()
     install_kit(check, env, args.dry_run)
-    for part in [args.part] if args.part else sorted(PARTS):
-        DEADLINE[0] = time.time() + PART_BUDGET - (time.perf_counter() - started if args.part else 0)
-        for fn in PARTS[part]:
-            if DEADLINE[0] - time.time() < 30:
-                check.add(fn.__name__, False, f"not run: part {part}'s {PART_BUDGET} s budget is spent")
-                continue
-            try:
-                fn(check, env, args.dry_run)
-            except Exception as err:  # noqa: BLE001 - a check's own failure is its finding; the others run
-                check.add(fn.__name__, False, f"{type(err).__name__}: {err}")
-            # written after every check: a call cut short still brings back what ran
-            report(check, env_lines, args.part, args.dry_run, time.perf_counter() - started)
-    path = report(check, env_lines, args.part, args.dry_run, time.perf_counter() - started)
+    check.seconds["kit"], check.estimates["kit"] = time.perf_counter() - kit_started, plan.ESTIMATES["kit"]
+
+    def write() -> Path:
+        return report(check, env_lines, title, args.dry_run, time.perf_counter() - started)
+
+    run_checks(check, fns, env, args.dry_run, began + budget, write)
+    path = write()
     failed = sum(not ok for _, ok, _ in check.rows)
     print(f"gpu-check: {len(check.rows) - failed} passed, {failed} failed; report {path.relative_to(ROOT)}")
+    if not args.part:
+        print(f"one call: {', '.join(planned)} planned in {planned_s:.0f} s (limit {plan.LIMIT_S})")
     return 1 if failed else 0

@@ -6,8 +6,9 @@ the memory plan's: one check of `make gpu-check`, run in a process of its own.
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (--dry-run: the toy's shape), the questions and
 tokenizer the toy's; rollout.backend=hf with 512-token answers (random weights rarely stop early), 64
 questions x 8, bf16, ZeRO-3, gradient checkpointing. Two steps: the second has Adam moments, as the
-plan's rollout and update phases assume. --lora: Qwen2.5-Math-7B's shape with rank-32 adapters on every
-projection, as configs/trapo_1k_3k_lora_1gpu.yaml trains it on one GPU. Prints one JSON line.
+plan's rollout and update phases assume. --lora: Qwen2.5-Math-7B's shape with the adapters and the
+DeepSpeed config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one
+GPU. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +28,19 @@ R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_laye
 QWEN_MATH_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                     num_key_value_heads=4, vocab_size=152064, max_position_embeddings=16384,
                     tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
-LORA = ["model.lora.rank=32", "model.lora.alpha=64"]  # configs/trapo_1k_3k_lora_1gpu.yaml's adapters
+LORA_CONFIG = "configs/trapo_1k_3k_lora_1gpu.yaml"  # the one-GPU LoRA recipe whose adapters and ZeRO stage --lora runs
+
+
+def lora_overrides() -> list[str]:
+    """LORA_CONFIG's adapters and DeepSpeed config, as overrides of the shape step's own settings."""
+    from trapo import runtime
+    from trapo.config import load_config
+
+    cfg = load_config(str(runtime.ROOT / LORA_CONFIG), [])
+    lora = cfg.model.lora
+    targets = ",".join(lora.target_modules)
+    return [f"model.lora.rank={lora.rank}", f"model.lora.alpha={lora.alpha}", f"model.lora.dropout={lora.dropout}",
+            f"model.lora.target_modules=[{targets}]", f"train.deepspeed_config={cfg.train.deepspeed_config}"]
 
 
 def build_model(work: Path, dry_run: bool, shape: dict = R1_DISTILL_1P5B) -> tuple[Path, Path]:
@@ -78,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         f"rollout.max_tokens={answer}", "train.rollout_batch_size=64", "train.update_batch_size=64",
         "train.micro_batch_tokens=16384", "max_steps=2", "save_steps=0", f"output_dir={work / 'runs'}",
         "run_name=shape-step", "progress_bar=false", "eval.steps=0", "selection.warmup_epochs=1",
-        *(LORA if args.lora else []),
+        *(lora_overrides() if args.lora else []),
     ]  # fmt: skip
     cfg = load_config(str(runtime.ROOT / "configs" / "toy.yaml"), overrides)
     trainer = Trainer(cfg)
@@ -95,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing_s": last["timing"],
         "peak_gib": last.get("peak_gb"),
         "logprob_diff_rollout_vs_policy": last["logprob_diff_rollout_vs_policy"],
+        "zero_stage": trainer.policy.engine.zero_optimization_stage(),
     }
     if torch.cuda.is_available():
         ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())

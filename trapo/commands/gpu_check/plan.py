@@ -1,0 +1,96 @@
+"""Which checks one device call runs: each check's GPU time estimated from its shapes, taken in the order that
+tells most first until the call's planning limit.
+
+A lent GPU machine gives about 15 minutes in all and at most 10 per call, and its start takes minutes: so
+`make gpu-check` with no PART plans one call of LIMIT_S seconds, the kit's install included, and leaves
+the rest to a second call (PART=n). These are estimates from a simple cost model (constants below, each
+with what it stands for), not measurements; docs/gpu/ holds what a call measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LIMIT_S = 480  # a call may run 600 s; 120 s stay for the estimates' error and the report's way back
+
+# The cost model of one H100/H200 (KINDS.md measured 790 TFLOP/s bf16 on random matrices, 3.0-4.3 TB/s copies).
+PROCESS_S = 20.0  # a fresh Python process importing torch, transformers and DeepSpeed and starting CUDA
+TRAINER_S = 15.0  # a trainer's start beyond that: ZeRO-3 init, the toy's assets read, grading workers
+BF16_FLOPS = 790e12 * 0.3  # achieved by a ZeRO-3 update with checkpointing: 30% of the measured matmul peak
+LAYER_STEP_S = 0.4e-3  # one decoder layer of one eager transformers decode step (launch-bound: ~15 kernels)
+DISK_BYTES_S = 1.0e9  # safetensors written and read back (the random model of a shape step)
+TOY_STEP_S = 1.5  # one toy training step on the GPU (a tiny model: launch-bound, shape-independent)
+KIT_S = 40.0  # pip installing ~25 MiB of wheels offline, then importing them once
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a shape step trains: parameters, layers, sequences per step and their lengths."""
+
+    params: float
+    layers: int
+    sequences: int = 512  # 64 questions x 8 answers
+    prompt: int = 64  # the toy's questions are short
+    answer: int = 512
+    hf_max_batch: int = 256  # rollout.hf_max_batch: rows generated at once
+
+
+R1_1P5B = Shape(params=1.78e9, layers=28)  # DeepSeek-R1-Distill-Qwen-1.5B's widths, untied head
+MATH_7B = Shape(params=7.6e9, layers=28)  # Qwen2.5-Math-7B's
+
+
+def generation_s(shape: Shape) -> float:
+    """hf-backend rollouts: each round decodes `answer` steps of every layer (random weights rarely stop)."""
+    rounds = math.ceil(shape.sequences / shape.hf_max_batch)
+    return rounds * shape.answer * shape.layers * LAYER_STEP_S
+
+
+def update_s(shape: Shape, trainable_share: float = 1.0) -> float:
+    """One update: 2 x params x tokens for the forward, again for the recompute of checkpointed layers, and
+    the backward's 4 x params x tokens (2 with LoRA's frozen base: no weight gradients, only activations')."""
+    tokens = shape.sequences * (shape.prompt + shape.answer)
+    backward = 2 + 2 * trainable_share
+    return (2 + 2 + backward) * shape.params * tokens / BF16_FLOPS
+
+
+def shape_step_s(shape: Shape, lora: bool = False) -> float:
+    """Build and save the random model, load it, two training steps."""
+    io = 2 * 2 * shape.params / DISK_BYTES_S  # bf16 written, then read
+    return PROCESS_S + TRAINER_S + io + 2 * (generation_s(shape) + update_s(shape, 0.0 if lora else 1.0))
+
+
+def toy_runs_s(runs: int, steps: int) -> float:
+    return runs * (PROCESS_S + TRAINER_S + steps * TOY_STEP_S)
+
+
+def bench_update_s(seqs: int = 32, length: int = 2048, steps: int = 3) -> float:
+    """bench_update_gpu: two heads x (one warm-up + `steps`) updates, then packed vs padded at mixed lengths."""
+    shape = Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, sequences=seqs, prompt=length // 4, answer=length)
+    return PROCESS_S + 2 * R1_1P5B.params * 2 / DISK_BYTES_S + 4 * (steps + 1) * update_s(shape)
+
+
+# check name -> estimated GPU seconds; the order is the order of what tells most first
+ESTIMATES = {
+    "kit": KIT_S,
+    # the real loop at a real width: ZeRO-3, checkpointing, packed rows' kernel, hf generation, bf16, the plan
+    "shape_step": shape_step_s(R1_1P5B),
+    # the varlen kernel against per-sequence attention; the toy in bf16 straight and resumed (3 runs x 4 steps)
+    "pytest_gpu": 10 + toy_runs_s(3, 4),
+    # versions, NCCL collectives, a two-step trial run on a shrunken model, the memory plan
+    "doctor": PROCESS_S + toy_runs_s(1, 2) + 10,
+    "bench_update": bench_update_s(),
+    "kill_resume": toy_runs_s(3, 8),
+    "shape_step_lora": shape_step_s(MATH_7B, lora=True),
+}
+
+
+def one_call(order: list[str], limit: float = LIMIT_S) -> tuple[list[str], float]:
+    """The longest prefix of `order` (skipping none) whose estimates fit `limit`: (names, planned seconds)."""
+    planned, total = [], 0.0
+    for name in order:
+        if total + ESTIMATES[name] > limit:
+            break
+        planned.append(name)
+        total += ESTIMATES[name]
+    return planned, total
