@@ -315,13 +315,16 @@ def prompt_ids(q: Question, template: str, tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
 
 
-def tokenize_prompts(questions: list[Question], template: str, tokenizer, max_tokens: int) -> list[list[int]]:
-    """Token ids per question; a prompt over `max_tokens` is an input error (named), not a silent cut."""
+def tokenize_prompts(
+    questions: list[Question], template: str, tokenizer, max_tokens: int | None, key: str = "data.max_prompt_tokens"
+) -> list[list[int]]:
+    """Token ids per question; a prompt over `max_tokens` (None: no cap) is an input error naming the setting
+    `key`, not a silent cut."""
     out = []
     for q in questions:
         ids = prompt_ids(q, template, tokenizer)
-        if len(ids) > max_tokens:
-            raise DataError(f"{q.where}: prompt has {len(ids)} tokens, over data.max_prompt_tokens={max_tokens}")
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise DataError(f"{q.where}: prompt has {len(ids)} tokens, over {key}={max_tokens}")
         if not ids:
             raise DataError(f"{q.where}: prompt tokenizes to nothing")
         out.append(ids)

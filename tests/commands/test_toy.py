@@ -69,3 +69,26 @@ def test_assets_built_with_the_switch_off_are_reused_with_it_on_and_a_real_chang
     assert len(built) == 1  # reused
     toy.build_assets(dataclasses.replace(cfg, enabled=True, sft_steps=2), log=built.append)
     assert len(built) == 2  # what the assets are changed: built again
+
+
+def test_a_response_budget_past_the_toy_models_context_is_refused_before_the_build(tmp_path):
+    """rollout.max_tokens past the toy model's 2,048 positions: one line naming the key and the fix, status 2,
+    before the toy model is built (vLLM would refuse it only after the build and the policy's load)."""
+    import subprocess
+    import sys
+
+    from trapo import runtime
+
+    cmd = [sys.executable, "trapo_train.py", f"toy.dir={tmp_path / 'toy'}", f"output_dir={tmp_path / 'runs'}"]
+    cmd += ["rollout.max_tokens=4096", "progress_bar=false"]
+    env = runtime.subprocess_env()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=runtime.ROOT, timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].endswith(
+        "data.max_prompt_tokens + rollout.max_tokens = 4112 tokens exceeds what the toy model serves "
+        "(max_position_embeddings = 2048 in its config.json; vLLM refuses a longer max_model_len): lower "
+        "rollout.max_tokens to 2032 or less, or set model.max_position_embeddings (with model.rope_theta, as the "
+        "paper does for Qwen2.5-Math)"
+    ), lines[0]
+    assert not (tmp_path / "toy").exists()  # nothing built

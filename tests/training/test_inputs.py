@@ -54,6 +54,17 @@ def test_a_response_budget_past_the_models_context_is_refused_before_any_load(tm
         prepare_inputs(load_config(paper, [f"model.path={rope}", "model.max_position_embeddings=null"]), world=7)
 
 
+def test_a_toy_runs_budget_past_its_models_context_is_refused_before_any_load(tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), [f"toy.dir={tmp_path}", "rollout.max_tokens=2040"])
+    root = cfg.toy.asset_dir  # as built: a manifest, and the model's config.json (2,048 positions)
+    (root / "model").mkdir(parents=True)
+    (root / "manifest.json").write_text("{}")
+    (root / "model" / "config.json").write_text('{"max_position_embeddings": 2048}')
+    needle = r"= 2056 tokens exceeds what the toy model serves \(max_position_emb.* lower rollout.max_tokens to 2032 "
+    with pytest.raises(ConfigError, match=needle):
+        prepare_inputs(cfg, world=1)
+
+
 def test_a_truncated_weight_file_is_named_before_any_load(tmp_path):
     from trapo.hub import weight_problem
 

@@ -160,10 +160,16 @@ def prepare(cfg: Config) -> None:
     """Collective: with `toy.enabled`, rank 0 builds (or reuses) the toy's assets while the other ranks wait.
 
     Every entry point that trains on the toy (`python -m trapo train`, the doctor's trial run) calls this
-    before it builds the `Trainer`, which only reads the assets (`cfg.toy.asset_dir`)."""
+    before it builds the `Trainer`, which only reads the assets (`cfg.toy.asset_dir`). A prompt and
+    response budget past the toy model's context is a ConfigError, raised before anything is built."""
     if not cfg.toy.enabled:
         return
     from trapo.engine import dist
+    from trapo.training.inputs import check_context
+
+    # the toy model's context, known before it is built: a budget past it is refused now, not after the build
+    positions = cfg.model.max_position_embeddings or MODEL_SHAPE["max_position_embeddings"]
+    check_context(cfg, (positions, "max_position_embeddings"), "the toy model")
 
     rank, _, _ = dist.init_distributed(cfg.dist_timeout_minutes)
     if rank == 0:

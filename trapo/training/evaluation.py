@@ -29,6 +29,22 @@ def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=
     return [{"answer": a, "correct": r == 1.0} for a, r in zip(answers, rewards)]
 
 
+def pending_prompts(
+    tokenizer,
+    benchmarks: list[Benchmark],
+    *,
+    template: str,
+    max_prompt_tokens: int | None,
+    done: dict | None = None,
+    key: str = "data.max_prompt_tokens",
+) -> dict[str, list[list[int]]]:
+    """Per benchmark, the prompt ids of its questions not in `done`, in order; every prompt is checked (a
+    length over `max_prompt_tokens`, None: no cap, is a DataError naming `key`) before any generation starts."""
+    done = done or {}
+    todo = {b.name: [q for q in b.questions if (b.name, q.uid) not in done] for b in benchmarks}
+    return {name: tokenize_prompts(qs, template, tokenizer, max_prompt_tokens, key) for name, qs in todo.items()}
+
+
 def evaluate(
     engine,
     tokenizer,
@@ -38,12 +54,13 @@ def evaluate(
     temperature: float,
     max_tokens: int,
     template: str,
-    max_prompt_tokens: int,
+    max_prompt_tokens: int | None,
     seed: int = 0,
     done: dict | None = None,
     on_question=None,
     chunk: int = 64,
     verifier=None,
+    prompts: dict[str, list[list[int]]] | None = None,
 ) -> tuple[dict, dict]:
     """Generate, grade and score; returns (results per benchmark, grades per benchmark).
 
@@ -53,11 +70,15 @@ def evaluate(
     finished question's record (from samples.jsonl) that is reused as is;
     `on_question(record)` is called once per newly finished question, in
     chunks of `chunk` questions, so a caller can persist progress.
+    `prompts`: what `pending_prompts` returned for these benchmarks and `done`, when the caller
+    tokenized them already (`trapo eval` sizes its engine by the longest).
     """
     done = done or {}
     todo = {b.name: [q for q in b.questions if (b.name, q.uid) not in done] for b in benchmarks}
-    # Every prompt is checked (length) before any generation starts.
-    prompts = {name: tokenize_prompts(qs, template, tokenizer, max_prompt_tokens) for name, qs in todo.items()}
+    if prompts is None:
+        prompts = pending_prompts(
+            tokenizer, benchmarks, template=template, max_prompt_tokens=max_prompt_tokens, done=done
+        )
     results, grades_by_name = {}, {}
     for bench in benchmarks:
         n = n_for(bench.name)

@@ -5,8 +5,9 @@ prompt tokens, the held-out and validation benchmarks, and the batch counts.
                                                      # a hub model fetched (model_dir: its local snapshot)
 
 Every input error (a missing model directory, a bad training or benchmark file, a prompt longer than
-data.max_prompt_tokens, batch sizes that do not divide over the ranks) is raised here, naming the file,
-row or key, before the policy, the reference model or vLLM cost anything.
+data.max_prompt_tokens, a prompt and response budget past the model's context, batch sizes that do not
+divide over the ranks) is raised here, naming the file, row or key, before the policy, the reference model
+or vLLM cost anything.
 """
 
 from __future__ import annotations
@@ -65,6 +66,25 @@ def as_run(cfg: Config, source: hub.Snapshot | None) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=source.commit))
 
 
+def check_context(cfg: Config, limit: tuple[int, str] | None, what: str) -> None:
+    """data.max_prompt_tokens + rollout.max_tokens (the engine's max_model_len) against `limit`, the context
+    (tokens, config key) that trapo.engine.rollout.context_limit reads for `what` (model.path, the toy
+    model): a ConfigError naming the keys and the fix, before any model loads."""
+    prompt, response = cfg.data.max_prompt_tokens, cfg.rollout.max_tokens
+    if limit is None or prompt + response <= limit[0]:
+        return
+    tokens, key = limit
+    overridden = cfg.model.max_position_embeddings is not None and key.startswith("max_position_embeddings")
+    source = f"model.{key} = {tokens}" if overridden else f"{key} = {tokens} in its config.json"
+    room = tokens - prompt
+    lower = f"lower rollout.max_tokens to {room} or less" if room > 0 else "lower data.max_prompt_tokens"
+    raise ConfigError(
+        f"data.max_prompt_tokens + rollout.max_tokens = {prompt + response} tokens exceeds what {what} serves "
+        f"({source}; vLLM refuses a longer max_model_len): {lower}, or set model.max_position_embeddings "
+        "(with model.rope_theta, as the paper does for Qwen2.5-Math)"
+    )
+
+
 def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> RunInputs:
     if cfg.toy.enabled:
         root = cfg.toy.asset_dir
@@ -77,6 +97,7 @@ def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> Run
         train_files = [str(root / "train.jsonl")]
         test_files = [str(p) for p in (root / "test.jsonl", root / "test_ood.jsonl") if p.is_file()]
         toy_val = [str(root / "validation.jsonl")] if cfg.toy.validation else test_files
+        what = "the toy model"
     else:
         model_dir = model_dir or cfg.model.path
         train_files, test_files, toy_val = cfg.data.train_files, cfg.data.test_files, []
@@ -85,14 +106,8 @@ def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> Run
         problem = hub.weight_problem(model_dir)
         if problem:
             raise ConfigError(f"model.path {cfg.model.path}: {problem}")
-        budget = cfg.data.max_prompt_tokens + cfg.rollout.max_tokens
-        limit = context_limit(model_dir, cfg.model.max_position_embeddings)
-        if limit is not None and budget > limit[0]:
-            raise ConfigError(
-                f"data.max_prompt_tokens + rollout.max_tokens = {budget} tokens exceeds what model.path serves "
-                f"({limit[1]} = {limit[0]} in its config.json; vLLM refuses a longer max_model_len): lower them, "
-                "or set model.max_position_embeddings (with model.rope_theta, as the paper does for Qwen2.5-Math)"
-            )
+        what = "model.path"
+    check_context(cfg, context_limit(model_dir, cfg.model.max_position_embeddings), what)
     t = cfg.train
     if t.rollout_batch_size % world or t.update_batch_size % world:
         raise ConfigError(
