@@ -13,7 +13,8 @@ is set). So nothing changes at save time: the conversion runs once, at the resum
 size, by rank 0 into a scratch directory beside the checkpoint (`.step-N.universal.tmp`, removed after the
 load; a start after a kill removes a leftover one with the other partial directories). The optimizer state is
 restored, never reset. Its cost, one read and one write of the optimizer's bytes, is measured by
-bench/bench_reshard.py.
+bench/bench_reshard.py. DeepSpeed's universal loader assigns the optimizer state without torch's placement of
+it; `place_state` puts it back where torch's own `load_state_dict` would (the fused AdamW's step above all).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 from trapo import runtime
 from trapo.engine import dist
@@ -58,8 +61,38 @@ def load_moved(path: Path, tag: str, *, rank: int, engine) -> None:
         load_path, _ = engine.load_checkpoint(str(scratch), tag=tag)
     finally:
         engine._config.load_universal_checkpoint = False
+    place_state(getattr(engine.optimizer, "optimizer", engine.optimizer))  # ZeRO's wrapper holds torch's AdamW
     dist.barrier()
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
     if load_path is None:
         raise FileNotFoundError(f"{path}: DeepSpeed could not load its universal form")
+
+
+def place_state(optimizer: torch.optim.Optimizer) -> None:
+    """Put every state tensor of torch `optimizer` where torch's `Optimizer.load_state_dict` would
+    (`_process_value_according_to_param_policy`): on its parameter's device and dtype, `step` a float32
+    tensor there when the optimizer is fused or capturable (else as loaded), each parameter its own tensor.
+
+    DeepSpeed's universal loader assigns the state directly instead (ZeRO-3: stage3.py 3662-3681; ZeRO-1/2:
+    base_optimizer.py 337, 373). Its `step` stays on the CPU, where ds_to_universal saved it, beside the
+    parameters on the GPU, where the fused AdamW (policy.py: fused on GPU) updates it in its kernel; and ZeRO-3
+    gives one `step` tensor to every sub-group, so each sub-group's update would count that one again.
+    """
+    # ZeRO-3 empties param_groups' params between steps: the groups' flags are read without the params.
+    on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
+    placed_ids = set()
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if not torch.is_tensor(value):
+                continue
+            if key == "step":
+                placed = value.to(dtype=torch.float32, device=param.device) if on_device else value
+            elif param.is_floating_point():
+                placed = value.to(dtype=param.dtype, device=param.device)
+            else:
+                placed = value.to(device=param.device)
+            if id(placed) in placed_ids:  # shared with another parameter's state: updated once per owner
+                placed = placed.clone()
+            placed_ids.add(id(placed))
+            state[key] = placed
