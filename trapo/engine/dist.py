@@ -223,6 +223,12 @@ def gathered_for_generation(engine):
     ZeRO-3's module hooks would release each layer after its forward and gather it again for the next
     token, so they are taken off meanwhile and registered again after (DeepSpeed 0.19 does the same in
     runtime/zero/stage3.py `unwrap_model_for_generation`; here the hooks come back also after an error).
+    The root module's start-of-forward hook goes too, which DeepSpeed's function leaves: its `reset_step`
+    runs collectives while the recorded module order is incomplete (runtime/zero/partitioned_param_coordinator.py
+    258-271), so ranks doing different numbers of generation forwards (an evaluation shard with no questions,
+    a batch whose samples all stop at the first token) would leave each other waiting. Registering the
+    module hooks again discards that order (parameter_offload.py 337-343): the next training forward records
+    it again, on every rank alike.
     """
     import deepspeed
 
@@ -230,11 +236,14 @@ def gathered_for_generation(engine):
     if offload is None or not engine.zero_optimization_partition_weights():
         yield
         return
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-        for hook in offload.forward_hooks + offload.backward_hooks:
-            hook.remove()
+    module = offload.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]  # reset_step (setup_zero_stage3_hooks)
+        offload._remove_module_hooks()  # DeepSpeed's own teardown: module hooks and the start-of-forward hook
         offload.forward_hooks, offload.backward_hooks = [], []
         try:
             yield
         finally:
-            offload._register_deepspeed_module(offload.module)
+            # first, as DeepSpeed registered it: the step resets before the root module records itself in the order
+            offload.fwd_pre_hook = module.register_forward_pre_hook(start_of_forward, prepend=True)
+            offload._register_deepspeed_module(module)
