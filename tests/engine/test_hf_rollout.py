@@ -124,3 +124,37 @@ def test_the_model_is_left_as_it_was(tiny):
     assert model.training and model.config._attn_implementation == "eager"
     model.eval()
     model.set_attn_implementation("sdpa")
+
+
+def test_prefill_in_groups_of_rows_generates_what_one_forward_does(tiny):
+    """Prefill budgets of 5 rows, and of 1 row (a budget under one prompt), against one forward of the batch:
+    the same tokens, greedy and sampled (top-p, rows finishing at different steps), and no prefill forward
+    over its budget."""
+    model, tokenizer, prompts = tiny
+    width = max(len(p) for p in prompts)
+    stops = list(range(0, model.config.vocab_size, 3))
+    seeds = [request_seed(1, 2, i) for i in range(len(prompts))]
+    shapes = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        runs = {}
+        for budget in (10**6, 5 * width + 2, 1):
+            engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, prefill_tokens=budget)
+            shapes.clear()
+            greedy = engine.generate(prompts, n=6, temperature=0.0, max_tokens=8, seeds=seeds)
+            sampled = engine.generate(prompts, n=6, temperature=0.9, top_p=0.9, max_tokens=8, seeds=seeds)
+            runs[budget] = [[(r.token_ids, r.logprobs, r.truncated) for r in g] for g in greedy + sampled]
+            prefills = [rows for rows, length in shapes if length > 1]
+            assert prefills == {10**6: [24, 24], 5 * width + 2: [5, 5, 5, 5, 4] * 2, 1: [1] * 48}[budget]
+    finally:
+        hook.remove()
+    one = runs[10**6]
+    assert len({len(t) for g in one for t, _, _ in g}) > 2  # rows left the joined cache at different steps
+    for budget in (5 * width + 2, 1):
+        assert [[t for t, _, _ in g] for g in runs[budget]] == [[t for t, _, _ in g] for g in one]
+        assert [[c for _, _, c in g] for g in runs[budget]] == [[c for _, _, c in g] for g in one]
+        for grouped, whole in zip(runs[budget], one):
+            for (_, lps, _), (_, ref, _) in zip(grouped, whole):
+                assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=1e-6)

@@ -243,3 +243,27 @@ def test_zero2_holds_the_frozen_base_whole_and_gathers_nothing_and_is_for_lora_o
         v for k, v in figures(z3, "update").items() if k.startswith("backward: gathered"))[0] + 2 * a - a  # fmt: skip
     with pytest.raises(ConfigError, match="ZeRO stage 2 is for LoRA runs"):
         plan_for(2, 80, f"train.deepspeed_config={path}", "model.lora.rank=0", config=LORA_1GPU)
+
+
+def test_hf_prefill_activations_by_hand():
+    """The issue's 7B shape, 256 prompts of 1,024 tokens on a rank. A prompt token holds 2 B x (3 I + 4 H
+    + 2 head_dim) = 2 x (3 x 18,944 + 4 x 3,584 + 2 x 128) = 142,848 B of activations + 1,024 mask booleans
+    = 143,872 B: one forward of them all, 262,144 x 143,872 = 37,715,034,112 (35.125 GiB, an H200's peak for
+    it); the prefill takes 16,384 // 1,024 = 16 prompts a forward: 16,384 x 143,872 = 2,357,198,848
+    (2.20 GiB), counted instead of the sampler's 4 x 256 x 152,064 x 4 = 622,854,144 (never live with it)."""
+    batches = ("train.rollout_batch_size=256", "train.update_batch_size=256")
+    big = figures(plan_for(8, 80, "rollout.backend=hf", *batches), "rollout")
+    assert big["hf generation: prefill activations (16 x 1024 tokens a forward)"] == (2_357_198_848, True)
+    assert big["hf generation: sampler rows (4 fp32 [256, V])"] == (622_854_144, False)
+    # The paper config's 64 sequences a rank: trainer 2s + 4s + 4s + 8s + 1e9 = 18,135,137,152 + 2 GiB reserve
+    # + the model 2 x P = 15,231,233,024 + KV 64 x 9216 x 57,344 = 33,822,867,456 + the same prefill
+    # 2,357,198,848 = 71,693,920,128 (66.8 GiB).
+    assert plan_for(8, 80, "rollout.backend=hf").peak("rollout") == 71_693_920_128
+    # A prompt over the budget goes alone: 20,000 x (142,848 + 20,000) = 3,256,960,000. Prompts of 16 tokens:
+    # 64 x 16 x (142,848 + 16) = 146,292,736, under the sampler's 4 x 64 x 152,064 x 4 = 155,713,536, which
+    # then counts.
+    long = figures(plan_for(8, 80, "rollout.backend=hf", "data.max_prompt_tokens=20000"), "rollout")
+    assert long["hf generation: prefill activations (1 x 20000 tokens a forward)"] == (3_256_960_000, True)
+    short = figures(plan_for(8, 80, "rollout.backend=hf", "data.max_prompt_tokens=16"), "rollout")
+    assert short["hf generation: prefill activations (64 x 16 tokens a forward)"] == (146_292_736, False)
+    assert short["hf generation: sampler rows (4 fp32 [64, V])"] == (155_713_536, True)

@@ -8,6 +8,9 @@ vLLM, so it runs where vLLM does not build (a new CUDA, a new GPU generation, RO
 - Batched: up to `max_batch` sequences at once (the G samples of several questions), left-padded, with a
   KV cache; longest prompts first, so a batch's prompts are of similar length. Finished sequences leave the
   batch (and the cache) once a quarter of it has finished, so the long tail runs on a small batch.
+- Prefilled in groups of whole prompts, at most `prefill_tokens` tokens (padding included) per forward, the
+  groups' KV caches then joined: one forward of 256 prompts of 1,024 tokens would hold 9.9 GB per
+  [tokens, intermediate] MLP tensor at 7B, three at once. The memory plan counts one group's (`_prefill`).
 - Sampling as vLLM does it: temperature, then top-p, and the sampled token's log-prob under that processed
   distribution (`processed_logprobs`), which the trainer compares with its own (logprob_diff_rollout_vs_policy).
 - Seeded per request: token t of sample j of a request is drawn with a uniform that is a hash of (the
@@ -22,6 +25,7 @@ import contextlib
 import torch
 
 from trapo.engine import dist
+from trapo.engine.memory_plan import HF_PREFILL_TOKENS
 from trapo.engine.rollout import Rollout, decode_responses, request_seed
 
 MASK32 = 0xFFFFFFFF
@@ -97,10 +101,20 @@ class HfEngine:
     name = "hf"
     weights_asleep = False  # nothing is ever released: the weights are the policy's
 
-    def __init__(self, model, tokenizer, *, stop_token_ids: list[int], max_batch: int = 256, zero3_engine=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        stop_token_ids: list[int],
+        max_batch: int = 256,
+        prefill_tokens: int = HF_PREFILL_TOKENS,
+        zero3_engine=None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
         self.zero3_engine = zero3_engine
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_token_ids or [0])[0]
@@ -203,8 +217,6 @@ class HfEngine:
         self, prompts: list[list[int]], keys: list[int], *, temperature: float, top_p: float, max_tokens: int
     ) -> list[tuple[list[int], list[float], bool]]:
         """(token ids, log-probs, truncated) per prompt: one left-padded batch with a KV cache."""
-        from transformers import DynamicCache
-
         device = torch.device(self.device())
         b, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
@@ -220,16 +232,10 @@ class HfEngine:
         logprobs = torch.zeros((b, max_tokens), dtype=torch.float32, device=device)
         rows = torch.arange(b, device=device)  # the batch row each live row stands for
         done = torch.zeros(b, dtype=torch.bool, device=device)  # finished, still in the batch until compaction
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-            logits_to_keep=1,
-        )  # fmt: skip
+        cache, logits = self._prefill(ids, mask, positions)
         position = positions[:, -1] + 1
         for t in range(max_tokens):
-            token, lp = sample_tokens(
-                out.logits[:, -1].float(), temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t
-            )
+            token, lp = sample_tokens(logits.float(), temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t)
             tokens[rows, t] = torch.where(done, -1, token)  # no boolean indexing: no host sync per step
             logprobs[rows, t] = torch.where(done, 0.0, lp)
             done = done | torch.isin(token, stops)
@@ -247,6 +253,7 @@ class HfEngine:
                 input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
                 past_key_values=cache, use_cache=True,
             )  # fmt: skip
+            logits = out.logits[:, -1]
             position = position + 1
         results = []
         stop_set = set(self.stop_token_ids)
@@ -255,3 +262,38 @@ class HfEngine:
             kept = row_tokens[:length]
             results.append((kept, row_lps[:length], length == max_tokens and kept[-1] not in stop_set))
         return results
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+        """(the prompts' KV cache, each row's last logits [b, V]): forwards of whole rows, at most
+        `prefill_tokens` tokens each (a longer prompt goes alone), every row with the batch's padding, mask and
+        positions, so it computes what one forward of the batch would; the groups' caches are then joined."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        config = self.model.config
+        # A sliding-window layer keeps only its window, which joining groups would not rebuild: one forward then
+        plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+        per_forward = max(1, self.prefill_tokens // ids.shape[1]) if plain else len(ids)
+        parts, logits = [], []
+        for start in range(0, len(ids), per_forward):
+            part, group = DynamicCache(config=config), slice(start, start + per_forward)
+            out = self.model(
+                input_ids=ids[group],
+                attention_mask=mask[group],
+                position_ids=positions[group],
+                past_key_values=part,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            parts.append(part)
+            logits.append(out.logits[:, -1])
+        if len(parts) == 1:
+            return parts[0], logits[0]
+        cache = DynamicCache(config=config)
+        for layer in range(len(parts[0].layers)):
+            keys = torch.cat([part.layers[layer].keys for part in parts])
+            values = torch.cat([part.layers[layer].values for part in parts])
+            for part in parts:
+                part.layers[layer].reset()  # each group's copy freed as soon as the batch's is made
+            cache.update(keys, values, layer)
+        return cache, torch.cat(logits)

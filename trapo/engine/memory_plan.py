@@ -45,7 +45,18 @@ Update (vLLM asleep at level 2: weights and KV cache released): the partitions a
 hf backend (rollout.backend: hf, no vLLM): nothing at start-up beyond the trainer; during rollouts every
   state stays (nothing is offloaded) and the policy itself generates: the whole model gathered, b*P, a KV
   cache of min(hf_max_batch, the rank's sequences) x (max_prompt_tokens + max_tokens) x bytes per token, and
-  the sampler's fp32 [batch, V] rows (logits, log-softmax, noise, top-p sort: 4 of them).
+  the larger of two peaks never live at once: the sampler's fp32 [batch, V] rows (logits, log-softmax, noise,
+  top-p sort: 4 of them), and one prefill forward's activations. Prompts are prefilled R = min(batch,
+  max(1, HF_PREFILL_TOKENS // max_prompt_tokens)) whole rows at a time (trapo/engine/hf_rollout.py
+  `_prefill`), N = R x max_prompt_tokens tokens: N * (b * (3 I + 4 H + 2 head_dim) + max_prompt_tokens) at
+  the MLP's product (transformers models/qwen2/modeling_qwen2.py:46, llama :164): silu(gate), up and their
+  product [N, I]; four [N, H], the embeddings (:348, held through the forward), the layer's input (held by
+  the model's loop, :380), the attention's residual sum (:283) and the MLP's normed input; RoPE's cos and sin
+  [N, head_dim] (:377); the sdpa mask, N x max_prompt_tokens booleans (masking_utils.py:518). Attention
+  holds less where I > 2 H, as in the table's models (about 7 [N, H]: input, normed input, q, k and v
+  repeated to every head, integrations/sdpa_attention.py:111, output). On an H200 (2 layers of the 7B's
+  widths, bf16) one forward of 256 x 1,024 tokens peaked at this figure, 35.125 GiB. The KV cache is
+  counted at its full length, which it reaches after the prefill.
 LoRA (model.lora.rank > 0): P_t = rank x (in + out) per adapted projection and layer trains; s_t = ceil(P_t / w)
   takes s's place in the gradient, fp32 master and Adam terms (stage3.py:726-758 builds them from the
   optimizer's parameters only). The frozen base is b*s, kept in rollouts (offload_states would map it onto the
@@ -73,6 +84,10 @@ VLLM_RUNTIME = 1 * GiB
 LAYER_H, LAYER_KV, LAYER_I = 20, 4, 6  # [T, H], [T, kv_dim], [T, I] tensors of one recomputed layer
 HEAD_CHUNKS = 4  # fp32 [chunk, V] tensors alive in the LM head's backward (trapo/algorithm/logits.py)
 BLOCK = 16  # vLLM's KV-cache block, tokens
+# Prompt tokens (padding included) in one prefill forward of the hf backend (HfEngine's default), kept here so
+# the plan imports no torch; 16,384 is what vLLM batches per step on a >= 70 GiB card.
+HF_PREFILL_TOKENS = 16384
+PREFILL_I, PREFILL_H = 3, 4  # [N, I] and [N, H] tensors live at a no-grad forward's peak (the MLP's product)
 _DTYPE_BYTES = {n: 4 for n in ("fp32", "float32", "float", "torch.float32")} | {
     n: 2 for n in ("bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16")
 }  # DeepSpeed's DtypeEnum names (deepspeed/runtime/config.py:144)
@@ -307,6 +322,10 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
         startup = ddp + fp32 + bucket + ref + [reserve]
         batch = min(r.hf_max_batch, kv["sequences_needed"])
         kv.update(kv_cache_bytes=batch * per_token * seq_tokens, sequences_held=batch, vllm_fixed=0)
+        prompt = cfg.data.max_prompt_tokens
+        rows = min(batch, max(1, HF_PREFILL_TOKENS // prompt))
+        prefill = rows * prompt * (b * (PREFILL_I * a.intermediate + PREFILL_H * a.hidden + 2 * a.head_dim) + prompt)
+        sampler = 4 * batch * a.vocab * 4
         rollout = (
             trainer
             + ref
@@ -314,7 +333,12 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
                 reserve,
                 Item(f"hf generation: the whole model gathered ({b} B/param)", 0 if whole else b * P),
                 Item(f"hf generation: KV cache ({batch} sequences x {seq_tokens} tokens)", kv["kv_cache_bytes"]),
-                Item(f"hf generation: sampler rows (4 fp32 [{batch}, V])", 4 * batch * a.vocab * 4),
+                Item(
+                    f"hf generation: prefill activations ({rows} x {prompt} tokens a forward)",
+                    prefill,
+                    prefill >= sampler,
+                ),
+                Item(f"hf generation: sampler rows (4 fp32 [{batch}, V])", sampler, sampler > prefill),
             ]
         )
         update = [i for i in update if not i.name.startswith("vLLM asleep")]
