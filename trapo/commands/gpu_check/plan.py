@@ -4,7 +4,8 @@ tells most first until the call's planning limit.
 A lent GPU machine gives about 15 minutes in all and at most 10 per call, and its start takes minutes: so
 `make gpu-check` with no PART plans one call of LIMIT_S seconds, the kit's install included, and leaves
 the rest to a second call (PART=n). These are estimates from a simple cost model (constants below, each
-with what it stands for), not measurements; docs/gpu/ holds what a call measured.
+with what it stands for, fitted to the first call's timings), not measurements; docs/gpu/ holds what each
+call measured beside them.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from dataclasses import dataclass
 
 LIMIT_S = 480  # a call may run 600 s; 120 s stay for the estimates' error and the report's way back
 
-# The cost model of one H100/H200 (KINDS.md measured 790 TFLOP/s bf16 on random matrices, 3.0-4.3 TB/s copies).
-PROCESS_S = 20.0  # a fresh Python process importing torch, transformers and DeepSpeed and starting CUDA
-TRAINER_S = 15.0  # a trainer's start beyond that: ZeRO-3 init, the toy's assets read, grading workers
-BF16_FLOPS = 790e12 * 0.3  # achieved by a ZeRO-3 update with checkpointing: 30% of the measured matmul peak
-LAYER_STEP_S = 0.4e-3  # one decoder layer of one eager transformers decode step (launch-bound: ~15 kernels)
+# The cost model of one H100/H200, calibrated on the first call's timings (docs/gpu/2026-11-26-nvidia-h200*.md).
+PROCESS_S = 12.0  # a fresh Python process importing torch, transformers and DeepSpeed and starting CUDA
+TRAINER_S = 8.0  # a trainer's start beyond that: ZeRO-3 init, the toy's assets read, grading workers
+BF16_FLOPS = 300e12  # achieved by a ZeRO-3 update with checkpointing, recompute counted (bench_update_gpu)
+LAYER_STEP_S = 1.3e-3  # one decoder layer of one eager transformers decode step: launch-bound, ~width-free
 DISK_BYTES_S = 1.0e9  # safetensors written and read back (the random model of a shape step)
-TOY_STEP_S = 1.5  # one toy training step on the GPU (a tiny model: launch-bound, shape-independent)
-KIT_S = 40.0  # pip installing ~25 MiB of wheels offline, then importing them once
+TOY_STEP_S = 1.0  # one toy training step on the GPU (a tiny model: launch-bound, shape-independent)
+KIT_S = 15.0  # pip installing ~22 MiB of wheels offline, then importing them once
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ ESTIMATES = {
     # the varlen kernel against per-sequence attention; the toy in bf16 straight and resumed (3 runs x 4 steps)
     "pytest_gpu": 10 + toy_runs_s(3, 4),
     # versions, NCCL collectives, a two-step trial run on a shrunken model, the memory plan
-    "doctor": PROCESS_S + toy_runs_s(1, 2) + 10,
+    "doctor": PROCESS_S + toy_runs_s(1, 2),
     "bench_update": bench_update_s(),
     "kill_resume": toy_runs_s(3, 8),
     "shape_step_lora": shape_step_s(MATH_7B, lora=True),
