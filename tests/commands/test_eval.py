@@ -115,11 +115,20 @@ def test_arguments_and_weights_are_checked_before_the_engine_starts(tmp_path):
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
-    ok = dict(n=None, temperature=0.6, max_tokens=32, max_prompt_tokens=16, limit=None, hf_max_batch=8)
+    ok = dict(n=None, temperature=0.6, max_tokens=32, max_prompt_tokens=None, limit=None, hf_max_batch=8)
+    ok.update(rope_theta=None, max_position_embeddings=None)
     check_arguments(argparse.Namespace(**ok), model)
+    # a prompt cap no longer adds to the context check: the prompts are measured (engine_length)
+    check_arguments(argparse.Namespace(**{**ok, "max_prompt_tokens": 60}), model)
+    check_arguments(argparse.Namespace(**{**ok, "max_tokens": 64, "max_position_embeddings": 128}), model)
     for change, needle in [({"n": 0}, "--n 0: samples per question must be >= 1"),
                            ({"temperature": -1.0}, "--temperature -1.0: must be in [0, 2]"),
-                           ({"max_tokens": 60}, "--max-prompt-tokens 16 + --max-tokens 60 exceeds the 64 tokens"),
+                           ({"max_tokens": 64}, "--max-tokens 64: leaves no room for a prompt in the 64 tokens the "
+                                                "model serves (max_position_embeddings in its config.json)"),
+                           ({"max_tokens": 64, "max_position_embeddings": 64},
+                            "in the 64 tokens the model serves (--max-position-embeddings)"),
+                           ({"rope_theta": 0.0}, "--rope-theta 0.0: must be > 0"),
+                           ({"max_position_embeddings": 0}, "--max-position-embeddings 0: must be >= 1"),
                            ({"limit": 0}, "--limit 0: must be >= 1")]:  # fmt: skip
         with pytest.raises(DataError, match=re.escape(needle)):
             check_arguments(argparse.Namespace(**{**ok, **change}), model)
@@ -132,3 +141,135 @@ def test_arguments_and_weights_are_checked_before_the_engine_starts(tmp_path):
                          env=runtime.subprocess_env(), cwd=runtime.ROOT, timeout=300)  # fmt: skip
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and lines == ["trapo eval: --n 0: samples per question must be >= 1"], out.stderr
+
+
+def test_help_shows_the_rope_and_context_flags(capsys):
+    from trapo.commands.eval import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "--rope-theta" in out and "--max-position-embeddings" in out and "--max-prompt-tokens" in out
+
+
+def tiny_model(path: Path, max_position_embeddings: int) -> Path:
+    """The toy's shape (trapo/commands/toy.py), untrained, with a context of `max_position_embeddings`."""
+    from trapo.commands.toy import _model, _tokenizer
+
+    tok = _tokenizer([f"{a}+{b}=\\boxed{{{a + b}}}" for a in range(10, 30) for b in range(10, 30)])
+    model = _model(tok, seed=0)
+    model.config.max_position_embeddings = max_position_embeddings
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def sums_benchmark(path: Path, n: int = 3) -> Path:
+    rows = [{"id": i, "question": f"{11 + i}+{12 + i}=", "answer": str(23 + 2 * i)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_2048_token_model_is_evaluated_with_a_short_response_budget(tmp_path):
+    """The prompt budget is the longest prompt, not a 2,048-token default: --max-tokens 8 fits a 2,048-token
+    model; a budget past it is refused in one line naming the longest prompt, before the engine loads."""
+    import subprocess
+    import sys
+
+    from trapo import runtime
+
+    model = tiny_model(tmp_path / "m", 2048)
+    bench = sums_benchmark(tmp_path / "sums.jsonl")
+    common = ["-m", "trapo", "eval", "--model", str(model), "--benchmarks", str(bench), "--backend", "hf"]
+    common += ["--n", "1", "--temperature", "0", "--template", "plain", "--no-progress"]
+
+    def run(*more):
+        cmd, env = [sys.executable, *common, *more], runtime.subprocess_env()
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=runtime.ROOT, timeout=300)
+
+    out = run("--max-tokens", "8", "--out", str(tmp_path / "ok"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "ok" / "results.json").read_text())["results"]["sums"]
+    assert results["questions"] == 3 and results["tokens_generated"] <= 3 * 8
+    lines = [json.loads(x) for x in (tmp_path / "ok" / "samples.jsonl").read_text().splitlines()]
+    assert [len(r["responses"]) for r in lines] == [1, 1, 1]
+
+    out = run("--max-tokens", "2045", "--out", str(tmp_path / "long"))  # 6 prompt tokens + 2045 > 2048
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert re.fullmatch(
+        r"trapo eval: --max-tokens 2045 \+ the longest prompt's 6 tokens \(.*sums.jsonl line \d\) exceeds the 2048 "
+        r"tokens the model serves \(max_position_embeddings in its config.json\); lower --max-tokens to 2042, or "
+        r"extend the context with --max-position-embeddings and --rope-theta .*",
+        lines[0],
+    ), lines[0]
+    assert not (tmp_path / "long" / "samples.jsonl").exists()  # stopped before the engine: nothing generated
+
+
+def test_a_prompt_cap_refuses_a_longer_prompt_by_its_flag(tmp_path):
+    from transformers import AutoTokenizer
+
+    from trapo.training.evaluation import pending_prompts
+
+    model = tiny_model(tmp_path / "m", 64)
+    benchmarks = read_benchmark_file(sums_benchmark(tmp_path / "sums.jsonl"))
+    tok = AutoTokenizer.from_pretrained(model)
+    done = {("sums", benchmarks[0].questions[1].uid): {}}  # finished earlier: not measured again
+    prompts = pending_prompts(tok, benchmarks, template="plain", max_prompt_tokens=None, done=done)
+    assert [len(p) for p in prompts["sums"]] == [6, 6]
+    with pytest.raises(DataError, match=r"sums.jsonl line 1: prompt has 6 tokens, over --max-prompt-tokens=5"):
+        pending_prompts(tok, benchmarks, template="plain", max_prompt_tokens=5, key="--max-prompt-tokens")
+
+
+def rope_theta_of(model) -> float:
+    """The theta a transformers model's rotary embedding was built with, read off its inverse frequencies."""
+    inv_freq = next(m for m in model.modules() if hasattr(m, "inv_freq")).inv_freq.double()
+    half = inv_freq.numel()
+    return float(inv_freq[-1] ** (-half / (half - 1)))
+
+
+def test_rope_theta_and_positions_reach_the_hf_backend(tmp_path):
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from trapo.commands.eval import open_engine
+
+    model = tiny_model(tmp_path / "m", 64)
+    tok = AutoTokenizer.from_pretrained(model)
+    args = dict(backend="hf", dtype="float32", hf_max_batch=4, seed=0, rope_theta=None, max_position_embeddings=None)
+    plain = open_engine(argparse.Namespace(**args), model, tok, [tok.eos_token_id], 32).model
+    assert plain.config.max_position_embeddings == 64 and rope_theta_of(plain) == pytest.approx(10000.0)
+    args.update(rope_theta=40000.0, max_position_embeddings=128)
+    extended = open_engine(argparse.Namespace(**args), model, tok, [tok.eos_token_id], 160).model
+    assert extended.config.max_position_embeddings == 128 and rope_theta_of(extended) == pytest.approx(40000.0)
+
+
+@pytest.mark.toy_run
+def test_rope_theta_and_positions_reach_the_vllm_backend(tmp_path):
+    """vLLM serves 100 tokens of a 64-token model only when --max-position-embeddings reached it; the theta is
+    read off its rotary layer."""
+    import subprocess
+    import sys
+
+    from trapo import runtime
+
+    model = tiny_model(tmp_path / "m", 64)
+    script = (
+        "import argparse, json, sys\n"
+        "from trapo import runtime\n"
+        "runtime.configure()\n"
+        "from transformers import AutoTokenizer\n"
+        "from trapo.commands.eval import open_engine\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "args = argparse.Namespace(backend='vllm', dtype='float32', seed=0, rope_theta=40000.0,\n"
+        "                          max_position_embeddings=128)\n"
+        "engine = open_engine(args, sys.argv[1], tok, [tok.eos_token_id], 100)\n"
+        "print('CONFIG', json.dumps(engine.effective_config()))\n"
+    )
+    cmd, env = [sys.executable, "-c", script, str(model)], runtime.subprocess_env()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=runtime.ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("CONFIG ")).removeprefix("CONFIG "))
+    assert config["rope_theta"] == pytest.approx(40000.0) and config["max_position_embeddings"] == 128

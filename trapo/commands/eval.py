@@ -29,7 +29,7 @@ from trapo import hub, runtime
 from trapo.algorithm.pass_at_k import mean_pass_at_k
 from trapo.config import ConfigError
 from trapo.data import Benchmark, DataError, benchmarks_dir, resolve_benchmarks, stop_token_ids
-from trapo.training.evaluation import evaluate
+from trapo.training.evaluation import evaluate, pending_prompts
 
 # Table 1 of the paper: column label and whether the benchmark is in-domain (math).
 TABLE_COLUMNS = {
@@ -102,18 +102,39 @@ def _load_done(path: Path, settings: dict) -> dict:
     return done
 
 
+EXTEND = "or extend the context with --max-position-embeddings and --rope-theta (the paper's configs: 16384 and 40000)"
+
+
+def served_context(args, model: Path) -> tuple[int, str] | None:
+    """(the longest prompt + response the model serves, where that number comes from), with
+    --max-position-embeddings over its config.json; None when its config.json names no context."""
+    from trapo.engine.rollout import context_limit
+
+    limit = context_limit(model, args.max_position_embeddings)
+    if limit is None:
+        return None
+    length, key = limit
+    if args.max_position_embeddings is not None and key.startswith("max_position_embeddings"):
+        return length, "--max-position-embeddings" + key.removeprefix("max_position_embeddings")
+    return length, f"{key} in its config.json"
+
+
 def check_arguments(args, model: Path) -> None:
     """The ranges vLLM's SamplingParams and max_model_len checks would reject later (after the model loaded),
     and the model's weight files, checked now: DataError naming the flag or the file."""
-    from trapo.engine.rollout import context_limit
-
     if args.n is not None and args.n < 1:
         raise DataError(f"--n {args.n}: samples per question must be >= 1")
     if not 0 <= args.temperature <= 2:
         raise DataError(f"--temperature {args.temperature}: must be in [0, 2] (0: greedy)")
-    for flag, value in (("--max-tokens", args.max_tokens), ("--max-prompt-tokens", args.max_prompt_tokens)):
-        if value < 1:
+    for flag, value in (
+        ("--max-tokens", args.max_tokens),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--max-position-embeddings", args.max_position_embeddings),
+    ):
+        if value is not None and value < 1:
             raise DataError(f"{flag} {value}: must be >= 1")
+    if args.rope_theta is not None and not args.rope_theta > 0:
+        raise DataError(f"--rope-theta {args.rope_theta}: must be > 0")
     if args.limit is not None and args.limit < 1:
         raise DataError(f"--limit {args.limit}: must be >= 1")
     if args.hf_max_batch < 1:
@@ -121,12 +142,76 @@ def check_arguments(args, model: Path) -> None:
     problem = hub.weight_problem(model)
     if problem:
         raise DataError(f"--model {model}: {problem}")
-    limit = context_limit(model)
-    if limit is not None and args.max_prompt_tokens + args.max_tokens > limit[0]:
+    served = served_context(args, model)  # the prompts are measured later (tokenized): a response alone now
+    if served is not None and args.max_tokens >= served[0]:
         raise DataError(
-            f"--max-prompt-tokens {args.max_prompt_tokens} + --max-tokens {args.max_tokens} exceeds the "
-            f"{limit[0]} tokens the model serves ({limit[1]} in its config.json); lower them"
+            f"--max-tokens {args.max_tokens}: leaves no room for a prompt in the {served[0]} tokens the model "
+            f"serves ({served[1]}); lower it, {EXTEND}"
         )
+
+
+def engine_length(args, model: Path, benchmarks: list[Benchmark], done: dict, prompts: dict) -> int:
+    """The engine's max_model_len: the longest prompt left to generate for (`prompts`, pending_prompts') +
+    --max-tokens; a DataError naming that prompt when the model serves fewer tokens."""
+    longest, where = 0, ""
+    for b in benchmarks:
+        todo = [q for q in b.questions if (b.name, q.uid) not in done]
+        for q, ids in zip(todo, prompts[b.name]):
+            if len(ids) > longest:
+                longest, where = len(ids), q.where
+    served = served_context(args, model)
+    if served is not None and longest + args.max_tokens > served[0]:
+        room = served[0] - longest
+        fix = f"lower --max-tokens to {room}" if room > 0 else "leave that benchmark out"
+        raise DataError(
+            f"--max-tokens {args.max_tokens} + the longest prompt's {longest} tokens ({where}) exceeds the "
+            f"{served[0]} tokens the model serves ({served[1]}); {fix}, {EXTEND}"
+        )
+    return longest + args.max_tokens
+
+
+def model_overrides_for(args, model: Path) -> dict:
+    """--rope-theta and --max-position-embeddings as the config attributes both backends take: training's rule
+    for model.rope_theta and model.max_position_embeddings (trapo.engine.policy.model_overrides)."""
+    if args.rope_theta is None and args.max_position_embeddings is None:
+        return {}
+    from transformers import AutoConfig
+
+    from trapo.config import Config
+    from trapo.engine.policy import model_overrides
+
+    cfg = Config()
+    cfg.model.rope_theta, cfg.model.max_position_embeddings = args.rope_theta, args.max_position_embeddings
+    return model_overrides(cfg, AutoConfig.from_pretrained(model))
+
+
+def open_engine(args, model: Path, tokenizer, stops: list[int], max_model_len: int):
+    """The chosen backend's engine on `model`, with the --rope-theta / --max-position-embeddings overrides."""
+    from trapo.runtime import dtype_name
+
+    overrides = model_overrides_for(args, model)
+    if args.backend == "hf":
+        from trapo.engine.hf_rollout import HfEngine
+
+        return HfEngine.from_pretrained(
+            str(model),
+            tokenizer,
+            dtype=args.dtype,
+            stop_token_ids=stops,
+            max_batch=args.hf_max_batch,
+            overrides=overrides,
+        )
+    from trapo.engine.vllm_rollout import VllmEngine
+
+    return VllmEngine(
+        str(model),
+        tokenizer=tokenizer,
+        dtype=dtype_name(args.dtype),
+        max_model_len=max_model_len,
+        seed=args.seed,
+        stop_token_ids=stops,
+        hf_overrides=overrides,
+    )
 
 
 def latest_toy_checkpoint(root: Path = Path("outputs/toy/checkpoints")) -> Path:
@@ -151,8 +236,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n", type=int, help="samples per question (default: the paper's, 32 for AIME/AMC, else 1)")
     parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=8192, help="response tokens per sample (default: 8192)")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        help="refuse a prompt longer than this (default: no cap; the engine is sized by the longest prompt)",
+    )
+    parser.add_argument(
+        "--rope-theta", type=float, help="RoPE theta over the model's config (as model.rope_theta; e.g. 40000)"
+    )
+    parser.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        help="context over the model's config (as model.max_position_embeddings; e.g. 16384)",
+    )
     parser.add_argument("--template", default="dataset", choices=["think", "cot", "chat", "dataset", "plain"])
     parser.add_argument("--limit", type=int, help="first N questions per benchmark")
     parser.add_argument("--pass-k", type=int, help="also report pass@K (unbiased; needs n >= K)")
@@ -207,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.backend != "vllm":  # another sampler: its samples are not mixed with vLLM's
             settings["backend"] = args.backend
+        for key in ("rope_theta", "max_position_embeddings"):  # another model: set only when given
+            if getattr(args, key) is not None:
+                settings[key] = getattr(args, key)
         if args.overwrite:
             samples.unlink(missing_ok=True)
             (out / "run.json").unlink(missing_ok=True)
@@ -268,7 +368,6 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
     from transformers import AutoTokenizer, GenerationConfig
 
     from trapo import console
-    from trapo.runtime import dtype_name
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     try:
@@ -276,23 +375,16 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
     except OSError:  # no generation_config.json
         generation_eos = None
     stops = stop_token_ids(tokenizer, generation_eos)
-    if args.backend == "hf":
-        from trapo.engine.hf_rollout import HfEngine
-
-        engine = HfEngine.from_pretrained(
-            str(model), tokenizer, dtype=args.dtype, stop_token_ids=stops, max_batch=args.hf_max_batch
+    try:  # every prompt measured and checked before the engine loads
+        cap = args.max_prompt_tokens
+        prompts = pending_prompts(
+            tokenizer, benchmarks, template=args.template, max_prompt_tokens=cap, done=done, key="--max-prompt-tokens"
         )
-    else:
-        from trapo.engine.vllm_rollout import VllmEngine
-
-        engine = VllmEngine(
-            str(model),
-            tokenizer=tokenizer,
-            dtype=dtype_name(args.dtype),
-            max_model_len=args.max_prompt_tokens + args.max_tokens,
-            seed=args.seed,
-            stop_token_ids=stops,
-        )
+        max_model_len = engine_length(args, model, benchmarks, done, prompts)
+    except DataError as err:
+        print(f"trapo eval: {err}", file=console.terminal())
+        return 2
+    engine = open_engine(args, model, tokenizer, stops, max_model_len)
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
     bars = BenchmarkBars(benchmarks, done, n_for, enabled=not args.no_progress)
@@ -304,23 +396,20 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
             generated[0] += 1
             bars.advance(rec["benchmark"])
 
-        try:
-            results, grades = evaluate(
-                engine,
-                tokenizer,
-                benchmarks,
-                n_for=n_for,
-                temperature=args.temperature,
-                max_tokens=args.max_tokens,
-                template=args.template,
-                max_prompt_tokens=args.max_prompt_tokens,
-                seed=args.seed,
-                done=done,
-                on_question=persist,
-            )
-        except DataError as err:
-            print(f"trapo eval: {err}", file=console.terminal())
-            return 2
+        results, grades = evaluate(
+            engine,
+            tokenizer,
+            benchmarks,
+            n_for=n_for,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            template=args.template,
+            max_prompt_tokens=args.max_prompt_tokens,
+            seed=args.seed,
+            done=done,
+            on_question=persist,
+            prompts=prompts,
+        )
     if args.pass_k:
         for name, r in results.items():
             r["metrics"][f"pass@{args.pass_k}"] = mean_pass_at_k(grades[name], args.pass_k)

@@ -122,14 +122,27 @@ class HfEngine:
         self._calls = 0  # generate calls without seeds: their requests are keyed by this count
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, tokenizer, *, dtype: str, stop_token_ids: list[int], max_batch: int = 256):
-        """A plain model (no DeepSpeed) on this process's GPU, or the CPU: what `trapo eval --backend hf` runs."""
-        from transformers import AutoModelForCausalLM
+    def from_pretrained(
+        cls,
+        model_dir: str,
+        tokenizer,
+        *,
+        dtype: str,
+        stop_token_ids: list[int],
+        max_batch: int = 256,
+        overrides: dict | None = None,
+    ):
+        """A plain model (no DeepSpeed) on this process's GPU, or the CPU: what `trapo eval --backend hf` runs.
+        `overrides`: config attributes set over the checkpoint's (trapo.engine.policy.model_overrides)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         from trapo.runtime import torch_dtype
 
+        config = AutoConfig.from_pretrained(model_dir)
+        for key, value in (overrides or {}).items():
+            setattr(config, key, value)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch_dtype(dtype)).to(device)
         return cls(model.eval(), tokenizer, stop_token_ids=stop_token_ids, max_batch=max_batch)
 
     # ------------------------------------------------------------------ what the engine runs
