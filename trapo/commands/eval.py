@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from trapo.engine.rollout import require_backend
 
-        require_backend(args.backend, key="--backend", fix="--backend hf")
+        require_backend(args.backend, key="--backend", fix="--backend hf", load=False)  # one that fails to import: _run
     except ConfigError as err:
         print(f"trapo eval: {err}", file=sys.stderr)
         return 2
@@ -368,6 +368,7 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
     from transformers import AutoTokenizer, GenerationConfig
 
     from trapo import console
+    from trapo.engine.rollout import require_backend
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     try:
@@ -382,6 +383,14 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
         )
         max_model_len = engine_length(args, model, benchmarks, done, prompts)
     except DataError as err:
+        print(f"trapo eval: {err}", file=console.terminal())
+        return 2
+    try:  # a vLLM that fails to import: one line naming --backend hf, after the checks and before the model loads
+        require_backend(args.backend, key="--backend", fix="--backend hf")
+    except ConfigError as err:
+        import traceback
+
+        traceback.print_exc()  # into log.txt
         print(f"trapo eval: {err}", file=console.terminal())
         return 2
     engine = open_engine(args, model, tokenizer, stops, max_model_len)

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         from trapo.engine.rollout import require_backend
 
-        require_backend(cfg.rollout.backend)  # no vLLM for backend vllm: stop before anything is built
+        # No vLLM for backend vllm: stop before anything is built (one that fails to import: the trainer, later)
+        require_backend(cfg.rollout.backend, load=False)
         if int(os.environ.get("RANK", "0")) == 0:  # one run per directory, claimed before its log is opened
             from trapo.training.run_record import claim
 

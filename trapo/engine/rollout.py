@@ -94,12 +94,34 @@ def installed(package: str) -> bool:
         return False
 
 
-def require_backend(backend: str, key: str = "rollout.backend", fix: str = "rollout.backend=hf") -> None:
-    """Stop before any work when `backend` cannot run here; the message names the setting (`key`) and `fix`."""
+def require_backend(
+    backend: str, key: str = "rollout.backend", fix: str = "rollout.backend=hf", *, load: bool = True
+) -> None:
+    """Stop before any work when `backend` cannot run here; the message names the setting (`key`) and `fix`.
+
+    For vllm: not installed, or, with `load`, installed but failing to import (a torch build it was not
+    made for, a missing CUDA library: whatever the import raises). Either is a ConfigError of one line; a
+    failed import's line carries the import error's own message, and the error is its cause (the traceback
+    in the log). `load` imports what the engine uses, which takes seconds: the trainer and `trapo eval` check
+    with load=False first and load after their input checks, before the model loads (input errors stay quick,
+    vLLM's import-time logging goes to log.txt); the doctor loads at its first check.
+    """
     if backend not in BACKENDS:
         raise ConfigError(f"{key}: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "vllm" and not installed("vllm"):
+    if backend != "vllm":
+        return
+    instead = f"{fix} to generate with the policy's own transformers model"
+    if not installed("vllm"):
+        raise ConfigError(f"{key}: vllm is not installed in this environment; install it (make setup) or set {instead}")
+    if not load:
+        return
+    try:
+        from vllm import LLM, SamplingParams  # noqa: F401 - the engine's imports (trapo/engine/vllm_rollout.py)
+        from vllm.inputs import TokensPrompt  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any failure inside the import is the install's
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        what = f"{type(err).__name__}: {lines[0].strip()}" if lines else type(err).__name__
         raise ConfigError(
-            f"{key}: vllm is not installed in this environment; install it (make setup) or set "
-            f"{fix} to generate with the policy's own transformers model"
-        )
+            f"{key}: vllm is installed but fails to import ({what}); reinstall it to match this torch and CUDA "
+            f"(make clean-venv setup) or set {instead}"
+        ) from err

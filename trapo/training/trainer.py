@@ -53,7 +53,7 @@ from trapo.training.update import update_policy
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        require_backend(cfg.rollout.backend)  # vLLM missing: one line before any work
+        require_backend(cfg.rollout.backend, load=False)  # vLLM missing: one line before any work
         self.rank, self.world, self.local_rank = dist.init_distributed(cfg.dist_timeout_minutes)
         self.is_main = self.rank == 0
         self.run_dir = cfg.run_dir
@@ -73,6 +73,8 @@ class Trainer:
         self.model_dir, self.tokenizer = inputs.model_dir, inputs.tokenizer
         self.questions, self.prompts = inputs.questions, inputs.prompts
         self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
+        # A vLLM that fails to import: one line after the input checks (they stay quick), before the model loads
+        require_backend(cfg.rollout.backend)
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         generation = getattr(self.policy.model, "generation_config", None)
         self.rollout = open_engine(
