@@ -64,13 +64,13 @@ def test_an_executor_killed_mid_item_costs_no_verdict_and_marks_nothing_slow(ver
 
 
 def test_an_item_whose_executor_dies_twice_is_failed_not_timed_out(monkeypatch):
-    """TRAPO_FAULT=grader_crash: every executor given FAULT_GOLD kills itself, so each try of that item dies."""
-    from trapo.algorithm.rewards.verify_executor import FAULT_GOLD
+    """The grader_crash fault (trapo/faults.py): every executor given its gold kills itself, so each try dies."""
+    from trapo import faults
 
-    monkeypatch.setenv("TRAPO_FAULT", "grader_crash")  # the supervisor and its executors inherit it
+    monkeypatch.setenv(faults.VARIABLE, "grader_crash")  # the supervisor and its executors inherit it
     verifier = MathVerifier(num_workers=2, timeout=20.0)
     try:
-        verdicts = verifier.judge_many([(FAULT_GOLD, "1"), ("7", "7"), ("7", "8")])
+        verdicts = verifier.judge_many([(faults.GRADER_CRASH_GOLD, "1"), ("7", "7"), ("7", "8")])
         assert verdicts == [Verdict.FAILED, Verdict.EQUAL, Verdict.NOT_EQUAL]
         assert verifier.failed == 1 and verifier.timeouts == 0 and verifier.memory()["answers"] == {}
         assert verifier.judge_many([("7", "7")]) == [Verdict.EQUAL]  # the next request: workers live again

@@ -1,6 +1,6 @@
 """The guard on the rollout engine's health (trapo/training/health.py): warn above rollout.health.warn, never
 checkpoint a step above rollout.health.stop, stop after rollout.health.steps such steps in a row; and end to end
-with the fault switch TRAPO_FAULT=push_noise, which corrupts every weight push."""
+with the push_noise fault (trapo/faults.py), which corrupts every weight push."""
 
 import os
 import sys
@@ -8,7 +8,7 @@ import sys
 import pytest
 from toyrun import metrics, overrides, run, train
 
-from trapo import runtime
+from trapo import faults, runtime
 from trapo.config import HealthConfig
 from trapo.training.health import RolloutHealth
 
@@ -30,7 +30,7 @@ def test_the_guard_warns_skips_saves_and_stops_after_consecutive_steps():
 
 @pytest.mark.toy_run
 def test_a_corrupted_weight_push_stops_the_run_in_one_line_without_saving_the_drifted_steps(toy_dir, tmp_path):
-    env = runtime.subprocess_env(TRAPO_FAULT="push_noise")
+    env = runtime.subprocess_env(**faults.env("push_noise"))
     args = overrides(toy_dir, tmp_path, run_name="noise", max_steps=10, save_steps=1, mode="trapo")
     out = run([sys.executable, "trapo_train.py", *args], env=env)
     lines = [

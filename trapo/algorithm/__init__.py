@@ -11,6 +11,6 @@
 - rewards/        answer extraction, Math-Verify with a hard deadline, majority vote, confidence rewards
 
 May import: torch, numpy, Math-Verify, and the shared vocabulary (trapo.config, trapo.data, trapo.console,
-trapo.runtime). Nothing here loads a model, starts DeepSpeed or vLLM, or touches a run directory; the one
-process it starts is the Math-Verify worker (rewards/verifier.py), which imports only this package.
+trapo.runtime, trapo.faults). Nothing here loads a model, starts DeepSpeed or vLLM, or touches a run directory;
+the one process it starts is the Math-Verify worker (rewards/verifier.py), which imports only this package.
 """

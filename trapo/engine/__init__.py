@@ -18,5 +18,5 @@ they share with disk and with other ranks.
 - memory_plan.py   per-GPU bytes of a run from its config alone
 
 May import: trapo.algorithm and the shared vocabulary (trapo.config, trapo.data, trapo.console,
-trapo.runtime, trapo.hub); never trapo.training or trapo.commands.
+trapo.runtime, trapo.hub, trapo.faults); never trapo.training or trapo.commands.
 """

@@ -27,6 +27,7 @@ import mmap
 import os
 import signal
 
+from trapo import faults
 from trapo.algorithm.rewards.answers import PART_MARK, exact_number
 from trapo.algorithm.rewards.verify_protocol import _read_message
 
@@ -165,11 +166,6 @@ def _run_item(checker: _Checker, gold: str, pred: str | None, alarm_s: float, ph
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-# TRAPO_FAULT=grader_crash (tests and users checking the recovery; ignored unless set): an executor given this
-# gold kills itself, every time, as the out-of-memory killer would, so the recovery path runs deterministically.
-FAULT_GOLD = "trapo-fault-grader-crash"
-
-
 def _executor_main(rfd: int, wfd: int, phase: mmap.mmap, supervisor_pid: int) -> None:
     """Serve items from the supervisor until it closes the pipe."""
     _die_with(supervisor_pid)
@@ -179,14 +175,14 @@ def _executor_main(rfd: int, wfd: int, phase: mmap.mmap, supervisor_pid: int) ->
     os.close(devnull)
     signal.signal(signal.SIGALRM, _ring)
     checker = _Checker()
-    crash_on = FAULT_GOLD if os.environ.get("TRAPO_FAULT") == "grader_crash" else None
+    crash_on = faults.GRADER_CRASH_GOLD if faults.hit("grader_crash") else None  # the recovery's test fault
     while True:
         message = _read_message(rfd)
         if message is None:
             return
         gold, pred, alarm_s, clear = message
-        if gold == crash_on:  # the test-only fault: die on this item as the out-of-memory killer would kill us
-            os.kill(os.getpid(), signal.SIGKILL)
+        if gold == crash_on:
+            faults.crash()
         if clear:
             checker.clear()
         try:
