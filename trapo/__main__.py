@@ -1,5 +1,5 @@
 """`python -m trapo <command> [args]`, or `trapo <command>` once installed: the project's one entry point
-(`python -m trapo --help` lists the commands).
+(`python -m trapo --help` lists the user's commands; `MAINTAINER` holds the maintainers' tools, unlisted).
 
 Each command lives in `trapo/commands/<name>.py` (or a package of that name) and exposes `main(argv)`;
 this module only picks one. Under the DeepSpeed launcher (`deepspeed --module trapo doctor ...`) the
@@ -20,9 +20,12 @@ COMMANDS = {
     "doctor": ("trapo.commands.doctor", "preflight: versions, devices, a two-step trial run, the memory plan"),
     "report": ("trapo.commands.report", "plots and report.md of a run directory"),
     "reproduce": ("trapo.commands.reproduce", "the paper's claims on the toy task (make reproduce-toy)"),
-    "readme": ("trapo.commands.readme", "rewrite the generated blocks of README.md and docs/ from outputs"),
     "gpu-kit": ("trapo.commands.gpu_kit", "wheels a lent GPU machine lacks, for an offline install (make gpu-kit)"),
     "gpu-check": ("trapo.commands.gpu_check", "what works on this GPU, in parts of < 9 minutes (make gpu-check)"),
+}
+# Maintainers' tools: run like the commands above, kept out of --help's list, which is the user's.
+MAINTAINER = {
+    "readme": ("trapo.commands.readme", "rewrite the generated blocks of README.md and docs/ from outputs"),
 }
 
 
@@ -40,11 +43,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m trapo") -> int:
         print(usage(prog))
         return 0
     name, rest = args[0], args[1:]
-    if name not in COMMANDS:
+    known = COMMANDS | MAINTAINER
+    if name not in known:
         print(f"{prog}: unknown command '{name}'\n\n{usage(prog)}", file=sys.stderr)
         return 2
     sys.argv[0] = f"{prog} {name}"  # argparse's default prog: every command's usage line names itself
-    return importlib.import_module(COMMANDS[name][0]).main(rest)
+    return importlib.import_module(known[name][0]).main(rest)
 
 
 def cli() -> None:
