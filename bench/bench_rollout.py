@@ -22,7 +22,7 @@ from trapo import runtime  # noqa: E402
 runtime.configure()  # before torch and vLLM are imported
 
 from trapo.commands.toy import build_assets  # noqa: E402
-from trapo.config import ToyConfig  # noqa: E402
+from trapo.config import BACKENDS, ToyConfig  # noqa: E402
 from trapo.data import load_questions, stop_token_ids, tokenize_prompts  # noqa: E402
 
 ROUNDS, N, MAX_TOKENS = 15, 8, 12
@@ -107,7 +107,7 @@ def detokenizer_cost(model_dir, tokenizer, prompts) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    parser.add_argument("--backend", choices=BACKENDS, default="vllm")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

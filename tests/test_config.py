@@ -1,11 +1,14 @@
 """Config loading: every shipped experiment validates; bad keys and values fail with the key named."""
 
+import dataclasses
 import glob
 import os
+import typing
 
 import pytest
 
-from trapo.config import ConfigError, load_config, parse_override
+import trapo.config as config
+from trapo.config import ConfigError, SelectionConfig, load_config, parse_override
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -92,6 +95,7 @@ def test_overrides_are_typed_and_dotted():
         ("loss.clip_epsilon=0.2", "key 'loss.clip_epsilon' is not a known setting; did you mean 'loss.clip_eps'"),
         ("rollout.n=eight", "key 'rollout.n': got 'eight' (str); expected an integer"),
         ("mode=semi", "expected one of 'supervised', 'unsupervised', 'naive_semi', 'trapo'"),
+        ("rollout.backend=tpu", "key 'rollout.backend': got 'tpu' (str); expected one of 'vllm', 'hf'"),
         ("train.lr=true", "key 'train.lr': got True (bool); expected a number"),
         ("rollout.n=1", "key 'rollout.n': GRPO needs at least 2 rollouts"),
         ("train.update_batch_size=24", "must divide train.rollout_batch_size (64)"),
@@ -197,3 +201,39 @@ def test_loss_options_defaults_keep_todays_loss():
     assert load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["loss.rollout_is=off"]).loss.rollout_is is False
     assert lo.overlong_buffer_tokens(cfg.rollout.max_tokens) == 4
     assert cfg.loss.__class__().overlong_buffer_tokens(20480) == 4096  # DAPO's L_cache of L_max
+
+
+def test_each_set_of_choices_has_one_source():
+    """The tuples other modules check against or offer are `typing.get_args` of the schema's Literals."""
+    from trapo.algorithm import importance, passrate, selection
+
+    def choices(section: type, key: str) -> tuple:  # the Literal of the annotation, alone or in a union
+        tp = typing.get_type_hints(section)[key]
+        return typing.get_args(next(a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is typing.Literal))
+
+    assert config.MODES == choices(config.Config, "mode")
+    assert config.DTYPES == choices(config.ModelConfig, "dtype")
+    assert config.PROMPT_TEMPLATES == choices(config.DataConfig, "prompt_template")
+    assert config.BACKENDS == choices(config.RolloutConfig, "backend") == ("vllm", "hf")
+    assert config.AGGREGATIONS == choices(config.LossConfig, "agg")
+    assert config.ADVANTAGE_SCALES == choices(config.LossConfig, "advantage_scale")
+    assert config.OBJECTIVES == choices(config.LossConfig, "objective")
+    assert config.ROLLOUT_IS_MODES == choices(config.LossConfig, "rollout_is")
+    assert config.REFERENCES == choices(config.SelectionConfig, "reference")
+    assert config.STRATEGIES == choices(config.SelectionConfig, "strategy")
+    assert importance.ROLLOUT_IS_MODES is config.ROLLOUT_IS_MODES
+    assert passrate.REFERENCES is config.REFERENCES and selection.STRATEGIES is config.STRATEGIES
+
+
+def test_selection_range_errors_carry_their_key_when_built_by_hand():
+    """The tracker takes a SelectionConfig made in code; its checks are the ones validation runs."""
+    with pytest.raises(ConfigError, match=r"^config: key 'selection.top_p': must be in \[0, 1\], got 2"):
+        SelectionConfig(top_p=2)
+    with pytest.raises(ConfigError, match=r"^config: key 'selection.warmup_epochs': must be >= 0"):
+        dataclasses.replace(SelectionConfig(), warmup_epochs=-1)
+    loaded = SelectionConfig()
+    loaded.top_p, loaded.fixed_ratio = 3, 1.5  # as the loader sets values: no __post_init__
+    assert loaded.problems() == [
+        ("selection.top_p", "must be in [0, 1], got 3"),
+        ("selection.fixed_ratio", "must be in [0, 1] or null, got 1.5"),
+    ]

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-ROLLOUT_IS_MODES = ("truncate", "token_mask", "sequence_mask", "off")
+from trapo.config import ROLLOUT_IS_MODES
+
 ROLLOUT_IS_CAP = 2.0  # TRL's default cap for the truncated rollout importance weight
 
 

@@ -18,10 +18,17 @@ from its modules.
 
 from trapo.config.loading import dump_config, load_config, parse_override, to_dict
 from trapo.config.schema import (
+    ADVANTAGE_SCALES,
+    AGGREGATIONS,
+    BACKENDS,
+    DTYPES,
     LORA_TARGETS,
     MODES,
+    OBJECTIVES,
+    PROMPT_TEMPLATES,
     REFERENCES,
     REMOVED_KEYS,
+    ROLLOUT_IS_MODES,
     STRATEGIES,
     Config,
     ConfigError,
@@ -44,10 +51,17 @@ from trapo.config.schema import (
 from trapo.config.validation import validate
 
 __all__ = [
+    "ADVANTAGE_SCALES",
+    "AGGREGATIONS",
+    "BACKENDS",
+    "DTYPES",
     "LORA_TARGETS",
     "MODES",
+    "OBJECTIVES",
+    "PROMPT_TEMPLATES",
     "REFERENCES",
     "REMOVED_KEYS",
+    "ROLLOUT_IS_MODES",
     "STRATEGIES",
     "Config",
     "ConfigError",

@@ -35,6 +35,7 @@ def _describe(tp: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
+# By hand, not pydantic: lax, it takes true for a number; strict, it refuses 1e-6 and a mapping for a dataclass.
 def _coerce(tp: Any, value: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)

@@ -1,18 +1,39 @@
 """The configuration's schema: one dataclass per section, with every key's type, default and meaning.
 
-The `Literal` annotations are the allowed choices (checked on loading); the constants beside them
-(MODES, REFERENCES, STRATEGIES, REMOVED_KEYS) are the same vocabularies for code that checks or names
-them. `ConfigError` is raised for any bad key or value, here (SelectionConfig's range checks) and on
-loading and validation.
+The `Literal` annotations are the allowed choices (checked on loading); a set of choices that other code
+names too is a named `Literal` here, and its tuple (MODES, BACKENDS, ...) is `typing.get_args` of it.
+`ConfigError` is raised for any bad key or value, here (SelectionConfig's range checks) and on loading
+and validation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
-MODES = ("supervised", "unsupervised", "naive_semi", "trapo")
+# Choices that other modules check or offer (argparse, the algorithm's guards): each Literal is the one list.
+Mode = Literal["supervised", "unsupervised", "naive_semi", "trapo"]
+Dtype = Literal["auto", "float32", "bfloat16"]
+PromptTemplate = Literal["think", "cot", "chat", "dataset", "plain"]
+Backend = Literal["vllm", "hf"]
+Aggregation = Literal["dr_grpo", "token_mean", "seq_mean"]
+AdvantageScale = Literal["none", "std"]
+Objective = Literal["grpo", "gspo", "cispo"]
+RolloutIsMode = Literal["truncate", "token_mask", "sequence_mask", "off"]
+Reference = Literal["mean_trajectory", "mean_cosine", "max_cosine"]
+Strategy = Literal["tcs", "random", "entropy", "self_certainty"]
+
+MODES = get_args(Mode)
+DTYPES = get_args(Dtype)
+PROMPT_TEMPLATES = get_args(PromptTemplate)
+BACKENDS = get_args(Backend)
+AGGREGATIONS = get_args(Aggregation)
+ADVANTAGE_SCALES = get_args(AdvantageScale)
+OBJECTIVES = get_args(Objective)
+ROLLOUT_IS_MODES = get_args(RolloutIsMode)
+REFERENCES = get_args(Reference)
+STRATEGIES = get_args(Strategy)
 
 
 class ConfigError(ValueError):
@@ -52,7 +73,7 @@ class ModelConfig:
     # downloaded once per node into the hub cache (trapo/hub.py); empty with toy.enabled.
     path: str = ""
     revision: str | None = None  # hub ids only: a branch, tag or commit (None: the default branch)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    dtype: Dtype = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     rope_theta: float | None = None  # override, e.g. 40000 for Qwen2.5-Math (paper appendix)
     max_position_embeddings: int | None = None  # override, e.g. 16384 for Qwen2.5-Math
     gradient_checkpointing: bool = False
@@ -63,7 +84,7 @@ class ModelConfig:
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet (verl layout) or JSONL
     labeled_ratio: float | None = None  # None: use each row's `labeled` flag; else split by ratio with `seed`
-    prompt_template: Literal["think", "cot", "chat", "dataset", "plain"] = "think"
+    prompt_template: PromptTemplate = "think"
     max_prompt_tokens: int = 1024  # longer prompts are an input error, reported before training
     test_files: list[str] = field(default_factory=list)  # held-out pass@1 before / after training (benchmark files)
     # A labeled row whose gold is empty or prose ("see the solution above") scores 0 against every response:
@@ -87,7 +108,7 @@ class RolloutConfig:
     # Who generates: "vllm", a colocated vLLM engine per rank (weights pushed after each update), or "hf",
     # the policy's own transformers model (no vLLM needed, nothing to push; slower at scale: no paged
     # attention, no CUDA graphs). trapo/engine/rollout.py.
-    backend: str = "vllm"
+    backend: Backend = "vllm"
     # hf backend: sequences generated at once per rank (questions' G samples together). Its KV cache is
     # batch x (prompt + max_tokens) x layers x 2 x kv_heads x head_dim x dtype bytes: lower it when it
     # does not fit beside the policy.
@@ -156,8 +177,8 @@ class TrainConfig:
 
 @dataclass
 class LossConfig:
-    agg: Literal["dr_grpo", "token_mean", "seq_mean"] = "dr_grpo"
-    advantage_scale: Literal["none", "std"] = "none"
+    agg: Aggregation = "dr_grpo"
+    advantage_scale: AdvantageScale = "none"
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     # KL(pi_theta || pi_ref) to the initial weights, k3 ("low-variance") estimator; the paper uses 0 (then
@@ -168,7 +189,7 @@ class LossConfig:
     # ratio (geometric mean) clipped to its own small range; CISPO's REINFORCE term weighted by the
     # detached IS ratio clipped at 1 + (clip_eps_high or clip_eps), no lower bound. GSPO's paper
     # objective averages each sequence's tokens, then the sequences: pair it with agg seq_mean.
-    objective: Literal["grpo", "gspo", "cispo"] = "grpo"
+    objective: Objective = "grpo"
     gspo_clip_eps: float = 3e-4  # GSPO's clip below 1 (the paper's 3e-4)
     gspo_clip_eps_high: float = 4e-4  # and above 1 (the paper's 4e-4)
     # Rollout importance correction of each token's policy-gradient term for the small mismatch between
@@ -178,7 +199,7 @@ class LossConfig:
     # objective's terms are multiplied by it. None: truncate with a GPU (where the
     # kernels differ), off on CPU (both run the same fp32 math and the ratio is 1 to ~1e-6). YAML reads a
     # bare `off` as false, so false means off, and true the earlier boolean's truncate.
-    rollout_is: Literal["truncate", "token_mask", "sequence_mask", "off"] | bool | None = None
+    rollout_is: RolloutIsMode | bool | None = None
     rollout_is_cap: float = 2.0  # the upper bound; TRL's default cap
     rollout_is_lower: float | None = None  # the mask modes' lower bound; None: 1 / rollout_is_cap (veRL)
     # DAPO's overlong handling: mask drops responses cut at rollout.max_tokens from the loss (and its
@@ -200,8 +221,6 @@ class RewardConfig:
     workers: int = 2  # Math-Verify worker processes per rank
 
 
-REFERENCES = ("mean_trajectory", "mean_cosine", "max_cosine")
-STRATEGIES = ("tcs", "random", "entropy", "self_certainty")
 # Keys that no longer exist -> what replaces them (a clearer error than a did-you-mean guess).
 REMOVED_KEYS = {"selection.random": "replaced by selection.strategy=random"}
 
@@ -214,7 +233,7 @@ class SelectionConfig:
     warmup_epochs: int = 8
     top_p: float = 0.1
     threshold: float = 0.4  # Gamma
-    reference: Literal["mean_trajectory", "mean_cosine", "max_cosine"] = "mean_trajectory"
+    reference: Reference = "mean_trajectory"
     standardize: bool = False  # z-score trajectories first (paper's public code)
     # Which score ranks the unlabeled questions (paper section "Different Selection Strategies"):
     # "tcs" (TraPO), "random" (the "random_select" control, seeded by random_seed and the epoch),
@@ -222,7 +241,7 @@ class SelectionConfig:
     # reliable) or "self_certainty" (mean self-certainty of the G responses). The last two need a
     # forward pass of the policy over the unlabeled questions' responses (reused from the reward
     # when reward.unlabeled is the same measure).
-    strategy: Literal["tcs", "random", "entropy", "self_certainty"] = "tcs"
+    strategy: Strategy = "tcs"
     # None: select as many as the paper's rule (top-p OR TCS >= Gamma) picks -- by that rule for
     # "tcs", by the strategy's own ranking (a count-matched control) for the others. A number r:
     # exactly the top floor(r * U) of the U unlabeled questions by the strategy's score (the
@@ -230,25 +249,25 @@ class SelectionConfig:
     fixed_ratio: float | None = None
     random_seed: int | None = None  # None: the run's seed
 
-    def __post_init__(self) -> None:
-        self.check()
+    def __post_init__(self) -> None:  # the tracker is also built from a SelectionConfig made by hand
+        if problems := self.problems():
+            key, problem = problems[0]
+            raise ConfigError(f"config: key '{key}': {problem}")
 
-    def check(self, source: str = "config") -> None:
-        """The range checks, for direct construction and for values loaded from YAML."""
+    def problems(self) -> list[tuple[str, str]]:
+        """The range checks as (dotted key, what is wrong), for direct construction and for validation."""
+        found = []
         if self.warmup_epochs < 0:
-            raise ConfigError(f"{source}: key 'selection.warmup_epochs': must be >= 0, got {self.warmup_epochs}")
+            found.append(("selection.warmup_epochs", f"must be >= 0, got {self.warmup_epochs}"))
         if not 0.0 <= self.top_p <= 1.0:
-            raise ConfigError(f"{source}: key 'selection.top_p': must be in [0, 1], got {self.top_p}")
+            found.append(("selection.top_p", f"must be in [0, 1], got {self.top_p}"))
         if self.reference not in REFERENCES:
-            raise ConfigError(
-                f"{source}: key 'selection.reference': must be one of {REFERENCES}, got {self.reference!r}"
-            )
+            found.append(("selection.reference", f"must be one of {REFERENCES}, got {self.reference!r}"))
         if self.strategy not in STRATEGIES:
-            raise ConfigError(f"{source}: key 'selection.strategy': must be one of {STRATEGIES}, got {self.strategy!r}")
+            found.append(("selection.strategy", f"must be one of {STRATEGIES}, got {self.strategy!r}"))
         if self.fixed_ratio is not None and not 0.0 <= self.fixed_ratio <= 1.0:
-            raise ConfigError(
-                f"{source}: key 'selection.fixed_ratio': must be in [0, 1] or null, got {self.fixed_ratio}"
-            )
+            found.append(("selection.fixed_ratio", f"must be in [0, 1] or null, got {self.fixed_ratio}"))
+        return found
 
 
 @dataclass
@@ -327,7 +346,7 @@ class ToyConfig:
 class Config:
     run_name: str = "run"
     output_dir: str = "outputs"
-    mode: Literal["supervised", "unsupervised", "naive_semi", "trapo"] = "trapo"
+    mode: Mode = "trapo"
     seed: int = 0
     epochs: int = 1
     max_steps: int | None = None  # None: epochs * steps per epoch
