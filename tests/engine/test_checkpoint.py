@@ -75,7 +75,7 @@ def test_trainer_state_round_trip(tmp_path):
     (tmp_path / ckpt.TRAINER_STATE).parent.mkdir(exist_ok=True)
     state = a.state_dict()
     state["grader_memory"] = [{"answers": {}, "pairs": []}, slow]  # as two ranks gathered them
-    torch.save(state, tmp_path / ckpt.TRAINER_STATE)
+    ckpt.write_trainer_state(tmp_path, state)
 
     b = skeleton(world=2)
     b.load_state_dict(ckpt.read_trainer_state(tmp_path))
@@ -89,10 +89,24 @@ def test_trainer_state_round_trip(tmp_path):
     one.rank = 0
     one.load_state_dict(ckpt.read_trainer_state(tmp_path))
     assert one.step == 7 and one.verifier.memory() == slow  # both ranks' memories, merged
-    old = {k: v for k, v in ckpt.read_trainer_state(tmp_path).items() if k != "cursor"}  # saved before the cursor
-    c = skeleton(world=2)
-    c.load_state_dict(old)
-    assert c.cursor == Cursor(1, 3)  # one batch per step: step 7 of 4-batch epochs
+
+
+def test_a_trainer_state_of_another_format_is_refused_in_one_line(tmp_path):
+    """No release exists, so a state without this version's format number (or with another) is not read."""
+    import torch
+
+    ckpt.write_trainer_state(tmp_path, {"step": 3})
+    assert ckpt.read_trainer_state(tmp_path) == {"step": 3, "format": ckpt.STATE_FORMAT}
+    for stamp, written in (
+        ({}, "no format number"),
+        ({"format": ckpt.STATE_FORMAT + 1}, f"format {ckpt.STATE_FORMAT + 1}"),
+    ):
+        torch.save({"step": 3, **stamp}, tmp_path / ckpt.TRAINER_STATE)
+        with pytest.raises(ckpt.CheckpointError) as err:
+            ckpt.read_trainer_state(tmp_path)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(f"{tmp_path / ckpt.TRAINER_STATE}: {written}, ")
+        assert f"reads trainer state format {ckpt.STATE_FORMAT} only" in message
 
 
 def _committed(root, step, payload=b"x" * 1000):

@@ -341,11 +341,7 @@ class PassRateTracker:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore exactly; the dataset must be the same (same Q, same labeled set).
-
-        A checkpoint from before the selection strategies (no confidence keys)
-        loads with no confidence recorded.
-        """
+        """Restore exactly; the dataset must be the same (same Q, same labeled set)."""
         labeled = state["labeled"].bool()
         if labeled.shape != self.labeled.shape or not torch.equal(labeled, self.labeled):
             raise ValueError(
@@ -359,12 +355,6 @@ class PassRateTracker:
         self.scores = state["scores"].float().clone()
         self._current = state["current"].float().clone()
         self._correct = state["correct"].float().clone()
-        # A checkpoint from before the strategies: no confidence recorded; the ranking is read only
-        # right after an epoch end, which recomputes it.
-        q, t = self.trajectories.shape
-        nan = float("nan")
-        self.ranking = state["ranking"].float().clone() if "ranking" in state else torch.full((q,), nan)
-        self.confidence = state["confidence"].float().clone() if "confidence" in state else torch.full((q, t), nan)
-        self._current_confidence = (
-            state["current_confidence"].float().clone() if "current_confidence" in state else torch.full((q,), nan)
-        )
+        self.ranking = state["ranking"].float().clone()
+        self.confidence = state["confidence"].float().clone()
+        self._current_confidence = state["current_confidence"].float().clone()

@@ -8,7 +8,8 @@ directory that no reader ever picks (removed at the next start or save).
 
 Layout of `step-N/`:
     ds/                 DeepSpeed engine state (ZeRO-3 shards, optimizer, per rank)
-    trainer_state.pt    `Trainer.state_dict()`: step, pass-rate tracker, bad-step count... (rank 0's copy)
+    trainer_state.pt    `Trainer.state_dict()`: step, pass-rate tracker, bad-step count... (rank 0's copy),
+                        stamped with the format number STATE_FORMAT, checked on load
     rng/rank-R.pt       RNG states per rank
     hf/                 config, safetensors weights, tokenizer: servable by vLLM as is
     COMPLETE            JSON: {"step": N, "files": {relative path: [bytes, crc32]}} for every file above
@@ -50,6 +51,7 @@ from trapo.engine import checksums, dist
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 COMPLETE = checksums.MARKER
 TRAINER_STATE = "trainer_state.pt"
+STATE_FORMAT = 1  # raise it when a key of the trainer state is added, dropped or changes meaning
 DEEPSPEED_TAG = "ds"
 
 
@@ -100,7 +102,7 @@ def save(
             state[name] = tensor.cpu().contiguous()
     if rank == 0:
         failure.attempt(_write_hf, tmp / "hf", state, model, tokenizer)
-        failure.attempt(torch.save, trainer_state, tmp / TRAINER_STATE)
+        failure.attempt(write_trainer_state, tmp, trainer_state)
     _fail_together(failure, root, step)
     # Read back right after writing: each rank hashes its share, rank 0 records them all.
     files = failure.attempt(checksums.record, tmp, rank, world)
@@ -292,9 +294,23 @@ def write_best(path: Path, root: Path, best: dict) -> None:
     path.write_text(json.dumps({**best, "checkpoint": str(final_dir(root, best["step"]))}, indent=2))
 
 
+def write_trainer_state(path: Path, state: dict) -> None:
+    """trainer_state.pt in checkpoint directory `path`, stamped with this version's STATE_FORMAT."""
+    torch.save({**state, "format": STATE_FORMAT}, path / TRAINER_STATE)
+
+
 def read_trainer_state(path: Path) -> dict:
-    """The trainer state saved in checkpoint `path` (not collective); tensors and plain values only."""
-    return _load_plain(path / TRAINER_STATE)
+    """The trainer state saved in checkpoint `path` (not collective); tensors and plain values only. A state
+    of another format is refused: no release exists, so no older layout is read (docs/outputs.md)."""
+    state = _load_plain(path / TRAINER_STATE)
+    found = state.get("format") if isinstance(state, dict) else None
+    if found != STATE_FORMAT:
+        written = "no format number" if found is None else f"format {found!r}"
+        raise CheckpointError(
+            f"{path / TRAINER_STATE}: {written}, and this trapo reads trainer state format {STATE_FORMAT} only; "
+            "resume it with the trapo version that wrote it, or start the run afresh"
+        )
+    return state
 
 
 def _load_plain(file: Path):
