@@ -4,44 +4,41 @@
 
 Pure arithmetic (`model_arch` alone reads a file). Symbols: P parameters, w world size, s = ceil(P / w)
 one rank's ZeRO-3 partition, b bytes of the model dtype (2, bf16), g bytes of DeepSpeed's gradient
-accumulation dtype (`data_types.grad_accum_dtype`, else the model dtype: deepspeed/runtime/engine.py:1806;
-4 with configs/deepspeed_zero3.json). File:line below are in the pinned site-packages.
+accumulation dtype (`data_types.grad_accum_dtype`, else the model dtype; 4 with configs/deepspeed_zero3.json).
+Where each term comes from in the pinned deepspeed, vLLM and transformers (file:line, dated), and the one
+term a GPU has measured: docs/memory-plan.md, "Where each term comes from".
 
-ZeRO-3 partitions (deepspeed 0.19.8; its estimator `estimate_zero3_model_states_mem_needs`,
-runtime/zero/stage3.py:4046, counts the same 18 B/param / w without offload, plus 4 B x largest layer, which
-the gathered-params term below replaces with DeepSpeed's own limit on gathered params):
-  b*s bf16 params, g*s gradient partitions (one flat buffer, stage3.py:791), 4*s fp32 master (a copy unless
-  the model is fp32, stage3.py:1162), 8*s Adam moments (torch AdamW creates them at the first step,
-  torch/optim/adam.py:178), b*reduce_bucket_size IPG bucket (contiguous_gradients, stage3.py:782).
+ZeRO-3 partitions (DeepSpeed's own estimator counts the same 18 B/param / w without offload; its 4 B x
+largest layer is replaced by the gathered-params term below):
+  b*s bf16 params, g*s gradient partitions (one flat buffer), 4*s fp32 master (a copy unless the model is
+  fp32), 8*s Adam moments (torch AdamW creates them at the first step), b*reduce_bucket_size IPG bucket.
 Start-up: vLLM is built after the policy, before any step: the trainer holds b*s + g*s + 4*s + IPG; vLLM
-  requests ceil(util * card) (vllm/v1/worker/utils.py:724) and refuses to start when less is free (:761).
+  requests ceil(util * card) and refuses to start when less is free.
 Rollout (steady state, from step 2): train.offload_during_rollout moves b*s, g*s and the IPG bucket to
-  the host through DeepSpeed (stage3.py:3889, 3908, 3925), and the 4*s master + 8*s moments through
-  `Policy.offload` (DeepSpeed's offload_states asserts its own FusedAdam for those, stage3.py:3868-3869);
-  without it all of them stay. vLLM takes ceil(util * card) in all. Its KV
-  cache is sized once at build: util * card - weights - profile activation peak - non-torch/CUDA graphs
-  (v1/worker/gpu_worker.py:740, utils/mem_utils.py:312-321); sleep releases and re-maps it, never grows it.
+  the host through DeepSpeed, and the 4*s master + 8*s moments through `Policy.offload` (DeepSpeed's
+  offload_states moves those only for its own FusedAdam); without it all of them stay. vLLM takes
+  ceil(util * card) in all. Its KV cache is sized once at build: util * card - weights - profile activation
+  peak - non-torch/CUDA graphs; sleep releases and re-maps it, never grows it.
   Weights b*P/tp. Profile peak: the larger of a forward of max_num_batched_tokens, N * b * (3 I/tp + 4 H)
   (gate_up output [N, 2I], its SiluAndMul [N, I], hidden-size buffers), and the sampler over max_num_seqs
-  rows, S * V * 4 * 3 (fp32 logits, processed log-probs, top-p sort buffer) (v1/worker/gpu_model_runner.py:
-  6193, 5942); N, S = 16384, 1024 on cards of >= 70 GiB, else 8192, 256 (engine/arg_utils.py:2935-2951).
-  KV bytes per token = 2 (K, V) * layers * kv_heads/tp * head_dim * b (v1/kv_cache_interface.py:553);
-  blocks of 16 tokens (config/cache.py:72); sequences held = KV // (bytes per token * 16 *
-  ceil((max_prompt_tokens + max_tokens) / 16)) (v1/core/kv_cache_utils.py:1627, 1195). Needed: each
-  engine generates rollout_batch_size / w * tp questions x n. Fewer held: vLLM queues (slower), a warning.
+  rows, S * V * 4 * 3 (fp32 logits, processed log-probs, top-p sort buffer); N, S = 16384, 1024 on cards
+  of >= 70 GiB, else 8192, 256. KV bytes per token = 2 (K, V) * layers * kv_heads/tp * head_dim * b;
+  blocks of 16 tokens; sequences held = KV // (bytes per token * 16 * ceil((max_prompt_tokens + max_tokens)
+  / 16)). Needed: each engine generates rollout_batch_size / w * tp questions x n. Fewer held: vLLM queues
+  (slower), a warning.
 Update (vLLM asleep at level 2: weights and KV cache released): the partitions above, plus
-  gathered params b * min(P, stage3_max_live_parameters + largest module) (prefetch stops at max_live,
-    partitioned_param_coordinator.py:453; the module running is fetched anyway), and the larger of
+  gathered params b * min(P, stage3_max_live_parameters + largest module) (prefetch stops at max_live;
+    the module running is fetched anyway), and the larger of
   backward: (layers + 1) * T * H * b checkpointed layer inputs (and the final hidden state), T =
     max(train.micro_batch_tokens, max_prompt_tokens + max_tokens) (a longer sequence gets a micro-batch of
     its own, trapo/engine/packing.py), plus the larger of one layer recomputed, T * b * (20 H + 4 kv_dim + 6 I) +
-    T * heads * 4, and the LM head's backward, 4 fp32 [chunk, V] (trapo/algorithm/logits.py:22) + fp32 and bf16 [V, H]
-    weight gradient + [T, H] hidden and its gradient;
-  optimizer step: 4 * min(s, sub_group_size) flattened fp32 gradient (stage3.py:2686).
-  The 20 / 4 / 6 of a recomputed Qwen2/Llama layer (transformers 5.19, sdpa with enable_gqa): two RMSNorms
-  at 5 [T, H] units each (fp32 upcast and product, bf16 output), q and its RoPE (3), per-sequence sdpa
-  output and its concatenation (2), o_proj output and residual (2), gradients in flight (3); k, v, k after
-  RoPE and its rotate_half (4 [T, kv_dim]); gate, up, silu(gate), product (4 [T, I]) and two gradients.
+    T * heads * 4, and the LM head's backward, 4 fp32 [chunk, V] (trapo/algorithm/logits.py) + fp32 and bf16
+    [V, H] weight gradient + [T, H] hidden and its gradient;
+  optimizer step: 4 * min(s, sub_group_size) flattened fp32 gradient.
+  The 20 / 4 / 6 of a recomputed Qwen2/Llama layer (sdpa with enable_gqa): two RMSNorms at 5 [T, H] units
+  each (fp32 upcast and product, bf16 output), q and its RoPE (3), per-sequence sdpa output and its
+  concatenation (2), o_proj output and residual (2), gradients in flight (3); k, v, k after RoPE and its
+  rotate_half (4 [T, kv_dim]); gate, up, silu(gate), product (4 [T, I]) and two gradients.
 hf backend (rollout.backend: hf, no vLLM): nothing at start-up beyond the trainer; during rollouts every
   state stays (nothing is offloaded) and the policy itself generates: the whole model gathered, b*P, a KV
   cache of min(hf_max_batch, the rank's sequences) x (max_prompt_tokens + max_tokens) x bytes per token, and
@@ -49,21 +46,17 @@ hf backend (rollout.backend: hf, no vLLM): nothing at start-up beyond the traine
   top-p sort: 4 of them), and one prefill forward's activations. Prompts are prefilled R = min(batch,
   max(1, HF_PREFILL_TOKENS // max_prompt_tokens)) whole rows at a time (trapo/engine/hf_rollout.py
   `_prefill`), N = R x max_prompt_tokens tokens: N * (b * (3 I + 4 H + 2 head_dim) + max_prompt_tokens) at
-  the MLP's product (transformers models/qwen2/modeling_qwen2.py:46, llama :164): silu(gate), up and their
-  product [N, I]; four [N, H], the embeddings (:348, held through the forward), the layer's input (held by
-  the model's loop, :380), the attention's residual sum (:283) and the MLP's normed input; RoPE's cos and sin
-  [N, head_dim] (:377); the sdpa mask, N x max_prompt_tokens booleans (masking_utils.py:518). Attention
-  holds less where I > 2 H, as in the table's models (about 7 [N, H]: input, normed input, q, k and v
-  repeated to every head, integrations/sdpa_attention.py:111, output). On an H200 (2 layers of the 7B's
-  widths, bf16) one forward of 256 x 1,024 tokens peaked at this figure, 35.125 GiB. The KV cache is
-  counted at its full length, which it reaches after the prefill.
+  the MLP's product: silu(gate), up and their product [N, I]; four [N, H], the embeddings (held through the
+  forward), the layer's input (held by the model's loop), the attention's residual sum and the MLP's normed
+  input; RoPE's cos and sin [N, head_dim]; the sdpa mask, N x max_prompt_tokens booleans. Attention holds
+  less where I > 2 H, as in the table's models (about 7 [N, H]: input, normed input, q, k and v repeated to
+  every head, output). The KV cache is counted at its full length, which it reaches after the prefill.
 LoRA (model.lora.rank > 0): P_t = rank x (in + out) per adapted projection and layer trains; s_t = ceil(P_t / w)
-  takes s's place in the gradient, fp32 master and Adam terms (stage3.py:726-758 builds them from the
-  optimizer's parameters only). The frozen base is b*s, kept in rollouts (offload_states would map it onto the
-  trainable buffer, stage3.py:3900-3902, so nothing moves); the LM head has no [V, H] weight gradient; no
-  reference copy (the base with adapters off). ZeRO-2 (LoRA only): the base and adapters whole, b*P + b*P_t
-  (frozen parameters stay whole, engine.py:1859-1862; stage_1_and_2.py:423-434 flattens the trainable ones
-  only), gradients and states over w as above, nothing gathered.
+  takes s's place in the gradient, fp32 master and Adam terms (DeepSpeed builds them from the optimizer's
+  parameters only). The frozen base is b*s, kept in rollouts (offload_states would map it onto the
+  trainable buffer, so nothing moves); the LM head has no [V, H] weight gradient; no reference copy (the
+  base with adapters off). ZeRO-2 (LoRA only): the base and adapters whole, b*P + b*P_t (frozen parameters
+  stay whole; only the trainable ones are flattened), gradients and states over w as above, nothing gathered.
 Not computed, margins: RESERVE (CUDA context, NCCL buffers, allocator fragmentation) in every phase and
   VLLM_RUNTIME (vLLM's non-torch memory and CUDA graph pool, in its share; kept while asleep).
 Ignored (< 1 MB): parameters under stage3_param_persistence_threshold kept whole on every rank.
@@ -90,7 +83,7 @@ HF_PREFILL_TOKENS = 16384
 PREFILL_I, PREFILL_H = 3, 4  # [N, I] and [N, H] tensors live at a no-grad forward's peak (the MLP's product)
 _DTYPE_BYTES = {n: 4 for n in ("fp32", "float32", "float", "torch.float32")} | {
     n: 2 for n in ("bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16")
-}  # DeepSpeed's DtypeEnum names (deepspeed/runtime/config.py:144)
+}  # DeepSpeed's DtypeEnum names
 
 
 @dataclass(frozen=True)
@@ -218,7 +211,7 @@ def check_stage(stage: int, lora_rank: int) -> None:
 
 
 def _zero(ds_config: dict | None, b: int) -> _Zero:
-    """The ZeRO settings the plan uses, DeepSpeed's defaults where absent (runtime/zero/config.py:102-245)."""
+    """The ZeRO settings the plan uses, DeepSpeed's defaults where absent (docs/memory-plan.md)."""
     ds = ds_config or {}
     z = ds.get("zero_optimization") or {}
     if z.get("stage", 3) not in (2, 3):
