@@ -114,10 +114,9 @@ def exit_now(code: int) -> NoReturn:
     work is closed: checkpoints and files written, loggers and the grading worker closed, every rank past
     its last collective.
 
-    The teardown does nothing a finished command needs, and it is slow: after a toy run on the 2-core CPU
-    machines it took about 6 s per process (vLLM's engine shutdown about 2 s, then freeing the libraries'
-    objects), for every rank of every run. Python-level buffers are flushed here; the log file is written
-    at the file-descriptor level, so nothing is lost."""
+    The teardown does nothing a finished command needs, and it is slow: seconds per process, for every rank
+    of every run (measured: docs/upstream-notes.md). Python-level buffers are flushed here; the log file is
+    written at the file-descriptor level, so nothing is lost."""
     for stream in (_terminal_out, _terminal, sys.stdout, sys.stderr):
         if stream is not None:
             with contextlib.suppress(OSError, ValueError):  # a full disk or a closed stream: exit anyway

@@ -8,9 +8,8 @@ some are right only on CPU:
     VLLM_LOGGING_LEVEL=WARNING        every device: per-request INFO lines bury the console
     TORCHDYNAMO_DISABLE=1             CPU only: on GPU it would turn vLLM's compiled
                                       model and CUDA graphs off
-    OMP_NUM_THREADS=1                 CPU only: on these 2-core machines unbounded OpenMP
-                                      makes step times swing 40x (and 2 threads with dynamo
-                                      disabled run 20x slower)
+    OMP_NUM_THREADS=1                 CPU only: unbounded OpenMP makes step times swing
+                                      widely on small machines (docs/upstream-notes.md)
 A value already in the environment always wins. Entry points call `configure()`
 first thing; code that starts a Python subprocess passes `subprocess_env()`.
 """

@@ -89,7 +89,7 @@ def save(
     if rank == 0:
         failure.attempt(begin, root, step)
     _fail_together(failure, root, step)
-    # A frozen LoRA base is not saved: DeepSpeed would write each rank's slice of it (engine.py 5433-5446).
+    # A frozen LoRA base is not saved: DeepSpeed would write each rank's slice of it (docs/upstream-notes.md).
     failure.attempt(
         engine.save_checkpoint, str(tmp), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=True
     )

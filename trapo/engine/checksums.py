@@ -2,9 +2,9 @@
 
 Every function with `rank, world` is collective: each rank hashes its share of the files
 (balanced by size, the same split on every rank) and the results are gathered, so a large
-checkpoint is read in parallel. zlib's crc32 (about 2 to 4 GB/s per core here,
-`bench/bench_checkpoint.py`) catches truncation and damaged bytes; it is not a defence
-against someone who rewrites both a file and its record.
+checkpoint is read in parallel. zlib's crc32 (GB/s per core: `bench/bench_checkpoint.py`)
+catches truncation and damaged bytes; it is not a defence against someone who rewrites
+both a file and its record.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ import torch.distributed as dist
 def import_deepspeed():
     """`import deepspeed`, without the MLflow import its autotuner tries at import time.
 
-    DeepSpeed imports `mlflow` whenever it is installed (it is, for `logging.mlflow`): 1.7 s of every
-    process's start-up on the 2-core CPU machines, for an autotuner we never run. The module is hidden only
+    DeepSpeed imports `mlflow` whenever it is installed (it is, for `logging.mlflow`): seconds of every
+    process's start-up (docs/upstream-notes.md), for an autotuner we never run. The module is hidden only
     while DeepSpeed imports; our MLflow logger imports it as usual later."""
     import sys
 
@@ -221,14 +221,12 @@ def gathered_for_generation(engine):
     (generation), gathered once on entry and partitioned again on exit. Collective; nothing below ZeRO-3.
 
     ZeRO-3's module hooks would release each layer after its forward and gather it again for the next
-    token, so they are taken off meanwhile and registered again after (DeepSpeed 0.19 does the same in
-    runtime/zero/stage3.py `unwrap_model_for_generation`; here the hooks come back also after an error).
-    The root module's start-of-forward hook goes too, which DeepSpeed's function leaves: its `reset_step`
-    runs collectives while the recorded module order is incomplete (runtime/zero/partitioned_param_coordinator.py
-    258-271), so ranks doing different numbers of generation forwards (an evaluation shard with no questions,
-    a batch whose samples all stop at the first token) would leave each other waiting. Registering the
-    module hooks again discards that order (parameter_offload.py 337-343): the next training forward records
-    it again, on every rank alike.
+    token, so they are taken off meanwhile and registered again after, also after an error (as DeepSpeed's
+    `unwrap_model_for_generation` does). The root module's start-of-forward hook goes too, which DeepSpeed's
+    function leaves: its collectives would make ranks doing different numbers of generation forwards (an
+    evaluation shard with no questions, a batch whose samples all stop at the first token) wait for each
+    other. Registering the hooks again makes the next training forward record the module order anew, on
+    every rank alike. The DeepSpeed source lines: docs/upstream-notes.md.
     """
     import deepspeed
 

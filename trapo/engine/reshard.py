@@ -74,10 +74,10 @@ def place_state(optimizer: torch.optim.Optimizer) -> None:
     (`_process_value_according_to_param_policy`): on its parameter's device and dtype, `step` a float32
     tensor there when the optimizer is fused or capturable (else as loaded), each parameter its own tensor.
 
-    DeepSpeed's universal loader assigns the state directly instead (ZeRO-3: stage3.py 3662-3681; ZeRO-1/2:
-    base_optimizer.py 337, 373). Its `step` stays on the CPU, where ds_to_universal saved it, beside the
-    parameters on the GPU, where the fused AdamW (policy.py: fused on GPU) updates it in its kernel; and ZeRO-3
-    gives one `step` tensor to every sub-group, so each sub-group's update would count that one again.
+    DeepSpeed's universal loader assigns the state directly instead (its lines: docs/upstream-notes.md). Its
+    `step` stays on the CPU, where ds_to_universal saved it, beside the parameters on the GPU, where the fused
+    AdamW (policy.py: fused on GPU) updates it in its kernel; and ZeRO-3 gives one `step` tensor to every
+    sub-group, so each sub-group's update would count that one again.
     """
     # ZeRO-3 empties param_groups' params between steps: the groups' flags are read without the params.
     on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)

@@ -10,7 +10,7 @@ evaluated at one fixed probe point (every single-letter variable gets its own
 irrational-looking value). Expressions that are equal must agree there, so
 values that differ by more than 1e-4 relative prove "not equal" (Math-Verify
 compares numbers after rounding to 6 decimals) and the slow symbolic path
-(up to 300 ms of sympy simplify for `-13x+3` vs `350`) is skipped. Values
+(sympy's simplify: docs/upstream-notes.md) is skipped. Values
 beyond float range (9^{9^9}) are compared as mpmath numbers, which spares
 Math-Verify evaluating them exactly. Answers with text or units that change
 the value on parsing (percent, degrees) are never pre-filtered; neither are

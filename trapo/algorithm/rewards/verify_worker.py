@@ -57,9 +57,9 @@ log = logging.getLogger("trapo.verify_worker")
 def patience(timeout: float) -> float:
     """Seconds an item may run before spares are forked for the items queued behind it.
 
-    Well above a normal comparison (milliseconds; a slow sympy simplify takes
-    ~0.3 s) so spares are rare in normal grading, and a tenth of the timeout
-    so that slow answers still start close together.
+    Well above a normal comparison (milliseconds; a slow sympy simplify, a
+    fraction of a second) so spares are rare in normal grading, and a tenth of
+    the timeout so that slow answers still start close together.
     """
     return min(0.5, max(0.05, timeout / 10))
 

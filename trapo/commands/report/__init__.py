@@ -4,7 +4,7 @@
 
 Reads RUN_DIR/metrics.jsonl (one object per training step, written by
 `Trainer.train`) and, when present, RUN_DIR/selection.jsonl (one row per epoch
-end after warm-up, written by `Trainer._dump_selection`), summary.json and
+end after warm-up, written by `Trainer._end_epoch`), summary.json and
 config.yaml, and writes five PNGs and report.md into RUN_DIR/report/:
 
 1. rewards.png      rewards and pass rates (labeled, unlabeled) over steps
