@@ -155,12 +155,12 @@ def record_start(run_dir: Path, config_text: str, entry: dict) -> None:
 def model_problem(model: ModelConfig, state: dict, commit: str | None, base: dict | None) -> str | None:
     """Why a checkpoint (its trainer state) cannot resume on this run's model, or None: a hub revision that
     now resolves to another commit, or LoRA adapters trained on another base (trapo/engine/lora.py)."""
-    saved = state.get("model_commit")
+    saved = state["model_commit"]
     if saved and commit and saved != commit:
         return (
             f"model.path {model.path}: the checkpoint trained from hub commit {saved}, and revision "
             f"{model.revision or '(default branch)'} now resolves to {commit}; resume with "
             f"model.revision={saved}, or start a new run"
         )
-    problem = lora.base_problem(state.get("base_model"), base)
+    problem = lora.base_problem(state["base_model"], base)
     return problem and f"model.path {model.path}: {problem}"
