@@ -332,8 +332,8 @@ class ToyConfig:
     sft_steps: int = 150
     # The warm start's AdamW at lr 3e-3: "constant" as calibrated for the addition task; "decay" clips the
     # gradient norm at 1 and decays the rate linearly to 0, so the fit converges. A constant rate leaves the
-    # model wherever its last loss spike put it, which differs from one CPU's rounding to another's (the trap
-    # task's base scored 18.6% on a Zen 3 and 2.1% on a Xeon from the same code and seed).
+    # model wherever its last loss spike put it, which differs from one CPU's rounding to another's
+    # (measured: docs/upstream-notes.md).
     sft_schedule: Literal["constant", "decay"] = "constant"
 
     @property
