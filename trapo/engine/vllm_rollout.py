@@ -1,8 +1,9 @@
 """The colocated vLLM engine (`rollout.backend: vllm`): one `vllm.LLM` in the trainer process per rank.
 
 Rollouts go in as token ids (no re-tokenisation) and come out as token ids;
-vLLM does not detokenize (`detokenize=False`: its per-token detokenizer cost
-about 12% of a generate on CPU, and only grading reads the text), and the
+vLLM does not detokenize (`detokenize=False`: its per-token detokenizer is a
+measurable share of a generate, docs/upstream-notes.md, and only grading
+reads the text), and the
 text is decoded once per call (`decode_responses`). We pass stop token ids,
 never stop strings, so nothing needs vLLM's incremental text.
 
@@ -22,6 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from trapo import faults
 from trapo.config import Config
 from trapo.engine.rollout import Rollout, decode_responses
 from trapo.runtime import dtype_name
@@ -327,18 +329,12 @@ class VllmEngine:
         a missing one is an error here. The KV cache stays asleep until the
         next `generate`: the trainer's states are back on the device meanwhile.
         """
-        import torch
-
         pushed, names = [0], set()
-        # TRAPO_FAULT=push_noise (tests, and users checking rollout.health; ignored unless set): every pushed
-        # tensor gets Gaussian noise of 8x its own spread: the engine samples garbage, as after a corrupted sync.
-        noise = torch.Generator().manual_seed(0) if os.environ.get("TRAPO_FAULT") == "push_noise" else None
+        if faults.hit("push_noise"):  # a corrupted push, for rollout.health's test (trapo/faults.py)
+            named_tensors = faults.noisy(named_tensors)
 
         def counted():
             for name, tensor in named_tensors:
-                if noise is not None and tensor.is_floating_point() and tensor.numel() > 1:
-                    spread = torch.randn(tensor.shape, generator=noise).to(tensor.device, tensor.dtype)
-                    tensor = tensor + spread * (8 * tensor.float().std()).to(tensor.dtype)
                 pushed[0] += tensor.numel() * tensor.element_size()
                 names.add(name)
                 yield name, tensor
