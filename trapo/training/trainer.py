@@ -316,16 +316,14 @@ class Trainer:
             raise ConfigError(problem)
         self.tracker.load_state_dict(state["tracker"])
         self.step = state["step"]
-        cursor = state.get("cursor")  # absent in checkpoints from before refills: one batch per step
-        self.cursor = sampling.Cursor(*cursor) if cursor else sampling.Cursor.from_step(self.step, self.steps_per_epoch)
+        self.cursor = sampling.Cursor(*state["cursor"])
         self.bad_steps = state["bad_steps"]
         self.last_selection = state["last_selection"]
         self.best = state["best"]
-        self.heldout_before = state.get("heldout_before")  # absent in checkpoints from before it was kept
-        self.tracker_ids = state.get("tracker_ids") or {}
-        memories = state.get("grader_memory")  # absent in checkpoints from before it was kept
-        if memories:  # saved on another number of ranks: every rank takes what all of them remembered
-            self.verifier.load_memory(memories[self.rank] if len(memories) == self.world else merged(memories))
+        self.heldout_before = state["heldout_before"]
+        self.tracker_ids = state["tracker_ids"]
+        memories = state["grader_memory"]  # one per saving rank: merged when the world size changed
+        self.verifier.load_memory(memories[self.rank] if len(memories) == self.world else merged(memories))
 
     def save(self) -> Path:
         final = ckpt.save(
@@ -380,8 +378,6 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
-        from tqdm import tqdm
-
         cfg = self.cfg
         if self.is_main:  # the first start's config stays; every start is a line of starts.jsonl
             start = {"step": self.step, "world": self.world, "resumed_from": self.resumed_from,
@@ -401,7 +397,7 @@ class Trainer:
                 console.say(f"held-out accuracy before training: {self.heldout_before['mean']:.3f}")
         show = self.is_main and cfg.progress_bar
         done, total = self._progress()
-        bar = tqdm(total=total, initial=done, disable=not show, file=console.terminal())
+        bar = console.progress_bar(total, "train", enabled=show, initial=done)
         try:
             with StopSignals() as stop:
                 while not self._finished():
