@@ -1,7 +1,12 @@
-"""README.md and docs/: short README, every page on the map, no broken link, no stale path or key."""
+"""README.md and docs/: short README, every page on the map, no broken link, no stale path, key or name; the
+names that trapo/'s docstrings and comments cite exist too."""
 
+import ast
 import dataclasses
+import functools
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,9 @@ IMG_SRC = re.compile(r"<img\b[^>]*?\bsrc\s*=\s*[\"']([^\"']+)[\"']", re.I)
 # A repository path that must exist wherever the text names it: trapo/..., bench/..., tests/..., configs/...
 REPO_PATH = re.compile(r"(?<![\w/.<-])((?:trapo|bench|tests|configs)/[\w./-]*\.(?:py|yaml|json))(?![\w/<])")
 MODULE = re.compile(r"`(trapo(?:\.\w+)+)")
+METHOD = re.compile(r"`([A-Z]\w*)\.(\w+)")  # `Class.attribute` at a code span's start
+# Bases that add no attribute a docstring would cite: a class with another outside base may inherit the name.
+EMPTY_BASES = {"object", "Protocol", "Generic", "ABC", "NamedTuple", "TypedDict"}
 
 
 def markdown_files() -> list[Path]:
@@ -51,23 +59,107 @@ def missing_paths(text: str) -> list[str]:
     return sorted({p for p in REPO_PATH.findall(text) if not (ROOT / p).exists()})
 
 
-def missing_modules(text: str) -> list[str]:
-    """`trapo.a.b` names in code spans that are neither a module nor a module's (or package's) attribute."""
-    out = []
-    for dotted in set(MODULE.findall(text)):
+class Names:
+    """What trapo/ defines, read from its source (nothing imported): each module's top-level names (a package's
+    submodules among them) and each class's attributes (its body's names, attributes set on self or cls) and
+    bases, by class name over every module."""
+
+    def __init__(self, package: Path):
+        self.modules: dict[str, set[str]] = {}
+        self.classes: dict[str, list[tuple[set[str], list[str]]]] = {}
+        for path in sorted(package.rglob("*.py")):
+            parts = path.relative_to(package.parent).with_suffix("").parts
+            tree = ast.parse(path.read_text())
+            self.modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = bound(tree.body)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    stored = {n.attr for n in ast.walk(node) if assigned_on_self(n)}
+                    bases = [ast.unparse(b).split("[")[0].split(".")[-1] for b in node.bases]
+                    self.classes.setdefault(node.name, []).append((bound(node.body) | stored, bases))
+        for name in list(self.modules):
+            if "." in name:
+                package_name, child = name.rsplit(".", 1)
+                self.modules.setdefault(package_name, set()).add(child)
+
+    def has(self, cls: str, attribute: str, seen: frozenset = frozenset()) -> bool:
+        """Whether some class named `cls` has `attribute`, itself or through a base."""
+        for attributes, bases in self.classes.get(cls, []):
+            if attribute in attributes:
+                return True
+            for base in bases:
+                if base not in self.classes and base not in EMPTY_BASES:
+                    return True  # inherited from outside trapo (a torch module, an exception): not ours to check
+                if base in self.classes and base not in seen and self.has(base, attribute, seen | {cls}):
+                    return True
+        return False
+
+    def resolves(self, dotted: str) -> bool:
+        """A module, a module's top-level name, or an attribute of a class a module defines."""
         parts = dotted.split(".")
         for cut in range(len(parts), 0, -1):
-            base = ROOT.joinpath(*parts[:cut])
-            source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
-            if source.is_file():
+            module = ".".join(parts[:cut])
+            if module in self.modules:
                 rest = parts[cut:]
-                # one attribute may follow a module (a function, class or constant it defines or imports)
-                if len(rest) > 1 or (rest and not re.search(rf"\b{rest[0]}\b", source.read_text())):
-                    out.append(dotted)
-                break
-        else:
-            out.append(dotted)
-    return sorted(out)
+                if not rest:
+                    return True
+                if rest[0] not in self.modules[module] or len(rest) > 2:
+                    return False
+                return len(rest) == 1 or (rest[0] in self.classes and self.has(*rest))
+        return False
+
+
+def assigned_on_self(node: ast.AST) -> bool:
+    """`self.x = ...` or `cls.x = ...` (an attribute a method gives its instance or class)."""
+    if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)):
+        return False
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def bound(body: list[ast.stmt]) -> set[str]:
+    """The names a block of statements binds at its own level (defs, classes, assignments, imports), looking
+    into if/try/with blocks, not into functions."""
+    out = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]
+            out |= set().union(*(bound(block) for block in blocks))
+    return out
+
+
+@functools.cache
+def names() -> Names:
+    return Names(ROOT / "trapo")
+
+
+def missing_modules(text: str) -> list[str]:
+    """`trapo.a.b` names in code spans that are neither a module, a module's (or package's) top-level name,
+    nor an attribute of a class a module defines."""
+    return sorted({dotted for dotted in MODULE.findall(text) if not names().resolves(dotted)})
+
+
+def missing_methods(text: str) -> list[str]:
+    """`Class.attribute` names in code spans, `Class` one of trapo's classes, that no such class has."""
+    known = names()
+    return sorted({f"{c}.{a}" for c, a in METHOD.findall(text) if c in known.classes and not known.has(c, a)})
+
+
+def code_prose(source: str) -> str:
+    """A module's docstrings (module, classes, functions) and comments: where its text names other code."""
+    chunks = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            chunks.append(ast.get_docstring(node, clean=False) or "")
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    chunks += [token.string for token in tokens if token.type == tokenize.COMMENT]
+    return "\n".join(chunks)
 
 
 @pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -80,6 +172,17 @@ def test_named_files_and_modules_exist(path):
     text = path.read_text()
     assert missing_paths(text) == [], "a path the text names does not exist"
     assert missing_modules(text) == [], "a module the text names does not exist"
+    assert missing_methods(text) == [], "a class of trapo/ the text names lacks that attribute"
+
+
+def test_names_in_trapo_docstrings_and_comments_resolve():
+    """Every backticked `trapo....` and `Class.attribute` (one of our classes) a docstring or comment cites."""
+    cited = {}
+    for path in sorted((ROOT / "trapo").rglob("*.py")):
+        prose_of_code = code_prose(path.read_text())
+        if missing := missing_modules(prose_of_code) + missing_methods(prose_of_code):
+            cited[str(path.relative_to(ROOT))] = missing
+    assert cited == {}, "names that no longer exist (renamed or removed): fix the text"
 
 
 def test_the_checks_catch_what_they_should(tmp_path):
@@ -102,6 +205,17 @@ def test_the_checks_catch_what_they_should(tmp_path):
         "trapo.algorithm.loss.no_such_function",
         "trapo.algorithm.no_such",
     ]
+    tracker = "trapo.algorithm.passrate.PassRateTracker"
+    assert missing_modules(f"`{tracker}.record`, `{tracker}.ranking`, `{tracker}.no_such`, `{tracker}.record.x`") == [
+        f"{tracker}.no_such",
+        f"{tracker}.record.x",
+    ]
+    cited = (
+        "`PassRateTracker.load_state_dict()`, `PassRateTracker.ranking`, `Optimizer.load_state_dict`, `Trainer._gone`"
+    )
+    assert missing_methods(cited) == ["Trainer._gone"]  # torch's Optimizer is not ours: not checked
+    source = '"""Module: `Trainer._a`."""\nx = "`Trainer._b`"  # `Trainer._c`\ndef f():\n    """`Trainer._d`"""\n'
+    assert missing_methods(code_prose(source)) == ["Trainer._a", "Trainer._c", "Trainer._d"]  # a string is no prose
 
 
 def test_readme_is_short():

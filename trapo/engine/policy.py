@@ -98,7 +98,7 @@ def _offloadable_states(wanted: bool) -> list | None:
     """What DeepSpeed 0.19's `offload_states` can move with our torch optimizer (None: nothing).
 
     Under ZeRO-3 it moves the fp32 master weights and Adam moments only for its
-    own FusedAdam (it asserts so, runtime/zero/stage3.py 3868-3869); with a torch
+    own FusedAdam (it asserts so: docs/upstream-notes.md); with a torch
     optimizer the low-precision parameter partitions and the gradient buffers
     move. `Policy.offload` moves the fp32 master weights and Adam moments itself.
     """
@@ -185,9 +185,8 @@ class Policy:
         offload = t.offload_during_rollout
         if offload is None:
             offload = on_gpu and cfg.rollout.backend == "vllm"
-        # With LoRA nothing moves: the adapters' states are small, and DeepSpeed 0.19's lp_params offload
-        # maps every parameter, frozen ones included, onto the trainable partitions' buffer (stage3.py
-        # 3900-3902), which breaks with a frozen base.
+        # With LoRA nothing moves: the adapters' states are small, and DeepSpeed's lp_params offload maps a
+        # frozen base onto the trainable partitions' buffer, which breaks it (docs/upstream-notes.md).
         self.offload_states = _offloadable_states(offload and not self.lora)
         if self.lora and t.offload_during_rollout:
             console.warn_once("lora_offload", "train.offload_during_rollout=true moves nothing with model.lora: "

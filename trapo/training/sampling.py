@@ -8,10 +8,11 @@ of the epoch's order (`trapo.data.epoch_batches`, each rank its usual share), an
 `rollout.dynamic_sampling_max_rounds` generation rounds in all (0: no limit); then the informative groups
 are cut to exactly `train.rollout_batch_size` in the global order (round, position in the round's batch),
 the same on every rank. Surplus informative groups are dropped, as in veRL's DAPO recipe.
-The rewards compared are those the advantages are computed from (`Trainer._rewards`): 0/1 correctness
-for labeled questions, majority agreement for unlabeled ones, or a confidence reward (reward.unlabeled),
-whose continuous scores are seldom all equal. veRL's recipe filters on accuracy by default (metric acc)
-and stops the run when its round limit is reached; here the step then trains on the groups it has.
+The rewards compared are those the advantages are computed from (`trapo.training.grading.round_rewards`):
+0/1 correctness for labeled questions, majority agreement for unlabeled ones, or a confidence reward
+(reward.unlabeled), whose continuous scores are seldom all equal. veRL's recipe filters on accuracy by
+default (metric acc) and stops the run when its round limit is reached; here the step then trains on the
+groups it has.
 
 How it meets epochs and the gate:
 - Refill rounds CONSUME the epoch's batches (as DAPO / veRL do): a question rolled out as a refill is not
