@@ -234,15 +234,21 @@ def test_rope_theta_and_positions_reach_the_hf_backend(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from trapo.commands.eval import open_engine
+    from trapo.commands.eval import engine_settings
+    from trapo.engine.rollout_engine import open_engine
 
     model = tiny_model(tmp_path / "m", 64)
     tok = AutoTokenizer.from_pretrained(model)
     args = dict(backend="hf", dtype="float32", hf_max_batch=4, seed=0, rope_theta=None, max_position_embeddings=None)
-    plain = open_engine(argparse.Namespace(**args), model, tok, [tok.eos_token_id], 32).model
+
+    def engine(max_model_len: int):
+        settings = engine_settings(argparse.Namespace(**args), model, max_model_len)
+        return open_engine(settings, str(model), tokenizer=tok, stop_token_ids=[tok.eos_token_id])
+
+    plain = engine(32).model
     assert plain.config.max_position_embeddings == 64 and rope_theta_of(plain) == pytest.approx(10000.0)
     args.update(rope_theta=40000.0, max_position_embeddings=128)
-    extended = open_engine(argparse.Namespace(**args), model, tok, [tok.eos_token_id], 160).model
+    extended = engine(160).model
     assert extended.config.max_position_embeddings == 128 and rope_theta_of(extended) == pytest.approx(40000.0)
 
 
@@ -261,11 +267,13 @@ def test_rope_theta_and_positions_reach_the_vllm_backend(tmp_path):
         "from trapo import runtime\n"
         "runtime.configure()\n"
         "from transformers import AutoTokenizer\n"
-        "from trapo.commands.eval import open_engine\n"
+        "from trapo.commands.eval import engine_settings\n"
+        "from trapo.engine.rollout_engine import open_engine\n"
         "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
         "args = argparse.Namespace(backend='vllm', dtype='float32', seed=0, rope_theta=40000.0,\n"
-        "                          max_position_embeddings=128)\n"
-        "engine = open_engine(args, sys.argv[1], tok, [tok.eos_token_id], 100)\n"
+        "                          max_position_embeddings=128, hf_max_batch=256)\n"
+        "settings = engine_settings(args, sys.argv[1], 100)\n"
+        "engine = open_engine(settings, sys.argv[1], tokenizer=tok, stop_token_ids=[tok.eos_token_id])\n"
         "print('CONFIG', json.dumps(engine.effective_config()))\n"
     )
     cmd, env = [sys.executable, "-c", script, str(model)], runtime.subprocess_env()

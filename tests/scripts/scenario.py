@@ -89,26 +89,26 @@ def main() -> None:
     elif scenario == "skip_push":
         # A weight push that silently does nothing: from step 2 on the engine samples from the
         # initial weights, which the engine-vs-policy log-prob difference must show.
-        from trapo.engine.vllm_rollout import VllmEngine as RolloutEngine
+        from trapo.engine.vllm_rollout import VllmEngine
 
         def push(self, named_tensors):
             for _ in named_tensors:  # consumed (the gather is collective), never loaded
                 pass
-            return 0, 0.0
+            return 0
 
-        RolloutEngine.push_weights = push
+        VllmEngine.push_weights = push
         run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "partial_push":
         # A push whose iterator leaves out one tensor (a name the engine does not know, as a renamed
         # parameter would): the push must fail naming the engine parameter that got nothing.
-        from trapo.engine.vllm_rollout import VllmEngine as RolloutEngine
+        from trapo.engine.vllm_rollout import VllmEngine
 
-        real_push = RolloutEngine.push_weights
+        real_push = VllmEngine.push_weights
 
         def push(self, named_tensors):
             return real_push(self, ((n, t) for n, t in named_tensors if not n.endswith("layers.1.mlp.up_proj.weight")))
 
-        RolloutEngine.push_weights = push
+        VllmEngine.push_weights = push
         try:
             run(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
             print(json.dumps({"error": None}))
@@ -209,18 +209,20 @@ def placement(model_dir) -> None:
 
     import numpy as np
 
-    from trapo.engine.vllm_rollout import VllmEngine as RolloutEngine
+    from trapo.engine.rollout_engine import RolloutEngine
+    from trapo.engine.vllm_rollout import VllmEngine
 
     random.seed(12345), np.random.seed(12345), torch.manual_seed(12345)  # the trainer's streams
     before = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     random.seed(12345), np.random.seed(12345), torch.manual_seed(12345)
-    engine = RolloutEngine(model_dir, dtype="float32", max_model_len=64, seed=0, cpu_kv_cache_gb=0.05, max_num_seqs=24)
+    engine = VllmEngine(model_dir, dtype="float32", max_model_len=64, seed=0, cpu_kv_cache_gb=0.05, max_num_seqs=24)
     after = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     result = {
         "device": engine.device(),
         "config": engine.effective_config(),
         "rng_kept": [a == b for a, b in zip(before, after)],
         "max_num_seqs": engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
+        "interface": isinstance(engine, RolloutEngine),
     }
     engine.on_gpu = True  # as if on a GPU machine: the engine should then sit on cuda:LOCAL_RANK
     try:

@@ -388,6 +388,7 @@ def test_engine_placement_check(toy_dir):
     # vLLM reseeds Python's, NumPy's and torch's RNGs while it builds: the trainer's streams are kept
     assert res["rng_kept"] == [True, True, True]
     assert res["max_num_seqs"] == 24  # sized from the config, not vLLM's serving default
+    assert res["interface"]  # a trapo.engine.rollout_engine.RolloutEngine
 
 
 @pytest.mark.two_cores

@@ -359,7 +359,7 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
         log["logprob_diff_rollout_vs_policy"] for log in logs if log["logprob_diff_rollout_vs_policy"] is not None
     ]
     diff = max(measured) if measured else float("inf")  # no trained token in two steps: nothing was compared
-    if trainer.rollout.name == "vllm":
+    if trainer.rollout.effective_config() is not None:  # a copy of the weights: the push is what is checked
         checks.add("weights in the engine", diff < limit, f"log-prob difference engine vs policy {diff:.2e} "
                    f"(limit {limit:g}) after {'sleep, wake and ' if gpu else ''}push",
                    "the engine samples from stale weights: the push or the wake failed (see log.txt)")  # fmt: skip

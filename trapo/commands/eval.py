@@ -24,12 +24,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trapo import hub, runtime
 from trapo.algorithm.pass_at_k import mean_pass_at_k
 from trapo.config import ConfigError
 from trapo.data import Benchmark, DataError, benchmarks_dir, resolve_benchmarks, stop_token_ids
 from trapo.training.evaluation import evaluate, pending_prompts
+
+if TYPE_CHECKING:
+    from trapo.engine.rollout_engine import EngineSettings
 
 # Table 1 of the paper: column label and whether the benchmark is in-domain (math).
 TABLE_COLUMNS = {
@@ -185,32 +189,17 @@ def model_overrides_for(args, model: Path) -> dict:
     return model_overrides(cfg, AutoConfig.from_pretrained(model))
 
 
-def open_engine(args, model: Path, tokenizer, stops: list[int], max_model_len: int):
-    """The chosen backend's engine on `model`, with the --rope-theta / --max-position-embeddings overrides."""
-    from trapo.runtime import dtype_name
+def engine_settings(args, model: Path, max_model_len: int) -> EngineSettings:
+    """The engine the flags ask for on `model`, with the --rope-theta / --max-position-embeddings overrides."""
+    from trapo.engine.rollout_engine import EngineSettings
 
-    overrides = model_overrides_for(args, model)
-    if args.backend == "hf":
-        from trapo.engine.hf_rollout import HfEngine
-
-        return HfEngine.from_pretrained(
-            str(model),
-            tokenizer,
-            dtype=args.dtype,
-            stop_token_ids=stops,
-            max_batch=args.hf_max_batch,
-            overrides=overrides,
-        )
-    from trapo.engine.vllm_rollout import VllmEngine
-
-    return VllmEngine(
-        str(model),
-        tokenizer=tokenizer,
-        dtype=dtype_name(args.dtype),
+    return EngineSettings(
+        backend=args.backend,
+        dtype=args.dtype,
         max_model_len=max_model_len,
         seed=args.seed,
-        stop_token_ids=stops,
-        hf_overrides=overrides,
+        overrides=model_overrides_for(args, model),
+        hf_max_batch=args.hf_max_batch,
     )
 
 
@@ -369,6 +358,7 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
 
     from trapo import console
     from trapo.engine.rollout import require_backend
+    from trapo.engine.rollout_engine import open_engine
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     try:
@@ -393,7 +383,9 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
         traceback.print_exc()  # into log.txt
         print(f"trapo eval: {err}", file=console.terminal())
         return 2
-    engine = open_engine(args, model, tokenizer, stops, max_model_len)
+    engine = open_engine(
+        engine_settings(args, model, max_model_len), str(model), tokenizer=tokenizer, stop_token_ids=stops
+    )
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
     bars = BenchmarkBars(benchmarks, done, n_for, enabled=not args.no_progress)

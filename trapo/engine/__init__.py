@@ -8,7 +8,7 @@ they share with disk and with other ranks.
 - rollout.py       what both rollout backends share: the Rollout record, per-request seeds, one decode per call
 - vllm_rollout.py  rollout.backend vllm: one vLLM engine per rank (or tensor-parallel group): generate, push, sleep
 - hf_rollout.py    rollout.backend hf: the policy's own model generates (ZeRO-3 gathered once per turn)
-- rollout_engine.py  the engine a run's config names
+- rollout_engine.py  the RolloutEngine interface both backends implement, and the factory that opens either
 - batch.py         graded rollouts -> training sequences, micro-batches, collation
 - packing.py       padding-free packing, token-balanced ranks, the update's efficiency
 - attention.py     the packed rows' attention: the kernel chosen once (checked), the registered implementation

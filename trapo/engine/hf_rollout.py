@@ -98,7 +98,6 @@ class HfEngine:
     """Generation with a transformers causal LM: the policy's module under DeepSpeed in training (pass its
     DeepSpeed engine as `zero3_engine`), or a plain model in `trapo eval`."""
 
-    name = "hf"
     weights_asleep = False  # nothing is ever released: the weights are the policy's
 
     def __init__(
@@ -150,19 +149,18 @@ class HfEngine:
     def device(self) -> str:
         return str(next(self.model.parameters()).device)
 
-    def describe(self, devices: list[str], tensor_parallel_size: int) -> str:
-        del tensor_parallel_size  # each rank generates alone
+    def effective_config(self) -> None:
+        """None: no copy of the weights to compare, the engine generates with the model it was given."""
+        return None
+
+    def describe(self, devices: list[str]) -> str:
         return "hf rollouts: each rank generates with its own policy model (no engine copy, no weight push): " + (
             ", ".join(f"rank {i} {d}" for i, d in enumerate(devices))
         )
 
-    def push_weights(self, named_tensors) -> tuple[int, float]:
+    def push_weights(self, named_tensors) -> int:
         """Nothing to push: the engine is the policy. The iterator is not consumed (no gathering happens)."""
-        del named_tensors
-        return 0, 0.0
-
-    def sleep(self) -> None:
-        pass
+        return 0
 
     @contextlib.contextmanager
     def turn(self):

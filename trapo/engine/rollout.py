@@ -6,7 +6,7 @@ choice of backend (`rollout.backend`).
 
 Both take prompts as token ids and return token ids; the text grading reads is decoded here, once for all
 of a `generate` call's responses (`decode_responses`), not token by token inside the engine.
-trapo/engine/rollout_engine.py opens the one a run's config names.
+trapo/engine/rollout_engine.py declares what both implement (`RolloutEngine`) and opens either (`open_engine`).
 """
 
 from __future__ import annotations

@@ -19,14 +19,11 @@ import contextlib
 import json
 import os
 import random
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from trapo import faults
-from trapo.config import Config
 from trapo.engine.rollout import Rollout, decode_responses
-from trapo.runtime import dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -89,40 +86,6 @@ class VllmEngine:
     same order and keeps its own share of the outputs.
     """
 
-    @classmethod
-    def for_run(
-        cls,
-        cfg: Config,
-        model_dir: str,
-        *,
-        tokenizer,
-        rank: int,
-        world: int,
-        hf_overrides: dict,
-        stop_token_ids: list[int],
-    ) -> VllmEngine:
-        """This rank's engine for a training run: sized by `rollout.*`, one seed per engine (the ranks of a
-        tensor-parallel group share one), and sampled tokens' log-probs kept (logprob_diff_rollout_vs_policy)."""
-        r = cfg.rollout
-        return cls(
-            model_dir,
-            tokenizer=tokenizer,
-            dtype=dtype_name(cfg.model.dtype),
-            max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
-            seed=cfg.seed + rank // r.tensor_parallel_size,
-            tensor_parallel_size=r.tensor_parallel_size,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            cpu_kv_cache_gb=r.cpu_kv_cache_gb,
-            enable_sleep_mode=r.enable_sleep_mode,
-            enable_prefix_caching=r.enable_prefix_caching,
-            hf_overrides=hf_overrides,
-            stop_token_ids=stop_token_ids,
-            sampled_logprobs=True,
-            # The most sequences an engine runs at once in training: its questions (a tensor-parallel
-            # group pools its ranks') x G. Validation queues beyond it.
-            max_num_seqs=cfg.train.rollout_batch_size // world * r.tensor_parallel_size * r.n,
-        )
-
     def __init__(
         self,
         model_dir: str,
@@ -149,7 +112,7 @@ class VllmEngine:
         from vllm import LLM
 
         self.on_gpu = torch.cuda.is_available()
-        self.name = "vllm"
+        self.tensor_parallel_size = tensor_parallel_size
         self.stop_token_ids = list(stop_token_ids or [])
         self.sampled_logprobs = sampled_logprobs
         kwargs = dict(
@@ -318,10 +281,10 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ weights and memory
 
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load Hugging Face-named tensors into the engine in place; wakes a sleeping engine's weights.
 
-        Returns (bytes pushed, seconds). The iterator may gather lazily; vLLM
+        Returns the bytes pushed. The iterator may gather lazily; vLLM
         fuses q/k/v and gate/up itself (`is_checkpoint_format=True`). Every
         parameter must come: after a level-2 sleep the engine holds no weights,
         and vLLM only logs a parameter that received nothing
@@ -339,7 +302,6 @@ class VllmEngine:
                 names.add(name)
                 yield name, tensor
 
-        start = time.perf_counter()
         if self.weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
@@ -352,7 +314,7 @@ class VllmEngine:
             )
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
-        return pushed[0], time.perf_counter() - start
+        return pushed[0]
 
     @contextlib.contextmanager
     def turn(self):
@@ -362,8 +324,8 @@ class VllmEngine:
         finally:
             self.sleep()
 
-    def describe(self, devices: list[str], tensor_parallel_size: int) -> str:
-        return f"vLLM engines (tensor parallel {tensor_parallel_size}): " + ", ".join(
+    def describe(self, devices: list[str]) -> str:
+        return f"vLLM engines (tensor parallel {self.tensor_parallel_size}): " + ", ".join(
             f"rank {i} {d}" for i, d in enumerate(devices)
         )
 

@@ -13,8 +13,8 @@ One step, on every rank (each rank takes every world_size-th question of the bat
     6. log        statistics summed over ranks; at an epoch's end the tracker appends
                   the epoch's pass rates to every trajectory and selects the reliable
                   unlabeled questions for the next epoch
-The components do the work: `Policy` (trapo/engine/policy.py), the rollout engine
-(trapo/engine/rollout.py), `grade` (trapo/training/grading.py), `PassRateTracker`
+The components do the work: `Policy` (trapo/engine/policy.py), the `RolloutEngine`
+(trapo/engine/rollout_engine.py), `grade` (trapo/training/grading.py), `PassRateTracker`
 (trapo/algorithm/passrate.py), `trapo.training.metrics` and `trapo.engine.checkpoint`.
 """
 
@@ -39,7 +39,7 @@ from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, request_seed, require_backend
-from trapo.engine.rollout_engine import open_engine
+from trapo.engine.rollout_engine import EngineSettings, open_engine
 from trapo.training import metrics, rollout_dump, run_record, sampling
 from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
@@ -77,14 +77,15 @@ class Trainer:
         require_backend(cfg.rollout.backend)
         self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
         generation = getattr(self.policy.model, "generation_config", None)
+        stops = stop_token_ids(self.tokenizer, generation and generation.eos_token_id)
+        settings = EngineSettings.for_run(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
         self.rollout = open_engine(
-            cfg, self.policy, model_dir=self.model_dir, tokenizer=self.tokenizer, rank=self.rank, world=self.world,
-            stop_token_ids=stop_token_ids(self.tokenizer, generation and generation.eos_token_id),
-        )  # fmt: skip
-        if self.rollout.name == "vllm":  # a separate model: it must run what the policy runs
-            console.say(same_model(self.policy.effective_config(), self.rollout.effective_config()))
+            settings, self.model_dir, tokenizer=self.tokenizer, stop_token_ids=stops, policy=self.policy
+        )
+        if (engine_config := self.rollout.effective_config()) is not None:  # a separate model must run the policy's
+            console.say(same_model(self.policy.effective_config(), engine_config))
         devices = dist.all_gather(self.rollout.device())
-        console.say(self.rollout.describe(devices, cfg.rollout.tensor_parallel_size))
+        console.say(self.rollout.describe(devices))
         self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
         self.evaluator = Evaluator(
             cfg, self.rollout, self.policy, self.tokenizer, self.verifier, rank=self.rank, world=self.world,
@@ -131,7 +132,7 @@ class Trainer:
 
         # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
         with timer.time("weight_push"):
-            pushed_bytes, _ = self.rollout.push_weights(self.policy.full_weights())
+            pushed_bytes = self.rollout.push_weights(self.policy.full_weights())
 
         # 6. statistics over all ranks; at the epoch's end, extend trajectories and select for the next epoch
         totals = dist.all_sum({**update_sums, **self._rollout_sums(rounds, plan)})
