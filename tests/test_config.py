@@ -203,9 +203,11 @@ def test_loss_options_defaults_keep_todays_loss():
     assert cfg.loss.__class__().overlong_buffer_tokens(20480) == 4096  # DAPO's L_cache of L_max
 
 
-def test_each_set_of_choices_has_one_source():
+def test_each_set_of_choices_has_one_source(capsys):
     """The tuples other modules check against or offer are `typing.get_args` of the schema's Literals."""
     from trapo.algorithm import importance, passrate, selection
+    from trapo.commands import eval as eval_command
+    from trapo.engine import rollout
 
     def choices(section: type, key: str) -> tuple:  # the Literal of the annotation, alone or in a union
         tp = typing.get_type_hints(section)[key]
@@ -221,8 +223,13 @@ def test_each_set_of_choices_has_one_source():
     assert config.ROLLOUT_IS_MODES == choices(config.LossConfig, "rollout_is")
     assert config.REFERENCES == choices(config.SelectionConfig, "reference")
     assert config.STRATEGIES == choices(config.SelectionConfig, "strategy")
-    assert importance.ROLLOUT_IS_MODES is config.ROLLOUT_IS_MODES
+    assert rollout.BACKENDS is config.BACKENDS and importance.ROLLOUT_IS_MODES is config.ROLLOUT_IS_MODES
     assert passrate.REFERENCES is config.REFERENCES and selection.STRATEGIES is config.STRATEGIES
+    with pytest.raises(SystemExit):
+        eval_command.main(["--help"])
+    shown = capsys.readouterr().out
+    for offered in (config.PROMPT_TEMPLATES, config.DTYPES, config.BACKENDS):  # trapo eval's argparse choices
+        assert "{" + ",".join(offered) + "}" in shown
 
 
 def test_selection_range_errors_carry_their_key_when_built_by_hand():

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from trapo import hub, runtime
 from trapo.algorithm.pass_at_k import mean_pass_at_k
-from trapo.config import ConfigError
+from trapo.config import BACKENDS, DTYPES, PROMPT_TEMPLATES, ConfigError
 from trapo.data import Benchmark, DataError, benchmarks_dir, resolve_benchmarks, stop_token_ids
 from trapo.training.evaluation import evaluate, pending_prompts
 
@@ -239,15 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="context over the model's config (as model.max_position_embeddings; e.g. 16384)",
     )
-    parser.add_argument("--template", default="dataset", choices=["think", "cot", "chat", "dataset", "plain"])
+    parser.add_argument("--template", default="dataset", choices=PROMPT_TEMPLATES)
     parser.add_argument("--limit", type=int, help="first N questions per benchmark")
     parser.add_argument("--pass-k", type=int, help="also report pass@K (unbiased; needs n >= K)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="output dir (default: <model>/../eval; a hub id: outputs/eval/<org>--<name>)")
     parser.add_argument("--overwrite", action="store_true", help="discard earlier samples in --out")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument(
-        "--backend", default="vllm", choices=["vllm", "hf"], help="who generates: vLLM, or transformers (no vLLM)"
+        "--backend", default="vllm", choices=BACKENDS, help="who generates: vLLM, or transformers (no vLLM)"
     )
     parser.add_argument("--hf-max-batch", type=int, default=256, help="hf backend: sequences generated at once")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (also off when not a terminal)")

@@ -16,9 +16,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
-from trapo.config import ConfigError
-
-BACKENDS = ("vllm", "hf")
+from trapo.config import BACKENDS, ConfigError
 
 
 @dataclass
