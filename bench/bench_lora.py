@@ -100,6 +100,7 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
     import psutil
     import torch
 
+    from trapo.algorithm.loss import LossSpec
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
@@ -126,7 +127,7 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
         n = 16 + int(torch.randint(48, 113, (1,), generator=gen))
         ids = torch.randint(3, 300, (n,), generator=gen).tolist()
         seqs.append(TrainSequence(ids, 16, advantage=(-0.5, 0.5)[i % 2], weight=1.0, labeled=True))
-    policy = Policy(cfg, model_dir, WORLD, pad_id=0)
+    policy = Policy(cfg, model_dir, WORLD, pad_id=0, loss=LossSpec.from_config(cfg))
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in policy.model.parameters() if p.requires_grad)
     built = psutil.Process().memory_info().rss
     batch = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})

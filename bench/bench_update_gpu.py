@@ -86,6 +86,7 @@ def main() -> None:
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from trapo.algorithm.loss import LossSpec
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
@@ -99,7 +100,7 @@ def main() -> None:
     overrides = ["model.dtype=bfloat16", "model.gradient_checkpointing=true", "loss.entropy_coef=0.01",
                  f"train.micro_batch_tokens={args.tokens}", f"rollout.max_tokens={args.length}"]  # fmt: skip
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
-    policy = Policy(cfg, model_dir, 1, pad_id=0)
+    policy = Policy(cfg, model_dir, 1, pad_id=0, loss=LossSpec.from_config(cfg))
     params = sum(getattr(q, "ds_numel", q.numel()) for q in policy.model.parameters())
     g = torch.Generator().manual_seed(0)
     prompt = args.length // 4

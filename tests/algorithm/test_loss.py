@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trapo.algorithm.logits import kl_uniform_to_policy, token_entropy, token_logprobs
-from trapo.algorithm.loss import group_advantages, overlong_penalty, policy_loss
+from trapo.algorithm.loss import LossSpec, group_advantages, overlong_penalty, policy_loss
 
 
 def test_group_advantages_dr_grpo_is_centered_reward():
@@ -308,13 +308,14 @@ def test_update_shapes_rewards_only_with_soft_penalty():
     from trapo.training.update import shaped_advantages
 
     base = ["toy.enabled=true", "rollout.n=4", "rollout.max_tokens=10"]
-    soft = load_config(None, [*base, "loss.overlong=soft_penalty", "loss.overlong_buffer=4"])
-    adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], soft)
+    soft = LossSpec.from_config(load_config(None, [*base, "loss.overlong=soft_penalty", "loss.overlong_buffer=4"]))
+    adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], soft, 4)
     assert torch.allclose(adv, torch.tensor([[0.9375, 0.1875, -0.0625, -1.0625]]))
     assert torch.allclose(penalty, torch.tensor([[0.0, -0.75, 0.0, -1.0]]))
-    adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], load_config(None, base))
+    plain = LossSpec.from_config(load_config(None, base))
+    adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], plain, 4)
     assert torch.equal(adv, torch.tensor([[0.5, 0.5, -0.5, -0.5]])) and not penalty.any()
-    adv, penalty = shaped_advantages([], [], soft)
+    adv, penalty = shaped_advantages([], [], soft, 4)
     assert adv.shape == (0, 4) and penalty.shape == (0, 4)
 
 
@@ -334,12 +335,72 @@ def test_overlong_mask_leaves_the_denominators():
     assert loss_counts(seqs, drop_truncated=True) == {"sequences": 2, "tokens": 1 + 2}
     assert [s.truncated for s in build_sequences([[1]], [[[2]]], [[0.0]], [1.0], [True])] == [False]
     # ... and the update itself (Policy.trainable)
+    import dataclasses
+
     from trapo.config import Config
     from trapo.engine.policy import Policy
 
-    policy = object.__new__(Policy)  # the real method on a config alone: no model needed to filter
-    policy.cfg = Config()
-    policy.cfg.train.skip_zero_advantage = False
+    policy = object.__new__(Policy)  # the real method on a loss spec alone: no model needed to filter
+    cfg = Config()
+    cfg.train.skip_zero_advantage = False
+    policy.loss = LossSpec.from_config(cfg)
     assert policy.trainable(seqs) == seqs[:2]  # the gated question's two leave
-    policy.cfg.loss.overlong = "mask"
+    policy.loss = dataclasses.replace(policy.loss, overlong="mask")
     assert policy.trainable(seqs) == seqs[1:2]  # and the truncated response
+
+
+# ----------------------------------------------------------------------------- the loss spec
+
+
+def spec(*overrides: str) -> LossSpec:
+    from trapo.config import load_config
+
+    return LossSpec.from_config(load_config(None, ["toy.enabled=true", "rollout.max_tokens=10", *overrides]))
+
+
+def test_loss_spec_clip_range_per_objective():
+    """GSPO runs its own small range on the sequence ratio (the paper's 3e-4 / 4e-4), not loss.clip_eps."""
+    grpo = spec("loss.clip_eps=0.25", "loss.clip_eps_high=0.3")
+    assert (grpo.clip_eps, grpo.clip_eps_high) == (0.25, 0.3)
+    gspo = spec("loss.objective=gspo", "loss.clip_eps=0.25", "loss.clip_eps_high=0.3")
+    assert (gspo.clip_eps, gspo.clip_eps_high) == (3e-4, 4e-4)
+    gspo = spec("loss.objective=gspo", "loss.gspo_clip_eps=1e-3", "loss.gspo_clip_eps_high=2e-3")
+    assert (gspo.clip_eps, gspo.clip_eps_high) == (1e-3, 2e-3)
+    assert (spec("loss.objective=cispo").clip_eps, spec("loss.objective=cispo").clip_eps_high) == (0.2, None)
+
+
+@pytest.mark.parametrize(
+    "overrides, inert",
+    [
+        (["loss.entropy_coef=0.0"], True),  # Dr.GRPO alone: the A-weighted term is all there is
+        ([], False),  # the default entropy bonus 0.01 still pulls on a zero-advantage sequence
+        (["loss.entropy_coef=0.0", "loss.beta=0.01"], False),  # and so does the KL term
+    ],
+)
+def test_loss_spec_zero_advantage_sequences(overrides, inert):
+    s = spec(*overrides)
+    assert s.zero_advantage_no_gradient is inert and s.skips_zero_advantage is inert
+    assert s.trains(0.0, 1.0, False) is not inert and s.carries_signal(0.0) is not inert
+    assert s.trains(-0.5, 1.0, False) and s.carries_signal(0.5)
+    assert not s.trains(0.5, 0.0, False)  # gate M = 0: nothing to train, whatever the advantage
+    forced = spec(*overrides, "train.skip_zero_advantage=true")  # skipped even where not exact
+    assert forced.skips_zero_advantage and not forced.trains(0.0, 1.0, False)
+    kept = spec(*overrides, "train.skip_zero_advantage=false")
+    assert not kept.skips_zero_advantage and kept.trains(0.0, 1.0, False)
+    assert kept.carries_signal(0.0) is not inert  # the work counts still know it adds nothing
+
+
+def test_loss_spec_overlong_and_denominators():
+    """L_max = rollout.max_tokens = 10; soft_penalty's L_cache defaults to L_max // 5 = 2."""
+    none, mask, soft = spec(), spec("loss.overlong=mask"), spec("loss.overlong=soft_penalty")
+    assert not none.drops_truncated and none.trains(0.5, 1.0, True) and not none.penalizes_length
+    assert mask.drops_truncated and not mask.trains(0.5, 1.0, True) and not mask.penalizes_length
+    assert soft.penalizes_length and not soft.drops_truncated and soft.overlong_buffer == 2
+    lengths = torch.tensor([[8, 9, 10]])
+    assert torch.equal(soft.length_penalty(lengths), torch.tensor([[0.0, -0.5, -1.0]]))  # free to 8, then a ramp
+    assert not none.length_penalty(lengths).any() and not mask.length_penalty(lengths).any()
+    # dr_grpo: N * L_max; token_mean: the response tokens; seq_mean: N
+    assert none.denominator(4, 30) == 40.0
+    assert spec("loss.agg=token_mean").denominator(4, 30) == 30.0
+    assert spec("loss.agg=seq_mean").denominator(4, 30) == 4.0
+    assert spec("loss.beta=0.01").needs_reference and not none.needs_reference

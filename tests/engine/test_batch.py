@@ -3,8 +3,8 @@
 import torch
 
 from trapo.algorithm.logits import token_logprobs
-from trapo.algorithm.loss import policy_loss
-from trapo.engine.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
+from trapo.algorithm.loss import loss_denominator, policy_loss
+from trapo.engine.batch import TrainSequence, collate, pack_by_tokens
 
 
 def test_pack_by_tokens_respects_budget_and_covers_all():

@@ -158,7 +158,7 @@ def packed_vs_padded(cfg) -> None:
 
     from deepspeed.utils import safe_get_full_grad
 
-    from trapo.algorithm.loss import policy_loss
+    from trapo.algorithm.loss import LossSpec, policy_loss
     from trapo.commands.toy import build_assets
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
@@ -176,7 +176,7 @@ def packed_vs_padded(cfg) -> None:
     results = {}
     for packed in (False, True):
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed, micro_batch_tokens=256))
-        policy = Policy(run_cfg, model_dir, 1, pad_id=0)
+        policy = Policy(run_cfg, model_dir, 1, pad_id=0, loss=LossSpec.from_config(run_cfg))
         logprobs, entropies, losses = [None] * len(seqs), [None] * len(seqs), 0.0
         for group, batch in policy._microbatches(seqs):
             stats = policy._token_stats(batch, entropy=True)

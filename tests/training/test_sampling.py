@@ -100,9 +100,9 @@ def test_take_returns_this_ranks_kept_groups_in_global_order():
 
     rounds = [rnd([11, 13, 15]), rnd([21, 23])]  # rank 1's shares: positions 1, 3, 5 then 1, 3
     plan = {(0, 3): 0, (1, 1): 1, (0, 0): 0, (1, 3): 1}  # (0, 0) is rank 0's
-    ids, rollouts, rewards, gate, updates = sampling.take(rounds, plan, rank, world)
-    assert ids == [13, 21, 23] and rollouts == [["r13"], ["r21"], ["r23"]]
-    assert rewards == [[13.0], [21.0], [23.0]] and gate == [1.0, 1.0, 1.0] and updates == [0, 1, 1]
+    kept = sampling.take(rounds, plan, rank, world)
+    assert kept.question_ids == [13, 21, 23] and kept.rollouts == [["r13"], ["r21"], ["r23"]]
+    assert kept.rewards == [[13.0], [21.0], [23.0]] and kept.gate == [1.0, 1.0, 1.0] and kept.update_of == [0, 1, 1]
 
 
 def test_cursor_one_batch_per_step_is_the_step_derived_order():

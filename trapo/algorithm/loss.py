@@ -2,6 +2,8 @@
 loss: the clipped GRPO surrogate (paper eq. "grpo"), GSPO's sequence-level
 variant or CISPO's clipped-IS-weight REINFORCE (`loss.objective`). The rollout
 importance weights that multiply it live in `trapo.algorithm.importance`.
+`LossSpec` is the run's loss, decided once from the config: the engine runs it,
+the update shapes rewards and counts denominators by it.
 
 Pure functions on tensors: no I/O, no distributed calls. Shapes use
 B questions, G rollouts per question, N = B * G sequences, L response
@@ -14,8 +16,12 @@ beta = 0 (no KL to a reference policy), entropy coefficient 0.01.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from trapo.config import Config
 
 ADVANTAGE_SCALES = ("none", "std")
 AGGREGATIONS = ("dr_grpo", "token_mean", "seq_mean")
@@ -59,6 +65,21 @@ def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, factor: floa
     expected = max_tokens - buffer  # L_max - L_cache: the length that is still free of penalty
     ramp = (expected - lengths) / buffer * factor
     return torch.where(lengths <= expected, 0.0, torch.where(lengths <= max_tokens, ramp, -factor))
+
+
+def loss_denominator(agg: str, num_sequences: int, num_tokens: int, max_tokens: int) -> float:
+    """The full update batch's denominator for `policy_loss(..., denom=)`.
+
+    dr_grpo: N * max_tokens (Dr.GRPO's constant generation budget, so a
+    token's weight does not depend on how long the other responses are);
+    token_mean: the number of response tokens; seq_mean: N. Counted over
+    every sequence of the update batch on all ranks, gated ones included.
+    """
+    if agg == "dr_grpo":
+        return float(max(num_sequences * max_tokens, 1))
+    if agg == "token_mean":
+        return float(max(num_tokens, 1))
+    return float(max(num_sequences, 1))
 
 
 def _aggregate(terms: Tensor, mask: Tensor, weights: Tensor, agg: str, denom: float | None) -> Tensor:
@@ -223,3 +244,95 @@ def policy_loss(
         }
         out.update({k: token_avg(v) for k, v in metrics.items()})
     return loss, out
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss a run trains with, decided once from `cfg.loss` (with rollout.max_tokens and
+    train.skip_zero_advantage): `Policy` runs it, `trapo.training.update` shapes rewards and counts by it."""
+
+    objective: str  # OBJECTIVES
+    clip_eps: float  # the objective's clip below 1 (GSPO: its own small range, loss.gspo_clip_eps)
+    clip_eps_high: float | None  # and above 1 (None: clip_eps)
+    agg: str  # AGGREGATIONS
+    max_tokens: int  # L_max, rollout.max_tokens: dr_grpo's constant denominator and the overlong rules' cut
+    entropy_coef: float
+    beta: float  # the k3 KL term's weight
+    advantage_scale: str  # ADVANTAGE_SCALES
+    overlong: str  # "none", "mask" (drop responses cut at L_max) or "soft_penalty" (DAPO's R_len)
+    overlong_buffer: int  # L_cache in tokens (soft_penalty)
+    overlong_penalty: float  # R_len at and past L_max is -overlong_penalty
+    rollout_is: str | bool | None  # loss.rollout_is as configured; `importance.resolve_mode` picks the mode
+    rollout_is_cap: float
+    rollout_is_lower: float | None
+    skip_zero_advantage: bool | None = None  # train.skip_zero_advantage; None: skip when exact
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> LossSpec:
+        lo, max_tokens = cfg.loss, cfg.rollout.max_tokens
+        gspo = lo.objective == "gspo"  # GSPO clips a sequence ratio near 1: its own small range
+        return cls(
+            objective=lo.objective,
+            clip_eps=lo.gspo_clip_eps if gspo else lo.clip_eps,
+            clip_eps_high=lo.gspo_clip_eps_high if gspo else lo.clip_eps_high,
+            agg=lo.agg,
+            max_tokens=max_tokens,
+            entropy_coef=lo.entropy_coef,
+            beta=lo.beta,
+            advantage_scale=lo.advantage_scale,
+            overlong=lo.overlong,
+            overlong_buffer=lo.overlong_buffer_tokens(max_tokens),
+            overlong_penalty=lo.overlong_penalty,
+            rollout_is=lo.rollout_is,
+            rollout_is_cap=lo.rollout_is_cap,
+            rollout_is_lower=lo.rollout_is_lower,
+            skip_zero_advantage=cfg.train.skip_zero_advantage,
+        )
+
+    @property
+    def zero_advantage_no_gradient(self) -> bool:
+        """Whether a sequence with advantage 0 has exactly zero gradient: every objective's policy-gradient
+        term is a multiple of A, the entropy bonus and the KL term are not."""
+        return self.entropy_coef == 0.0 and self.beta == 0.0
+
+    @property
+    def skips_zero_advantage(self) -> bool:
+        """Whether sequences with advantage 0 are left out of the update (train.skip_zero_advantage)."""
+        return self.zero_advantage_no_gradient if self.skip_zero_advantage is None else self.skip_zero_advantage
+
+    @property
+    def drops_truncated(self) -> bool:
+        """loss.overlong=mask, DAPO's overlong filtering: a response cut at L_max leaves the loss and its
+        denominators, as if never sampled."""
+        return self.overlong == "mask"
+
+    @property
+    def penalizes_length(self) -> bool:
+        """loss.overlong=soft_penalty: DAPO's R_len is added to every response's reward."""
+        return self.overlong == "soft_penalty"
+
+    @property
+    def needs_reference(self) -> bool:
+        """The KL term needs the reference policy's log-probs."""
+        return self.beta > 0
+
+    def trains(self, advantage: float, weight: float, truncated: bool) -> bool:
+        """Whether a sequence is worth a forward and backward: gate M != 0 (a gated-out sequence adds
+        nothing), advantage != 0 where `skips_zero_advantage`, not cut where `drops_truncated`."""
+        if weight == 0.0 or (self.drops_truncated and truncated):
+            return False
+        return not (self.skips_zero_advantage and advantage == 0.0)
+
+    def carries_signal(self, advantage: float) -> bool:
+        """Whether a trained sequence's gradient can be non-zero (the update's work counts)."""
+        return advantage != 0.0 or not self.zero_advantage_no_gradient
+
+    def denominator(self, sequences: int, tokens: int) -> float:
+        """`loss_denominator` of an update batch of `sequences` counted sequences and `tokens` response tokens."""
+        return loss_denominator(self.agg, sequences, tokens, self.max_tokens)
+
+    def length_penalty(self, lengths: Tensor) -> Tensor:
+        """[b, G] response token counts -> R_len [b, G] (DAPO eq. 13) under soft_penalty, else zeros."""
+        if not self.penalizes_length:
+            return torch.zeros(lengths.shape)
+        return overlong_penalty(lengths, self.max_tokens, self.overlong_buffer, self.overlong_penalty)

@@ -63,7 +63,7 @@ def build_sequences(
 
 
 def loss_counts(seqs: list[TrainSequence], drop_truncated: bool = False) -> dict[str, int]:
-    """The sequences and response tokens an update batch's loss denominators count (`loss_denominator`):
+    """The sequences and response tokens an update batch's loss denominators count (`LossSpec.denominator`):
     all of them, gated ones included, except truncated ones when `drop_truncated` (loss.overlong=mask,
     DAPO's overlong filtering: a cut response is treated as never sampled, so it leaves the token_mean
     denominator, the seq_mean count and dr_grpo's N alike, not only the numerator)."""
@@ -124,18 +124,3 @@ def collate(seqs: list[TrainSequence], pad_id: int) -> dict[str, Tensor]:
                 values[row, s.prompt_len - 1 : len(s.ids) - 1] = torch.tensor(getattr(s, key))
             out[key] = values
     return out
-
-
-def loss_denominator(agg: str, num_sequences: int, num_tokens: int, max_tokens: int) -> float:
-    """The full update batch's denominator for `policy_loss(..., denom=)`.
-
-    dr_grpo: N * max_tokens (Dr.GRPO's constant generation budget, so a
-    token's weight does not depend on how long the other responses are);
-    token_mean: the number of response tokens; seq_mean: N. Counted over
-    every sequence of the update batch on all ranks, gated ones included.
-    """
-    if agg == "dr_grpo":
-        return float(max(num_sequences * max_tokens, 1))
-    if agg == "token_mean":
-        return float(max(num_tokens, 1))
-    return float(max(num_sequences, 1))

@@ -23,10 +23,10 @@ import torch
 from trapo import console
 from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
-from trapo.algorithm.loss import policy_loss
+from trapo.algorithm.loss import LossSpec, policy_loss
 from trapo.config import Config, ConfigError
 from trapo.engine import attention, dist, lora, packing
-from trapo.engine.batch import TrainSequence, collate, loss_denominator, pack_by_tokens
+from trapo.engine.batch import TrainSequence, collate, pack_by_tokens
 from trapo.engine.memory_plan import check_stage
 from trapo.runtime import torch_dtype
 
@@ -110,12 +110,13 @@ def _offloadable_states(wanted: bool) -> list | None:
 
 
 class Policy:
-    def __init__(self, cfg: Config, model_dir: str, world: int, pad_id: int):
+    def __init__(self, cfg: Config, model_dir: str, world: int, pad_id: int, *, loss: LossSpec):
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
         self.cfg, self.world, self.pad_id = cfg, world, pad_id
+        self.loss = loss  # what `update` runs; the config's loss keys are read only through it
         self.device = dist.comm_device()
         dtype = torch_dtype(cfg.model.dtype)
         try:
@@ -169,7 +170,7 @@ class Policy:
         # policy (each rank holds 1/world of it) and run forward only; no optimizer, never saved.
         # With LoRA the reference is the base itself: the same model with its adapters off (`_reference`).
         self.ref = None
-        if cfg.loss.beta > 0 and not self.lora:
+        if loss.needs_reference and not self.lora:
             ref = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype).requires_grad_(False)
             ref.config.use_cache = False
             if cfg.train.packing:
@@ -177,7 +178,7 @@ class Policy:
             ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
             self.ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
             self.ref.eval()
-        self.rollout_is = resolve_mode(cfg.loss.rollout_is, on_gpu)  # "off" or the mode that runs
+        self.rollout_is = resolve_mode(loss.rollout_is, on_gpu)  # "off" or the mode that runs
         bias = top_p_bias_warning(self.rollout_is, cfg.rollout.top_p)
         if bias:
             console.warn_once("rollout_is_top_p", bias)
@@ -373,23 +374,10 @@ class Policy:
 
     # ------------------------------------------------------------------ the update
 
-    def skips_zero_advantage(self) -> bool:
-        """Whether sequences with advantage 0 are left out of the update (see train.skip_zero_advantage)."""
-        skip, loss = self.cfg.train.skip_zero_advantage, self.cfg.loss
-        return (loss.entropy_coef == 0.0 and loss.beta == 0.0) if skip is None else skip
-
     def trainable(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
-        """The sequences worth a forward and backward: gate M != 0 (a gated-out sequence adds nothing),
-        advantage != 0 where `skips_zero_advantage` (Dr.GRPO: a group whose rewards are all equal), and
-        not truncated under loss.overlong=mask (DAPO's overlong filtering; `batch.loss_counts` drops them
-        from the denominators too)."""
-        skip_zero = self.skips_zero_advantage()
-        drop_cut = self.cfg.loss.overlong == "mask"
-        return [
-            s
-            for s in seqs
-            if s.weight != 0.0 and not (skip_zero and s.advantage == 0.0) and not (drop_cut and s.truncated)
-        ]
+        """The sequences worth a forward and backward (`LossSpec.trains`); the denominators still count the
+        skipped ones, and under loss.overlong=mask drop the truncated ones too (`batch.loss_counts`)."""
+        return [s for s in seqs if self.loss.trains(s.advantage, s.weight, s.truncated)]
 
     def balance(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
         """This rank's share of every rank's `seqs`, token counts nearly equal across ranks (collective).
@@ -409,27 +397,18 @@ class Policy:
         when a non-finite loss on any rank made the step be skipped. The sums stay on the device until
         the end of the update: one host synchronisation.
         """
-        cfg = self.cfg
+        lo = self.loss
         # Divided by the world size because DeepSpeed averages gradients over ranks.
-        denom = (
-            loss_denominator(cfg.loss.agg, int(batch["sequences"]), int(batch["tokens"]), cfg.rollout.max_tokens)
-            / self.world
-        )
+        denom = lo.denominator(int(batch["sequences"]), int(batch["tokens"])) / self.world
         groups = self._groups(seqs)
         # The work done, for update_efficiency: every rank's micro-batch layout and its tokens with signal.
-        signal_always = cfg.loss.entropy_coef != 0.0 or cfg.loss.beta != 0.0
-        signal = sum(len(s.ids) for s in seqs if signal_always or s.advantage != 0.0)
+        signal = sum(len(s.ids) for s in seqs if lo.carries_signal(s.advantage))
         layouts = dist.all_gather(([[len(seqs[i].ids) for i in g] for g in groups if g], signal))
-        work = packing.work_counts([lay for lay, _ in layouts], sum(n for _, n in layouts), cfg.train.packing)
+        work = packing.work_counts([lay for lay, _ in layouts], sum(n for _, n in layouts), self.cfg.train.packing)
         sums = torch.zeros(len(UPDATE_SUMS) + 1, dtype=torch.float64, device=self.device)  # + non-finite count
-        lo = cfg.loss
-        # GSPO clips a sequence ratio near 1 with its own small range; GRPO and CISPO use clip_eps(_high).
-        gspo = lo.objective == "gspo"
-        clip_eps = lo.gspo_clip_eps if gspo else lo.clip_eps
-        clip_eps_high = lo.gspo_clip_eps_high if gspo else lo.clip_eps_high
         self.engine.train()
         for group, batch in self._microbatches(seqs, groups):
-            stats = self._token_stats(batch, entropy=bool(cfg.loss.entropy_coef))  # [b, T-1] each
+            stats = self._token_stats(batch, entropy=lo.entropy_coef != 0.0)  # [b, T-1] each
             mask = batch["response_mask"].to(self.device)  # [b, T-1]
             # One update per rollout batch (the paper's setting) is on-policy: pi_old = pi_theta.
             old = batch["old_logprobs"].to(self.device) if "old_logprobs" in batch else stats.logprobs.detach()
@@ -445,17 +424,17 @@ class Policy:
                 old,
                 batch["advantages"].to(self.device),
                 mask,
-                clip_eps=clip_eps,
-                clip_eps_high=clip_eps_high,
+                clip_eps=lo.clip_eps,
+                clip_eps_high=lo.clip_eps_high,
                 objective=lo.objective,
                 weights=batch["weights"].to(self.device),
-                agg=cfg.loss.agg,
+                agg=lo.agg,
                 denom=denom,
                 entropy=stats.entropy,
-                entropy_coef=cfg.loss.entropy_coef,
+                entropy_coef=lo.entropy_coef,
                 token_weights=is_weights,
                 ref_logprobs=ref_lp,
-                beta=cfg.loss.beta,
+                beta=lo.beta,
             )
             if not group:
                 loss = loss * 0.0

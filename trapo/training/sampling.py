@@ -54,6 +54,17 @@ class Round:
     rewards: list[list[float]]  # [b][G], what the advantages are computed from
 
 
+@dataclass
+class KeptGroups:
+    """This rank's groups that the step's update trains on, of all rounds, in global order (`take`)."""
+
+    question_ids: list[int]  # [k]
+    rollouts: list  # [k][G] trapo.engine.rollout.Rollout
+    rewards: list[list[float]]  # [k][G]
+    gate: list[float]  # [k] M
+    update_of: list[int]  # [k] the update batch each group goes to
+
+
 @dataclass(frozen=True)
 class Cursor:
     """Where the next step's data starts: epoch (0-based) and batch index within the epoch's order."""
@@ -123,16 +134,15 @@ def in_loss(rounds: list[Round], plan: dict[Key, int], rank: int, world: int) ->
     return out
 
 
-def take(rounds: list[Round], plan: dict[Key, int], rank: int, world: int) -> tuple[list, list, list, list, list]:
-    """This rank's kept groups of all rounds, in global order, as `trapo.training.update.update_policy` takes them:
-    (question_ids [k], rollouts [k][G], rewards [k][G], gate [k], update batch of each [k])."""
-    ids, rollouts, rewards, gate, updates = [], [], [], [], []
+def take(rounds: list[Round], plan: dict[Key, int], rank: int, world: int) -> KeptGroups:
+    """This rank's kept groups of all rounds, in global order, as `trapo.training.update.update_policy` takes them."""
+    kept = KeptGroups([], [], [], [], [])
     for i, rnd in enumerate(rounds):
         for j, key in enumerate(local_keys(i, len(rnd.question_ids), rank, world)):
             if key in plan:
-                ids.append(rnd.question_ids[j])
-                rollouts.append(rnd.rollouts[j])
-                rewards.append(rnd.rewards[j])
-                gate.append(rnd.gate[j])
-                updates.append(plan[key])
-    return ids, rollouts, rewards, gate, updates
+                kept.question_ids.append(rnd.question_ids[j])
+                kept.rollouts.append(rnd.rollouts[j])
+                kept.rewards.append(rnd.rewards[j])
+                kept.gate.append(rnd.gate[j])
+                kept.update_of.append(plan[key])
+    return kept

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from trapo import console, runtime
+from trapo.algorithm.loss import LossSpec
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier, merged
 from trapo.algorithm.selection import confidence_kind
@@ -75,7 +76,8 @@ class Trainer:
         self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
         # A vLLM that fails to import: one line after the input checks (they stay quick), before the model loads
         require_backend(cfg.rollout.backend)
-        self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
+        loss = LossSpec.from_config(cfg)  # the loss's rules, decided once: the policy runs them, the update reads them
+        self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id, loss=loss)
         generation = getattr(self.policy.model, "generation_config", None)
         stops = stop_token_ids(self.tokenizer, generation and generation.eos_token_id)
         settings = EngineSettings.for_run(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
@@ -124,26 +126,27 @@ class Trainer:
 
         # 4. advantages and the update(s) on the kept groups
         with timer.time("update"):
-            question_ids, rollouts, rewards, gate, update_of = sampling.take(rounds, plan, self.rank, self.world)
-            applied, update_sums, n_updates, work = update_policy(
-                self.policy, self.cfg, self.step, [self.prompts[i] for i in question_ids],
-                [self.questions[i].labeled for i in question_ids], rollouts, rewards, gate, update_of, n_updates,
-            )  # fmt: skip
+            groups = sampling.take(rounds, plan, self.rank, self.world)
+            prompts = [self.prompts[i] for i in groups.question_ids]
+            labeled = [self.questions[i].labeled for i in groups.question_ids]
+            update = update_policy(self.policy, cfg, groups, prompts, labeled, step=self.step, n_updates=n_updates)
 
         # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
         with timer.time("weight_push"):
             pushed_bytes = self.rollout.push_weights(self.policy.full_weights())
 
         # 6. statistics over all ranks; at the epoch's end, extend trajectories and select for the next epoch
-        totals = dist.all_sum({**update_sums, **self._rollout_sums(rounds, plan)})
+        totals = dist.all_sum({**update.sums, **self._rollout_sums(rounds, plan)})
         majority = cfg.mode != "supervised" and cfg.reward.unlabeled == "majority"
         step_log = {
             "step": self.step + 1,
             "epoch": epoch + 1,
-            **metrics.step_values(totals, world=self.world, updates=n_updates, applied=applied, majority=majority),
+            **metrics.step_values(
+                totals, world=self.world, updates=n_updates, applied=update.applied, majority=majority
+            ),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
             "pushed_gb": pushed_bytes / 2**30,
-            **update_efficiency(work),  # signal tokens / tokens computed by all ranks, and the rest's parts
+            **update_efficiency(update.work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
         if cfg.rollout.dynamic_sampling:
             rolled = sum(len(order[first + i]) for i in range(len(rounds)))
