@@ -205,7 +205,7 @@ def test_loss_options_defaults_keep_todays_loss():
 
 def test_each_set_of_choices_has_one_source(capsys):
     """The tuples other modules check against or offer are `typing.get_args` of the schema's Literals."""
-    from trapo.algorithm import importance, passrate, selection
+    from trapo.algorithm import importance, loss, passrate, selection
     from trapo.commands import eval as eval_command
     from trapo.engine import rollout
 
@@ -225,6 +225,8 @@ def test_each_set_of_choices_has_one_source(capsys):
     assert config.STRATEGIES == choices(config.SelectionConfig, "strategy")
     assert rollout.BACKENDS is config.BACKENDS and importance.ROLLOUT_IS_MODES is config.ROLLOUT_IS_MODES
     assert passrate.REFERENCES is config.REFERENCES and selection.STRATEGIES is config.STRATEGIES
+    assert loss.AGGREGATIONS is config.AGGREGATIONS and loss.OBJECTIVES is config.OBJECTIVES
+    assert loss.ADVANTAGE_SCALES is config.ADVANTAGE_SCALES
     with pytest.raises(SystemExit):
         eval_command.main(["--help"])
     shown = capsys.readouterr().out

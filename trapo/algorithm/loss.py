@@ -21,11 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trapo.config import Config
-
-ADVANTAGE_SCALES = ("none", "std")
-AGGREGATIONS = ("dr_grpo", "token_mean", "seq_mean")
-OBJECTIVES = ("grpo", "gspo", "cispo")
+from trapo.config import ADVANTAGE_SCALES, AGGREGATIONS, OBJECTIVES, Config
 
 
 def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
