@@ -127,6 +127,19 @@ def test_every_module_under_the_line_limit():
     assert long == {}, f"split these along their seams: {long}"
 
 
+def test_modules_are_formatted_not_squeezed():
+    """The line limit is met by formatted code: no formatter escapes, and `ruff format` would change nothing."""
+    import subprocess
+    import sys
+
+    escapes = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "fmt: " + "skip" in p.read_text()]
+    assert escapes == []
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", str(PACKAGE)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("layer", ["algorithm", "engine", "training", "commands"])
 def test_each_layer_says_what_it_holds_and_may_import(layer):
     doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))

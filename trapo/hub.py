@@ -72,8 +72,9 @@ def cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def fetch(name: str, revision: str | None = None, *, kind: str = "model", what: str = "model.path",
-          cached_only: bool = False) -> Snapshot:  # fmt: skip
+def fetch(
+    name: str, revision: str | None = None, *, kind: str = "model", what: str = "model.path", cached_only: bool = False
+) -> Snapshot:
     """The local directory of `name`: itself when it is a directory, else its hub snapshot at `revision`
     (downloaded unless cached; `cached_only` or HF_HUB_OFFLINE=1: the cache alone). `what` names the
     setting or option in errors."""

@@ -53,8 +53,10 @@ def configure(gpu: bool | None = None) -> None:
     # A TORCHDYNAMO_DISABLE inherited from a shell that ran CPU work would turn vLLM's compiled
     # model and CUDA graphs off on GPU, silently and slowly.
     if gpu and os.environ.pop("TORCHDYNAMO_DISABLE", None) is not None:
-        NOTICES.append("TORCHDYNAMO_DISABLE was set in the environment: unset on GPU, where it turns off "
-                       "vLLM's compiled model and CUDA graphs")  # fmt: skip
+        NOTICES.append(
+            "TORCHDYNAMO_DISABLE was set in the environment: unset on GPU, where it turns off "
+            "vLLM's compiled model and CUDA graphs"
+        )
     for key, value in settings(gpu).items():
         os.environ.setdefault(key, value)
 

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.attention import register_attention
+from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.packing import (
     balance,
     collate_packed,

@@ -232,8 +232,11 @@ def environment(checks: Checks, gpu: bool, backend: str) -> None:
 
     try:
         require_backend(backend)
-        what = "vLLM engines, weights pushed after each update" if backend == "vllm" else (
-            "the policy's own transformers model (vLLM not needed)")  # fmt: skip
+        what = (
+            "vLLM engines, weights pushed after each update"
+            if backend == "vllm"
+            else ("the policy's own transformers model (vLLM not needed)")
+        )
         checks.add("rollout backend", True, f"{backend}: {what}")
     except ConfigError as err:
         checks.add("rollout backend", False, str(err), "make setup, or rollout.backend=hf")
@@ -253,14 +256,22 @@ def environment(checks: Checks, gpu: bool, backend: str) -> None:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         total = [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(len(names))]
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-        checks.add("GPUs", bool(names), f"{len(names)} x {names[0]}, {min(total):.1f} GiB each; CUDA "
-                   f"{torch.version.cuda}, NCCL {nccl}", "check CUDA_VISIBLE_DEVICES and the driver")  # fmt: skip
+        checks.add(
+            "GPUs",
+            bool(names),
+            f"{len(names)} x {names[0]}, {min(total):.1f} GiB each; CUDA {torch.version.cuda}, NCCL {nccl}",
+            "check CUDA_VISIBLE_DEVICES and the driver",
+        )
     else:
         checks.add("GPUs", True, "none: the CPU subset runs (no bandwidth, no sleep, no memory plan)")
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     fine = not gpu or local < torch.cuda.device_count()
-    checks.add("launcher world", fine, f"world size {world}, this node's local rank {local}",
-               "one rank per GPU: deepspeed --num_gpus N, N <= the GPUs seen")  # fmt: skip
+    checks.add(
+        "launcher world",
+        fine,
+        f"world size {world}, this node's local rank {local}",
+        "one rank per GPU: deepspeed --num_gpus N, N <= the GPUs seen",
+    )
 
 
 def collectives(checks: Checks, gpu: bool, rank: int, world: int) -> None:
@@ -286,8 +297,12 @@ def collectives(checks: Checks, gpu: bool, rank: int, world: int) -> None:
     group = torch.distributed.new_group(backend="gloo")
     y = torch.full((1024,), float(rank + 1))
     torch.distributed.all_reduce(y, group=group)
-    checks.add("gloo all-reduce", bool(torch.all(y == world * (world + 1) / 2)), f"{world} ranks over gloo",
-               "set GLOO_SOCKET_IFNAME to the interface the nodes share (and list it in .deepspeed_env)")  # fmt: skip
+    checks.add(
+        "gloo all-reduce",
+        bool(torch.all(y == world * (world + 1) / 2)),
+        f"{world} ranks over gloo",
+        "set GLOO_SOCKET_IFNAME to the interface the nodes share (and list it in .deepspeed_env)",
+    )
 
 
 def shrunken_model(model_dir: str, out: Path) -> str:
@@ -339,7 +354,7 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
         # One update must move the policy visibly, so that a push that did not land shows in the health metric.
         train=dataclasses.replace(
             cfg.train, rollout_batch_size=questions, update_batch_size=questions, lr=1e-3, skip_zero_advantage=False
-        ),  # fmt: skip
+        ),
         eval=dataclasses.replace(cfg.eval, steps=0, files=[]),
     )
     toy.prepare(cfg)
@@ -360,16 +375,27 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
     ]
     diff = max(measured) if measured else float("inf")  # no trained token in two steps: nothing was compared
     if trainer.rollout.effective_config() is not None:  # a copy of the weights: the push is what is checked
-        checks.add("weights in the engine", diff < limit, f"log-prob difference engine vs policy {diff:.2e} "
-                   f"(limit {limit:g}) after {'sleep, wake and ' if gpu else ''}push",
-                   "the engine samples from stale weights: the push or the wake failed (see log.txt)")  # fmt: skip
+        checks.add(
+            "weights in the engine",
+            diff < limit,
+            f"log-prob difference engine vs policy {diff:.2e} "
+            f"(limit {limit:g}) after {'sleep, wake and ' if gpu else ''}push",
+            "the engine samples from stale weights: the push or the wake failed (see log.txt)",
+        )
     else:
-        checks.add("rollouts vs policy", diff < limit, f"log-prob difference hf generation vs update "
-                   f"forward {diff:.2e} (limit {limit:g})",
-                   "generation and the update run different models (log.txt)")  # fmt: skip
+        checks.add(
+            "rollouts vs policy",
+            diff < limit,
+            f"log-prob difference hf generation vs update forward {diff:.2e} (limit {limit:g})",
+            "generation and the update run different models (log.txt)",
+        )
     trained = sum(int(log["trained_sequences"]) for log in logs)
-    checks.add("update", all(not log["skipped"] for log in logs), f"2 steps applied, {trained} sequences trained",
-               "a non-finite loss on random weights: check the dtype")  # fmt: skip
+    checks.add(
+        "update",
+        all(not log["skipped"] for log in logs),
+        f"2 steps applied, {trained} sequences trained",
+        "a non-finite loss on random weights: check the dtype",
+    )
     for phase in ("rollout", "grading", "update", "weight_push"):
         seconds = statistics.median(log["timing"].get(phase, 0.0) for log in logs)
         peak = max(log.get("peak_gb", {}).get(phase, 0.0) for log in logs)
@@ -405,9 +431,11 @@ def preflight(args: argparse.Namespace) -> int:
         except Exception as err:  # noqa: BLE001 - any failure of the run is this check's finding
             from trapo.data import DataError
 
-            fix = ("the training files: make data SOURCES=... (README, 'Reproducing the paper on GPUs')"
-                   if isinstance(err, DataError) else
-                   "the traceback is in the log (TRAPO_LOG_LEVEL=debug shows it on the terminal)")  # fmt: skip
+            fix = (
+                "the training files: make data SOURCES=... (README, 'Reproducing the paper on GPUs')"
+                if isinstance(err, DataError)
+                else "the traceback is in the log (TRAPO_LOG_LEVEL=debug shows it on the terminal)"
+            )
             checks.add("trial run", False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}", fix)
             traceback.print_exc()  # into the captured log
         if gpu and not cfg.toy.enabled:
@@ -415,13 +443,19 @@ def preflight(args: argparse.Namespace) -> int:
             ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
             memory = torch.cuda.get_device_properties(0).total_memory
             plan = memory_plan(cfg, world, memory, arch, ds_config)
-            checks.add("memory plan", plan.fits, f"{world} x {memory / 2**30:.0f} GiB: peak "
-                       f"{max(plan.peak(p) for p in plan.phases) / 2**30:.1f} GiB",
-                       plan.problems[0] if plan.problems else "")  # fmt: skip
+            checks.add(
+                "memory plan",
+                plan.fits,
+                f"{world} x {memory / 2**30:.0f} GiB: peak {max(plan.peak(p) for p in plan.phases) / 2**30:.1f} GiB",
+                plan.problems[0] if plan.problems else "",
+            )
         if rank == 0:
             print(checks.table(), file=console.terminal_out(), flush=True)
-            print(f"trapo doctor: {len(checks.rows) - checks.failed} passed, {checks.failed} failed",
-                  file=console.terminal_out(), flush=True)  # fmt: skip
+            print(
+                f"trapo doctor: {len(checks.rows) - checks.failed} passed, {checks.failed} failed",
+                file=console.terminal_out(),
+                flush=True,
+            )
     return 1 if checks.failed else 0
 
 

@@ -275,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         n_for = (lambda name: args.n) if args.n else (lambda name: PAPER_SAMPLES.get(name, 1))
         several = [b.name for b in benchmarks if n_for(b.name) > 1]
         if args.temperature == 0 and several:
-            raise DataError(f"--temperature 0 (greedy) gives one sample per question; {several[0]} takes "
-                            f"{n_for(several[0])} by the paper's protocol: add --n 1")  # fmt: skip
+            raise DataError(
+                f"--temperature 0 (greedy) gives one sample per question; {several[0]} takes "
+                f"{n_for(several[0])} by the paper's protocol: add --n 1"
+            )
         if args.pass_k and any(n_for(b.name) < args.pass_k for b in benchmarks):
             raise DataError(f"--pass-k {args.pass_k} needs --n >= {args.pass_k}")
         default_out = Path("outputs/eval") / args.model.replace("/", "--") if on_hub else model.parent / "eval"
@@ -316,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
 
         traceback.print_exc()  # into log.txt (the terminal when nothing was captured)
         where = f"; traceback in {log}" if log else ""
-        print(f"trapo eval: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{where}",
-              file=console.terminal())  # fmt: skip
+        print(
+            f"trapo eval: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}{where}",
+            file=console.terminal(),
+        )
         return 1
 
 

@@ -42,11 +42,20 @@ MAX_FILE = 60 * 2**20
 MAX_KIT = 40 * 2**20  # leaves the repository 24 MiB of a call's 64
 # Carried as wheels from the package index (pure Python, or built for CPython 3.12).
 WHEELS = [
-    "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "hjson",
-    "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime",
-    "transformers", "tokenizers", "regex",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "hjson",
+    "math-verify",
+    "latex2sympy2_extended",
+    "antlr4-python3-runtime",
+    "transformers",
+    "tokenizers",
+    "regex",
     "peft",  # model.lora
-]  # fmt: skip
+]
 BUILT = ["deepspeed"]  # a source release only: built into a wheel here
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
 
@@ -72,8 +81,22 @@ def _pip(*args: str, env: dict | None = None) -> None:
 def download(out: Path) -> None:
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
     specs = [f"{name}=={pinned(name)}" for name in WHEELS]
-    _pip("download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-         "--abi", "cp312", *platforms, "-d", str(out), *specs)  # fmt: skip
+    _pip(
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "--abi",
+        "cp312",
+        *platforms,
+        "-d",
+        str(out),
+        *specs,
+    )
     for name in BUILT:
         with tempfile.TemporaryDirectory() as tmp:
             _pip("download", "-q", "--no-deps", "--no-binary=:all:", "-d", tmp, f"{name}=={pinned(name)}")
@@ -87,8 +110,15 @@ def manifest(out: Path) -> list[dict]:
     for wheel in sorted(out.glob("*.whl")):
         name, version = wheel.name.split("-")[:2]
         data = wheel.read_bytes()
-        rows.append({"name": name, "version": version, "file": wheel.name, "bytes": len(data),
-                     "sha256": hashlib.sha256(data).hexdigest()})  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                "version": version,
+                "file": wheel.name,
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
     return rows
 
 
@@ -135,8 +165,9 @@ def build(out: Path) -> list[dict]:
     total = sum(r["bytes"] for r in rows)
     if total > MAX_KIT:
         raise KitError(f"the kit is {total / 2**20:.1f} MiB, over {MAX_KIT // 2**20} MiB: it would not travel")
-    (out / "manifest.json").write_text(json.dumps({"python": "3.12", "platform": "linux x86_64", "wheels": rows},
-                                                  indent=2) + "\n")  # fmt: skip
+    (out / "manifest.json").write_text(
+        json.dumps({"python": "3.12", "platform": "linux x86_64", "wheels": rows}, indent=2) + "\n"
+    )
     return rows
 
 

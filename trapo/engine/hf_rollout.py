@@ -215,9 +215,12 @@ class HfEngine:
             for start in range(0, len(order), self.max_batch):
                 chunk = order[start : start + self.max_batch]
                 outs = self._generate_batch(
-                    [prompts[requests[k][0]] for k in chunk], [keys[k] for k in chunk],
-                    temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                )  # fmt: skip
+                    [prompts[requests[k][0]] for k in chunk],
+                    [keys[k] for k in chunk],
+                    temperature=temperature,
+                    top_p=top_p,
+                    max_tokens=max_tokens,
+                )
                 for k, out in zip(chunk, outs):
                     sampled[k] = out
         texts = decode_responses(self.tokenizer, [ids for ids, _, _ in sampled], self.stop_token_ids)
@@ -261,9 +264,12 @@ class HfEngine:
                 rows, done, mask, token, position = rows[keep], done[keep], mask[keep], token[keep], position[keep]
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
             out = self.model(
-                input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
-                past_key_values=cache, use_cache=True,
-            )  # fmt: skip
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             logits = out.logits[:, -1]
             position = position + 1
         results = []

@@ -30,8 +30,10 @@ from trapo.config import ConfigError, LoraConfig
 PEFT_PREFIX = "base_model.model."  # peft's wrapper: PeftModel.base_model (LoraModel).model (the HF model)
 ADAPTER = "default"  # peft's name for the one adapter we attach
 # trapo/algorithm/logits.py applies the LM head's weight itself, chunk by chunk: an adapter on it would be skipped.
-UNADAPTABLE = {"lm_head": "the LM head is applied by trapo's chunked head (trapo/algorithm/logits.py), which reads "
-               "its weight directly"}  # fmt: skip
+UNADAPTABLE = {
+    "lm_head": "the LM head is applied by trapo's chunked head (trapo/algorithm/logits.py), which reads "
+    "its weight directly"
+}
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

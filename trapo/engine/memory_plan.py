@@ -111,8 +111,15 @@ class Arch:
         """Adapter parameters: rank x (in + out) for each targeted linear layer of every layer (A [r, in],
         B [out, r]); a target is the layer's last name (q_proj ... down_proj)."""
         q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
-        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+        shapes = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
         unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in shapes]
         if unknown:
             raise ConfigError(
@@ -267,8 +274,11 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
     gradients = Item(f"gradient partition ({z.grad_bytes} B/{trains} / {world})", grad)
     if lora.rank:
         share = ", whole: ZeRO-2" if whole else f" / {world}"  # the base stays in rollouts: nothing moves
-        ddp = [Item(f"frozen base ({b} B/param{share})", b * s),
-               Item(f"adapters ({trained / 1e6:.1f}M x {b} B{share})", lp), gradients]  # fmt: skip
+        ddp = [
+            Item(f"frozen base ({b} B/param{share})", b * s),
+            Item(f"adapters ({trained / 1e6:.1f}M x {b} B{share})", lp),
+            gradients,
+        ]
     else:
         ddp = [Item(f"param partition ({b} B/param / {world})", lp), gradients]
     fp32 = [Item(f"fp32 master weights (4 B/{trains} / {world})", master)]

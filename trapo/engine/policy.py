@@ -162,8 +162,11 @@ class Policy:
         on_gpu = torch.cuda.is_available()
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
-            lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay, fused=on_gpu,
-        )  # fmt: skip
+            lr=t.lr,
+            betas=tuple(t.adam_betas),
+            weight_decay=t.weight_decay,
+            fused=on_gpu,
+        )
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.model = self.engine.module
         # loss.beta > 0: a frozen copy of the initial weights for the KL term, partitioned by ZeRO-3 like the
@@ -190,8 +193,11 @@ class Policy:
         # frozen base onto the trainable partitions' buffer, which breaks it (docs/upstream-notes.md).
         self.offload_states = _offloadable_states(offload and not self.lora)
         if self.lora and t.offload_during_rollout:
-            console.warn_once("lora_offload", "train.offload_during_rollout=true moves nothing with model.lora: "
-                              "the frozen base stays on the device (the plan counts it in rollouts)")  # fmt: skip
+            console.warn_once(
+                "lora_offload",
+                "train.offload_during_rollout=true moves nothing with model.lora: "
+                "the frozen base stays on the device (the plan counts it in rollouts)",
+            )
         self.scale = lora.scalings(self.model) if self.lora else {}
         self.offloaded = False
         self._host: dict[int, torch.Tensor] = {}  # host copies of the fp32 master and Adam moments, by tensor
@@ -461,8 +467,9 @@ class Policy:
                     "kl_ref": metrics.get("kl_ref", 0.0) * tokens,
                     "kl_tokens": tokens if "kl_ref" in metrics else 0.0,
                 }
-                sums[:-1] += torch.stack([torch.as_tensor(part.get(k, 0.0), dtype=torch.float64, device=self.device)
-                                          for k in UPDATE_SUMS])  # fmt: skip
+                sums[:-1] += torch.stack(
+                    [torch.as_tensor(part.get(k, 0.0), dtype=torch.float64, device=self.device) for k in UPDATE_SUMS]
+                )
             sums[-1] += (~torch.isfinite(loss.detach())).double()
         values = sums.tolist()  # the update's one host synchronisation
         out = dict(zip(UPDATE_SUMS, values))

@@ -39,8 +39,19 @@ def convert(path: Path, tag: str, out: Path) -> None:
     subprocess, as DeepSpeed ships it, so its worker pools and prints stay out of the trainer)."""
     shutil.rmtree(out, ignore_errors=True)
     tag_dir = out / tag
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / tag),
-           "--output_folder", str(tag_dir), "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(path / tag),
+        "--output_folder",
+        str(tag_dir),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
     done = subprocess.run(cmd, env=runtime.subprocess_env(), capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]

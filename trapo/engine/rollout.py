@@ -50,8 +50,17 @@ def decode_responses(tokenizer, responses: list[list[int]], stop_token_ids: list
 # smallest of these config.json keys, times the RoPE scaling factor unless its type extends the context
 # itself; vLLM refuses a longer max_model_len (VLLM_ALLOW_LONG_MAX_MODEL_LEN aside, under which RoPE positions
 # past it give NaN). The hf backend gets the same limit: past it the positions are out of the model's training.
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 

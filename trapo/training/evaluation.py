@@ -151,8 +151,20 @@ class Evaluator:
     `turn()` is the trainer's generation turn (a context manager: offload, gather or wake, then restore).
     """
 
-    def __init__(self, cfg: Config, rollout, policy, tokenizer, verifier, *, rank: int, world: int, turn,
-                 test: list[Benchmark], validation: list[Benchmark]):  # fmt: skip
+    def __init__(
+        self,
+        cfg: Config,
+        rollout,
+        policy,
+        tokenizer,
+        verifier,
+        *,
+        rank: int,
+        world: int,
+        turn,
+        test: list[Benchmark],
+        validation: list[Benchmark],
+    ):
         self.cfg, self.rollout, self.policy, self.tokenizer, self.verifier = cfg, rollout, policy, tokenizer, verifier
         self.rank, self.world, self.turn = rank, world, turn
         self.test_benchmarks, self.val_benchmarks = test, validation

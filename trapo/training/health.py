@@ -49,6 +49,8 @@ class RolloutHealth:
                 "weight push that missed or corrupted parameters, a dtype or RoPE mismatch between engine and "
                 "policy (model.dtype, model.rope_theta)"
             )
-        console.say(f"step {step}: {METRIC} = {value:.3g} above rollout.health.stop = {c.stop:g}: not checkpointed "
-                    f"({self.streak} of {c.steps} before the run stops)")  # fmt: skip
+        console.say(
+            f"step {step}: {METRIC} = {value:.3g} above rollout.health.stop = {c.stop:g}: not checkpointed "
+            f"({self.streak} of {c.steps} before the run stops)"
+        )
         return False, None

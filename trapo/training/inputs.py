@@ -12,7 +12,6 @@ or vLLM cost anything.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,13 +56,6 @@ def fetch_model(cfg: Config) -> hub.Snapshot | None:
     if snap.commit:
         console.say(f"model.path {m.path}: hub commit {snap.commit} ({m.revision or 'default branch'})")
     return snap
-
-
-def as_run(cfg: Config, source: hub.Snapshot | None) -> Config:
-    """The config as the run runs it: a hub model's revision pinned to the commit it resolved to."""
-    if source is None or source.commit is None:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=source.commit))
 
 
 def check_context(cfg: Config, limit: tuple[int, str] | None, what: str) -> None:

@@ -3,6 +3,7 @@
     claim(run_dir)                       # rank 0, before anything is written there; ConfigError when held
     changes = resume_changes(run_dir, as_run, allowed)   # a resume: refused keys raise, safe ones returned
     record_start(run_dir, {...})          # one line of starts.jsonl per start
+    as_run(cfg, snapshot)                 # the config as recorded: a hub model's revision pinned to its commit
 
 The lock is `run_dir/.lock` under `fcntl.flock`, held by rank 0 for the life of its process: the kernel drops
 it when the process ends, however it ends (kill -9 included), so no stale lock is left to clean up. A run
@@ -20,6 +21,7 @@ other change is refused, listing each key with its old and new value, unless `re
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -30,8 +32,8 @@ from pathlib import Path
 
 import yaml
 
-from trapo import console
-from trapo.config import ConfigError, ModelConfig, flatten
+from trapo import console, hub
+from trapo.config import Config, ConfigError, ModelConfig, flatten
 from trapo.engine import lora
 
 LOCK = ".lock"
@@ -39,10 +41,23 @@ STARTS = "starts.jsonl"
 # Keys a resume may change: they decide how long the run goes, what it saves and logs, how it evaluates
 # and how it uses memory or processes, never which samples it draws or how it updates on them.
 SAFE = (
-    "max_steps", "epochs", "save_steps", "keep_checkpoints", "resume_from", "resume_changes", "progress_bar",
-    "dist_timeout_minutes", "output_dir", "run_name", "logging.", "eval.", "reward.workers",
-    "rollout.gpu_memory_utilization", "rollout.cpu_kv_cache_gb", "rollout.enable_sleep_mode",
-)  # fmt: skip
+    "max_steps",
+    "epochs",
+    "save_steps",
+    "keep_checkpoints",
+    "resume_from",
+    "resume_changes",
+    "progress_bar",
+    "dist_timeout_minutes",
+    "output_dir",
+    "run_name",
+    "logging.",
+    "eval.",
+    "reward.workers",
+    "rollout.gpu_memory_utilization",
+    "rollout.cpu_kv_cache_gb",
+    "rollout.enable_sleep_mode",
+)
 
 _held: dict[Path, int] = {}  # run directory -> the descriptor holding its lock (this process)
 
@@ -68,10 +83,14 @@ def claim(run_dir: Path) -> None:
     except OSError as err:
         if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             os.close(fd)
-            raise ConfigError(f"{where} is in use by {holder(run_dir)}; wait for that run to end (or stop it), or "
-                              "choose another run_name or output_dir") from None  # fmt: skip
-        console.say(f"{run_dir}: cannot lock it ({err.strerror}: this filesystem has no flock, e.g. Lustre "
-                    "without the flock mount option); a second run into it would not be stopped")  # fmt: skip
+            raise ConfigError(
+                f"{where} is in use by {holder(run_dir)}; wait for that run to end (or stop it), or "
+                "choose another run_name or output_dir"
+            ) from None
+        console.say(
+            f"{run_dir}: cannot lock it ({err.strerror}: this filesystem has no flock, e.g. Lustre "
+            "without the flock mount option); a second run into it would not be stopped"
+        )
         _held[run_dir] = fd
         return
     since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -146,8 +165,12 @@ def record_start(run_dir: Path, config_text: str, entry: dict) -> None:
     config = Path(run_dir) / "config.yaml"
     if entry.get("resumed_from") is None or not config.is_file():
         config.write_text(config_text)
-    entry = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-             "host": socket.gethostname(), "pid": os.getpid(), **entry}  # fmt: skip
+    entry = {
+        "time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        **entry,
+    }
     with open(Path(run_dir) / STARTS, "a") as f:
         f.write(json.dumps(entry, default=str) + "\n")
 
@@ -164,3 +187,10 @@ def model_problem(model: ModelConfig, state: dict, commit: str | None, base: dic
         )
     problem = lora.base_problem(state["base_model"], base)
     return problem and f"model.path {model.path}: {problem}"
+
+
+def as_run(cfg: Config, source: hub.Snapshot | None) -> Config:
+    """The config as the run runs it: a hub model's revision pinned to the commit it resolved to."""
+    if source is None or source.commit is None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=source.commit))

@@ -31,9 +31,9 @@ import torch
 from trapo import console, runtime
 from trapo.algorithm.loss import LossSpec
 from trapo.algorithm.passrate import PassRateTracker
-from trapo.algorithm.rewards.verifier import MathVerifier, merged
+from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.algorithm.selection import confidence_kind
-from trapo.config import Config, ConfigError, dump_config, to_dict
+from trapo.config import Config, dump_config, to_dict
 from trapo.data import epoch_batches, stop_token_ids
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
@@ -42,16 +42,17 @@ from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, request_seed, require_backend
 from trapo.engine.rollout_engine import EngineSettings, open_engine
 from trapo.training import metrics, rollout_dump, run_record, sampling
+from trapo.training.checkpointing import Checkpointing
 from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
 from trapo.training.health import METRIC, RolloutHealth
-from trapo.training.inputs import as_run, fetch_model, prepare_inputs
+from trapo.training.inputs import fetch_model, prepare_inputs
 from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
 from trapo.training.update import update_policy
 
 
-class Trainer:
+class Trainer(Checkpointing):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         require_backend(cfg.rollout.backend, load=False)  # vLLM missing: one line before any work
@@ -66,7 +67,7 @@ class Trainer:
         resumes = ckpt.resolve(cfg.resume_from, self.ckpt_root) is not None  # a missing resume_from: now
         self.model_source = fetch_model(cfg)  # a hub id: downloaded once per node
         # a resume keeps its record: a changed setting that would alter the run stops it before any load
-        settings = to_dict(as_run(cfg, self.model_source))
+        settings = to_dict(run_record.as_run(cfg, self.model_source))
         self.changes = run_record.resume_changes(self.run_dir, settings, cfg.resume_changes) if resumes else {}
         self.resumed_from: Path | None = None  # the checkpoint this start resumed, if any
         self.moved_from: int | None = None  # the world size of that checkpoint, when it differs from this run's
@@ -90,9 +91,17 @@ class Trainer:
         console.say(self.rollout.describe(devices))
         self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
         self.evaluator = Evaluator(
-            cfg, self.rollout, self.policy, self.tokenizer, self.verifier, rank=self.rank, world=self.world,
-            turn=self._engine_turn, test=inputs.test_benchmarks, validation=inputs.val_benchmarks,
-        )  # fmt: skip
+            cfg,
+            self.rollout,
+            self.policy,
+            self.tokenizer,
+            self.verifier,
+            rank=self.rank,
+            world=self.world,
+            turn=self._engine_turn,
+            test=inputs.test_benchmarks,
+            validation=inputs.val_benchmarks,
+        )
         selection = cfg.selection
         if selection.random_seed is None:  # the random-selection control follows the run's seed
             selection = dataclasses.replace(selection, random_seed=cfg.seed)
@@ -221,13 +230,18 @@ class Trainer:
         for the groups the update keeps and 0 for the others. Rewards are those before any overlong penalty."""
         ids = [q for rnd in rounds for q in rnd.question_ids]
         rollout_dump.dump_step(
-            self.cfg.logging.rollouts_every, self.run_dir, self.step + 1, ids, [self.questions[q] for q in ids],
-            prompts=[self.prompts[q] for q in ids], decode=self.tokenizer.decode,
+            self.cfg.logging.rollouts_every,
+            self.run_dir,
+            self.step + 1,
+            ids,
+            [self.questions[q] for q in ids],
+            prompts=[self.prompts[q] for q in ids],
+            decode=self.tokenizer.decode,
             texts=[[r.text for r in group] for rnd in rounds for group in rnd.rollouts],
             rewards=[rewards for rnd in rounds for rewards in rnd.rewards],
             grades=Grades.concat([rnd.grades for rnd in rounds]),
             gate=[m for gate in sampling.in_loss(rounds, plan, self.rank, self.world) for m in gate],
-        )  # fmt: skip
+        )
 
     def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
         """G rollouts per question; on GPU the optimizer's states wait in host memory meanwhile."""
@@ -293,100 +307,19 @@ class Trainer:
             return [1.0] * len(question_ids)
         return self.tracker.gate(torch.tensor(question_ids)).tolist()
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict:
-        """What a checkpoint restores besides the weights, optimizer and RNGs (see trapo/engine/checkpoint.py)."""
-        return {
-            "step": self.step,
-            "cursor": [self.cursor.epoch, self.cursor.batch],
-            "tracker": self.tracker.state_dict(),
-            "bad_steps": self.bad_steps,
-            "last_selection": self.last_selection,
-            "best": self.best,
-            "heldout_before": self.heldout_before,
-            "world_size": self.world,
-            "tracker_ids": self.loggers.ids() or self.tracker_ids,
-            "model_commit": self.model_source and self.model_source.commit,  # a hub model's resolved revision
-            "base_model": self.policy.base,  # model.lora: the frozen base the adapters belong to (path, sha256)
-            # each rank's memory of what exhausted the Math-Verify timeout: remembered verdicts survive a resume
-            "grader_memory": dist.all_gather(self.verifier.memory()),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        commit = self.model_source and self.model_source.commit
-        problem = run_record.model_problem(self.cfg.model, state, commit, self.policy.base)
-        if problem:  # the checkpoint's weights belong to another model: the input to fix
-            raise ConfigError(problem)
-        self.tracker.load_state_dict(state["tracker"])
-        self.step = state["step"]
-        self.cursor = sampling.Cursor(*state["cursor"])
-        self.bad_steps = state["bad_steps"]
-        self.last_selection = state["last_selection"]
-        self.best = state["best"]
-        self.heldout_before = state["heldout_before"]
-        self.tracker_ids = state["tracker_ids"]
-        memories = state["grader_memory"]  # one per saving rank: merged when the world size changed
-        self.verifier.load_memory(memories[self.rank] if len(memories) == self.world else merged(memories))
-
-    def save(self) -> Path:
-        final = ckpt.save(
-            self.ckpt_root,
-            self.step,
-            rank=self.rank,
-            world=self.world,
-            engine=self.policy.engine,
-            weights=self.policy.full_weights(),
-            trainer_state=self.state_dict(),
-            model=self.policy.base_model(),
-            tokenizer=self.tokenizer,
-            keep=self.cfg.keep_checkpoints,
-        )
-        if self.is_main and self.best is not None:
-            ckpt.write_best(self.run_dir / "best.json", self.ckpt_root, self.best)
-        self._prune()
-        return final
-
-    def _prune(self) -> None:
-        """keep_checkpoints newest, and the best one (rank 0); after every save and when a run resumes,
-        so a lowered keep_checkpoints frees the disk before the next save needs it."""
-        if self.is_main:
-            best_step = None if self.best is None else self.best["step"]
-            ckpt.prune(self.ckpt_root, self.cfg.keep_checkpoints, protect=best_step)
-        dist.barrier()
-
-    def _resume(self) -> None:
-        # Verified before loading: a damaged newest checkpoint is set aside for the newest whole one.
-        path = ckpt.choose(self.cfg.resume_from, self.ckpt_root, self.rank, self.world, warn=console.say)
-        if path is None:
-            if self.cfg.resume_from == "latest":
-                console.say(f"resume_from: latest: no checkpoint under {self.ckpt_root} yet, starting fresh")
-            return
-        state = ckpt.read_trainer_state(path)
-        try:
-            self.load_state_dict(state)
-        except TrainingError as err:
-            raise TrainingError(f"{path}: {err}") from None
-        saved_world = state["world_size"]
-        if saved_world != self.world:  # the optimizer state is consolidated and cut anew, never reset
-            console.say(f"{path} was saved with {saved_world} ranks; resuming with {self.world}")
-            self.moved_from = saved_world
-        ckpt.restore(path, rank=self.rank, engine=self.policy.engine, saved_world=saved_world, world=self.world)
-        self._prune()
-        self.rollout.push_weights(self.policy.full_weights())
-        if self.is_main:
-            metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.resumed_from = path
-        console.say(f"resumed from {path} at step {self.step}")
-
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
         cfg = self.cfg
         if self.is_main:  # the first start's config stays; every start is a line of starts.jsonl
-            start = {"step": self.step, "world": self.world, "resumed_from": self.resumed_from,
-                     "moved_from_world": self.moved_from, "changes": self.changes}  # fmt: skip
-            run_record.record_start(self.run_dir, dump_config(as_run(cfg, self.model_source)), start)
+            start = {
+                "step": self.step,
+                "world": self.world,
+                "resumed_from": self.resumed_from,
+                "moved_from_world": self.moved_from,
+                "changes": self.changes,
+            }
+            run_record.record_start(self.run_dir, dump_config(run_record.as_run(cfg, self.model_source)), start)
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
         self.loggers = Loggers.open_everywhere(cfg, self.is_main, self.tracker_ids)
         n_labeled = sum(q.labeled for q in self.questions)
@@ -462,10 +395,6 @@ class Trainer:
                 "run again with resume_from=latest to continue"
             )
         self._count_bad_steps(step_log["skipped"])
-
-    def _last_checkpoint(self) -> Path | None:
-        done = ckpt.list_complete(self.ckpt_root)
-        return done[-1][1] if done else None
 
     def _count_bad_steps(self, skipped: bool) -> None:
         """A skipped (non-finite) update is logged; train.max_bad_steps of them in a row stop the run."""

@@ -196,9 +196,12 @@ class MathVerifier:
         from trapo.algorithm.rewards.verify_worker import remember
 
         store, key = (
-            (self._slow_answers, gold) if code == "g*" or pred is None else
-            (self._slow_answers, pred) if code == "p*" else (self._slow_pairs, (gold, pred))
-        )  # fmt: skip
+            (self._slow_answers, gold)
+            if code == "g*" or pred is None
+            else (self._slow_answers, pred)
+            if code == "p*"
+            else (self._slow_pairs, (gold, pred))
+        )
         remember(store, key, timeout)
 
     def close(self) -> None:
@@ -323,8 +326,14 @@ class MathVerifier:
                 if sup is None:  # still importing Math-Verify when the budget ran out
                     codes = [c or Verdict.CUT.value for c in codes]
                     break
-                sup.send({"items": [items[i] for i in todo], "units": [units[i] for i in todo],
-                          "timeout": timeout, "deadline": deadline})  # fmt: skip
+                sup.send(
+                    {
+                        "items": [items[i] for i in todo],
+                        "units": [units[i] for i in todo],
+                        "timeout": timeout,
+                        "deadline": deadline,
+                    }
+                )
                 for i, code in zip(todo, self._collect(sup, len(todo), timeout)):
                     if code is not None and code.endswith("*"):
                         self._mirror(items[i], code, timeout)
@@ -339,8 +348,9 @@ class MathVerifier:
         if failed:
             log.warning(
                 "Math-Verify: %d item(s) undecided: grading processes died on them and were replaced; scored as "
-                "not equal (counted in grading_failed)", failed
-            )  # fmt: skip
+                "not equal (counted in grading_failed)",
+                failed,
+            )
         if slow:
             gold, pred = slow[0]
             first = f"parsing {gold!r:.60}" if pred is None else f"gold {gold!r:.60}, pred {pred!r:.60}"

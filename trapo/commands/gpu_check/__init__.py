@@ -49,8 +49,14 @@ from trapo.commands.gpu_check import plan
 ROOT = runtime.ROOT
 WORK = ROOT / ".gpucheck"
 KIT = ROOT / ".gpukit"
-SMALL_TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "train.rollout_batch_size=16",
-             "train.update_batch_size=16", "selection.warmup_epochs=1"]  # fmt: skip
+SMALL_TOY = [
+    "toy.labeled=16",
+    "toy.unlabeled=48",
+    "toy.test=16",
+    "train.rollout_batch_size=16",
+    "train.update_batch_size=16",
+    "selection.warmup_epochs=1",
+]
 
 
 PROBE = """
@@ -94,8 +100,17 @@ def shell(cmd: list[str] | str, env: dict, timeout: float, **kw) -> tuple[int, s
     """(exit status, stdout + stderr); 124 when it ran past `timeout` seconds or the part's budget (its process
     group killed)."""
     timeout = max(1.0, min(timeout, DEADLINE[0] - time.time()))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, shell=isinstance(cmd, str), **kw)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        shell=isinstance(cmd, str),
+        **kw,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
@@ -115,8 +130,11 @@ def tail(text: str, lines: int = 25) -> str:
 def environment(dry_run: bool, env: dict) -> list[str]:
     """What the machine is, printed first: a failed call still says where it ran."""
     lines = []
-    for title, cmd in (("nvidia-smi", "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
-                       ("nvcc", "nvcc --version | tail -2"), ("python", f"{sys.executable} --version")):  # fmt: skip
+    for title, cmd in (
+        ("nvidia-smi", "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
+        ("nvcc", "nvcc --version | tail -2"),
+        ("python", f"{sys.executable} --version"),
+    ):
         code, out = shell(cmd, env, 60)
         found = out.strip().replace("\n", "; ")
         lines.append(f"{title}: {found if code == 0 and found else 'not available'}")
@@ -147,8 +165,19 @@ def install_kit(check: Check, env: dict, dry_run: bool) -> None:
     missing = needed(wheels)  # the image's own copy of a wheel's exact version is kept
     have = ", ".join(f"{w['name']} {w['version']}" for w in wheels if w not in missing) or "none"
     print(f"  kit: {len(missing)} of {len(wheels)} wheels to install; the image has {have}", flush=True)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
-           str(site), *(str(KIT / w["file"]) for w in missing)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--target",
+        str(site),
+        *(str(KIT / w["file"]) for w in missing),
+    ]
     code, out = shell(cmd, env, 300) if missing else (0, "")
     probe = "import deepspeed, math_verify, transformers; print(deepspeed.__version__, transformers.__version__)"
     if code == 0:
@@ -165,17 +194,30 @@ def doctor(check: Check, env: dict, dry_run: bool) -> None:
     code, out = shell([sys.executable, "-m", "trapo", "doctor", "rollout.backend=hf"], env, 420)
     summary = next((line for line in out.splitlines() if line.startswith("trapo doctor:")), "no summary")
     failed = [line.strip() for line in out.splitlines() if "FAIL" in line][:3]
-    check.add("doctor (rollout.backend=hf)", code == 0, summary + ("; " + " | ".join(failed) if failed else ""),
-              tail(out, 40))  # fmt: skip
+    check.add(
+        "doctor (rollout.backend=hf)", code == 0, summary + ("; " + " | ".join(failed) if failed else ""), tail(out, 40)
+    )
 
 
 def pytest_gpu(check: Check, env: dict, dry_run: bool) -> None:
     # the doctor and the update benchmark are checks of their own here
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/training/test_gpu.py",
-           "-k", "not doctor_passes and not update_benchmark"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "tests/training/test_gpu.py",
+        "-k",
+        "not doctor_passes and not update_benchmark",
+    ]
     code, out = shell(cmd, env, 480)
-    summary = next((line for line in reversed(out.splitlines()) if re.search(r"passed|failed|skipped|error", line)),
-                   "no summary")  # fmt: skip
+    summary = next(
+        (line for line in reversed(out.splitlines()) if re.search(r"passed|failed|skipped|error", line)), "no summary"
+    )
     ok = code == 0 or (dry_run and code == 5)  # 5: nothing collected/ran (every GPU test skips on CPU)
     check.add("pytest -m gpu", ok, summary.strip("= "), tail(out, 60))
 
@@ -185,15 +227,28 @@ def bench_update(check: Check, env: dict, dry_run: bool) -> None:
     code, out = shell(cmd, env, 480)
     keep = ("ours", "full logits", "memory plan", "packed rows ran", "mixed lengths", "peak memory ours")
     lines = [line for line in out.splitlines() if line.startswith(keep)]
-    check.add("bench_update_gpu (1.5B shape)" if not dry_run else "bench_update_gpu (tiny shape)", code == 0,
-              " | ".join(lines) if code == 0 else "failed", tail(out, 40))  # fmt: skip
+    check.add(
+        "bench_update_gpu (1.5B shape)" if not dry_run else "bench_update_gpu (tiny shape)",
+        code == 0,
+        " | ".join(lines) if code == 0 else "failed",
+        tail(out, 40),
+    )
 
 
 def _launch(args: list[str], env: dict) -> list[str]:
     from trapo.engine.dist import free_port
 
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-            str(free_port()), "trapo_train.py", *args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(free_port()),
+        "trapo_train.py",
+        *args,
+    ]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -206,16 +261,30 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
     out_dir = WORK / "toy-runs"
     shutil.rmtree(out_dir, ignore_errors=True)
     dtype = "float32" if dry_run else "bfloat16"
-    common = [f"output_dir={out_dir}", "rollout.backend=hf", f"model.dtype={dtype}", "max_steps=8", "save_steps=2",
-              "progress_bar=false", "toy.dir=" + str(WORK / "toy-assets"), *(SMALL_TOY if dry_run else [])]  # fmt: skip
+    common = [
+        f"output_dir={out_dir}",
+        "rollout.backend=hf",
+        f"model.dtype={dtype}",
+        "max_steps=8",
+        "save_steps=2",
+        "progress_bar=false",
+        "toy.dir=" + str(WORK / "toy-assets"),
+        *(SMALL_TOY if dry_run else []),
+    ]
     log = []
     code, out = shell(_launch([*common, "run_name=straight"], env), env, 300)
     log.append(tail(out, 15))
     if code != 0:
         check.add("toy kill and resume (hf, bf16, launcher)", False, f"the straight run failed ({code})", out)
         return
-    proc = subprocess.Popen(_launch([*common, "run_name=killed"], env), cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        _launch([*common, "run_name=killed"], env),
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = min(time.time() + 240, DEADLINE[0] - 60)  # leave the resume a minute of the part's budget
     while time.time() < deadline and len(_metrics(out_dir / "killed")) < 5 and proc.poll() is None:
         time.sleep(0.2)
@@ -230,15 +299,26 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
     rewards = all(a["reward_labeled"] == b["reward_labeled"] for a, b in zip(straight, resumed))
     health = max((r["logprob_diff_rollout_vs_policy"] or 0.0) for r in straight + resumed) if resumed else float("inf")
     ok = code == 0 and steps_ok and max(diffs, default=1.0) < 1e-3 and health < 5e-2 and 0 < killed_at < 8
-    check.add(f"toy kill and resume (hf, {dtype}, launcher)", ok,
-              f"killed after step {killed_at}, resumed to {len(resumed)}: max |loss diff| vs straight "
-              f"{max(diffs, default=float('nan')):.2e}, labeled rewards equal: {rewards}, "
-              f"max logprob_diff_rollout_vs_policy {health:.2e}", "\n".join(log))  # fmt: skip
+    check.add(
+        f"toy kill and resume (hf, {dtype}, launcher)",
+        ok,
+        f"killed after step {killed_at}, resumed to {len(resumed)}: max |loss diff| vs straight "
+        f"{max(diffs, default=float('nan')):.2e}, labeled rewards equal: {rewards}, "
+        f"max logprob_diff_rollout_vs_policy {health:.2e}",
+        "\n".join(log),
+    )
 
 
 def shape_step(check: Check, env: dict, dry_run: bool, lora: bool = False) -> None:
-    cmd = [sys.executable, "-m", "trapo.commands.gpu_check.shape_step", "--work", str(WORK / "shape"),
-           *(["--dry-run"] if dry_run else []), *(["--lora"] if lora else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trapo.commands.gpu_check.shape_step",
+        "--work",
+        str(WORK / "shape"),
+        *(["--dry-run"] if dry_run else []),
+        *(["--lora"] if lora else []),
+    ]
     code, out = shell(cmd, env, 480)
     result = next((json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{")), None)
     title = "7B-shape LoRA training step" if lora else "1.5B-shape training step"
@@ -246,13 +326,21 @@ def shape_step(check: Check, env: dict, dry_run: bool, lora: bool = False) -> No
         check.add(title, False, f"failed ({code})", tail(out, 40))
         return
     timing, peak, plan = result["timing_s"], result.get("peak_gib") or {}, result.get("plan_gib") or {}
-    phases = ", ".join(f"{k} {timing[k]:.2f} s" + (f" peak {peak[k]:.1f} GiB" if k in peak else "")
-                       for k in ("rollout", "grading", "update", "weight_push", "step") if k in timing)  # fmt: skip
+    phases = ", ".join(
+        f"{k} {timing[k]:.2f} s" + (f" peak {peak[k]:.1f} GiB" if k in peak else "")
+        for k in ("rollout", "grading", "update", "weight_push", "step")
+        if k in timing
+    )
     against = f"; plan: rollout {plan.get('rollout')} GiB, update {plan.get('update')} GiB" if plan else ""
     name = title if not dry_run else f"shape step{' with LoRA' if lora else ''} (tiny shape, dry run)"
     trains = f" ({result['trainable'] / 1e6:.1f}M trainable, ZeRO-{result['zero_stage']})" if lora else ""
-    check.add(name, True, f"{result['params'] / 1e9:.2f}B params{trains}, mean answer "
-              f"{result['mean_response_tokens']:.0f} tokens: {phases}{against}", json.dumps(result))  # fmt: skip
+    check.add(
+        name,
+        True,
+        f"{result['params'] / 1e9:.2f}B params{trains}, mean answer "
+        f"{result['mean_response_tokens']:.0f} tokens: {phases}{against}",
+        json.dumps(result),
+    )
 
 
 def shape_step_lora(check: Check, env: dict, dry_run: bool) -> None:
@@ -274,10 +362,23 @@ def report(check: Check, env_lines: list[str], title: str, dry_run: bool, second
     name = name.strip("-") or "unknown-gpu"
     stem = f"{datetime.date.today().isoformat()}-{name}" + (f"-{title}" if title else "")
     note = " (GPU_CHECK_DRY_RUN=1: CPU, toy and tiny shapes; not GPU figures)" if dry_run else ""
-    lines = [f"# GPU check {stem}", "", f"`make gpu-check{f' PART={title[4:]}' if title else ''}`{note}, "
-             f"{seconds / 60:.1f} min. Written by trapo/commands/gpu_check.", "", "## Environment", "", "```",
-             *env_lines, "```", "", "## Checks", "", "| check | result | seconds (GPU estimate) | figures |",
-             "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# GPU check {stem}",
+        "",
+        f"`make gpu-check{f' PART={title[4:]}' if title else ''}`{note}, "
+        f"{seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
+        "",
+        "## Environment",
+        "",
+        "```",
+        *env_lines,
+        "```",
+        "",
+        "## Checks",
+        "",
+        "| check | result | seconds (GPU estimate) | figures |",
+        "|---|---|---|---|",
+    ]
     for n, ok, fig in check.rows:
         took = check.seconds.get(n)
         timing = f"{took:.0f} ({check.estimates[n]:.0f})" if took is not None and n in check.estimates else ""
@@ -316,8 +417,12 @@ def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trapo gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", type=int, choices=sorted(PARTS), help="one part (default: the one-call plan)")
-    parser.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
-                        help="on CPU with the toy and tiny shapes, every check (also GPU_CHECK_DRY_RUN=1)")  # fmt: skip
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
+        help="on CPU with the toy and tiny shapes, every check (also GPU_CHECK_DRY_RUN=1)",
+    )
     args = parser.parse_args(argv)
     started, began = time.perf_counter(), time.time()
     WORK.mkdir(exist_ok=True)

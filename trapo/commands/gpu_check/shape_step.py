@@ -19,15 +19,31 @@ import shutil
 import time
 from pathlib import Path
 
-R1_DISTILL_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=16384,
-                       tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
+R1_DISTILL_1P5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=16384,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
 
 
 # Qwen2.5-Math-7B's widths (memory_plan.BUILTIN), for the LoRA step: the paper's model on one GPU.
-QWEN_MATH_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                    num_key_value_heads=4, vocab_size=152064, max_position_embeddings=16384,
-                    tie_word_embeddings=False, rope_theta=10000.0)  # fmt: skip
+QWEN_MATH_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    max_position_embeddings=16384,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
 LORA_CONFIG = "configs/trapo_1k_3k_lora_1gpu.yaml"  # the one-GPU LoRA recipe whose adapters and ZeRO stage --lora runs
 
 
@@ -39,8 +55,13 @@ def lora_overrides() -> list[str]:
     cfg = load_config(str(runtime.ROOT / LORA_CONFIG), [])
     lora = cfg.model.lora
     targets = ",".join(lora.target_modules)
-    return [f"model.lora.rank={lora.rank}", f"model.lora.alpha={lora.alpha}", f"model.lora.dropout={lora.dropout}",
-            f"model.lora.target_modules=[{targets}]", f"train.deepspeed_config={cfg.train.deepspeed_config}"]
+    return [
+        f"model.lora.rank={lora.rank}",
+        f"model.lora.alpha={lora.alpha}",
+        f"model.lora.dropout={lora.dropout}",
+        f"model.lora.target_modules=[{targets}]",
+        f"train.deepspeed_config={cfg.train.deepspeed_config}",
+    ]
 
 
 def build_model(work: Path, dry_run: bool, shape: dict = R1_DISTILL_1P5B) -> tuple[Path, Path]:
@@ -85,14 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - started
     answer = 32 if args.dry_run else 512
     overrides = [
-        "toy.enabled=false", f"model.path={model_dir}", f"data.train_files=[{train_file}]", "data.test_files=[]",
+        "toy.enabled=false",
+        f"model.path={model_dir}",
+        f"data.train_files=[{train_file}]",
+        "data.test_files=[]",
         f"model.dtype={'float32' if args.dry_run else 'bfloat16'}",  # bf16 on GPU; CPU trains in fp32
-        "model.gradient_checkpointing=true", "rollout.backend=hf", "rollout.n=8",
-        f"rollout.max_tokens={answer}", "train.rollout_batch_size=64", "train.update_batch_size=64",
-        "train.micro_batch_tokens=16384", "max_steps=2", "save_steps=0", f"output_dir={work / 'runs'}",
-        "run_name=shape-step", "progress_bar=false", "eval.steps=0", "selection.warmup_epochs=1",
+        "model.gradient_checkpointing=true",
+        "rollout.backend=hf",
+        "rollout.n=8",
+        f"rollout.max_tokens={answer}",
+        "train.rollout_batch_size=64",
+        "train.update_batch_size=64",
+        "train.micro_batch_tokens=16384",
+        "max_steps=2",
+        "save_steps=0",
+        f"output_dir={work / 'runs'}",
+        "run_name=shape-step",
+        "progress_bar=false",
+        "eval.steps=0",
+        "selection.warmup_epochs=1",
         *(lora_overrides() if args.lora else []),
-    ]  # fmt: skip
+    ]
     cfg = load_config(str(runtime.ROOT / "configs" / "toy.yaml"), overrides)
     trainer = Trainer(cfg)
     try:

@@ -105,8 +105,9 @@ def usable_golds(golds: list[str], workers: int, bar=None) -> list[bool]:
     return [bool(g.strip()) and ok[g] and gold_problem(g) is None for g in golds]
 
 
-def clean(rows: list[Row], contamination: Contamination, too_long, counts: Counter, workers: int, seen: set[str],
-          bar=None):  # fmt: skip
+def clean(
+    rows: list[Row], contamination: Contamination, too_long, counts: Counter, workers: int, seen: set[str], bar=None
+):
     """The rows that pass every check, in input order; `counts` gains one per dropped row and reason.
 
     `seen` holds the dedup keys already kept (shared between the labeled and the OOD pool, and across

@@ -38,8 +38,9 @@ def resolve_source(spec: str) -> tuple[Path, str | None]:
         return Path(spec), None
     name, _, revision = spec.partition("@")
     if Path(name).suffix in (".parquet", ".jsonl") or not hub.is_hub_id(name):  # a file that is not there
-        raise DataError(f"{spec}: source not found (a parquet or JSONL file, a folder of them, or a dataset id "
-                        "org/name[@revision])")  # fmt: skip
+        raise DataError(
+            f"{spec}: source not found (a parquet or JSONL file, a folder of them, or a dataset id org/name[@revision])"
+        )
     snap = hub.fetch(name, revision or None, kind="dataset", what="SOURCE")
     return snap.local_dir, snap.label
 

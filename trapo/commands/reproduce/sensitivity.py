@@ -119,20 +119,32 @@ def plot(res: dict, dest: Path) -> None:
     if series:  # strategy_ratio conditions: one line per strategy against the ratio
         for shift, (strategy, points) in zip((-0.006, 0.006, 0.0, 0.012), series.items()):
             xs = [(knob[n] if knob else ratio / 100) + shift for ratio, n in points]
-            ax.errorbar(xs, [100 * stats[n][0] for _, n in points], yerr=[100 * stats[n][1] for _, n in points],
-                        marker="o", capsize=4, label=strategy)  # fmt: skip
+            ax.errorbar(
+                xs,
+                [100 * stats[n][0] for _, n in points],
+                yerr=[100 * stats[n][1] for _, n in points],
+                marker="o",
+                capsize=4,
+                label=strategy,
+            )
         ax.set_xticks(sorted({knob[n] if knob else ratio / 100 for pts in series.values() for ratio, n in pts}))
         ax.set_xlabel(res["knob"] or "share of unlabeled questions selected")
         ax.legend()
     elif knob:
         xs = [knob[n] for n in names]
-        ax.errorbar(xs, [100 * stats[n][0] for n in names], yerr=[100 * stats[n][1] for n in names], marker="o",
-                    capsize=4)  # fmt: skip
+        ax.errorbar(
+            xs, [100 * stats[n][0] for n in names], yerr=[100 * stats[n][1] for n in names], marker="o", capsize=4
+        )
         ax.set_xlabel(res["knob"] + (" (toy epochs)" if res["knob"].endswith("warmup_epochs") else ""))
         ax.set_xticks(xs)
     else:  # one point per condition
-        ax.errorbar(range(len(names)), [100 * stats[n][0] for n in names], yerr=[100 * stats[n][1] for n in names],
-                    fmt="o", capsize=4)  # fmt: skip
+        ax.errorbar(
+            range(len(names)),
+            [100 * stats[n][0] for n in names],
+            yerr=[100 * stats[n][1] for n in names],
+            fmt="o",
+            capsize=4,
+        )
         ax.set_xticks(range(len(names)), names)
         ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_ylabel("ID test accuracy, % (best validation step)")
@@ -157,22 +169,34 @@ def page(data: dict) -> str:
     ]
     for res in data["studies"]:
         seeds = ", ".join(map(str, res["seeds"]))
-        md += [f"### {res['title']}", "", f"`{res['file']}`; seeds {seeds}; {res['steps']} steps; test accuracy "
-               "at each run's best validation step, mean ± 95% interval over seeds.", "",
-               f"![{res['study']}](sensitivity_{res['study']}.png)", "",
-               "| condition | ID test, % | OOD test, % |", "|---|---|---|"]  # fmt: skip
+        md += [
+            f"### {res['title']}",
+            "",
+            f"`{res['file']}`; seeds {seeds}; {res['steps']} steps; test accuracy "
+            "at each run's best validation step, mean ± 95% interval over seeds.",
+            "",
+            f"![{res['study']}](sensitivity_{res['study']}.png)",
+            "",
+            "| condition | ID test, % | OOD test, % |",
+            "|---|---|---|",
+        ]
         for name, c in res["conditions"].items():
             cells = []
             for split in ("test", "test_ood"):
                 m, h = _interval(c[split]["per_seed"])
                 cells.append(f"{_pct(m)} ± {_pct(h)}" if not math.isnan(h) else _pct(m))
             md.append(f"| {name} | " + " | ".join(cells) + " |")
-        md += ["", "| claim | what it means on the toy | difference, points [95% paired interval] | verdict |",
-               "|---|---|---|---|"]  # fmt: skip
+        md += [
+            "",
+            "| claim | what it means on the toy | difference, points [95% paired interval] | verdict |",
+            "|---|---|---|---|",
+        ]
         for c in res["claims"]:
             i = c["interval"]
-            md.append(f"| {c['name']} | {c.get('means', '')} | {100 * i['mean']:+.1f} [{100 * i['low']:+.1f}, "
-                      f"{100 * i['high']:+.1f}] | **{c['verdict']}** |")  # fmt: skip
+            md.append(
+                f"| {c['name']} | {c.get('means', '')} | {100 * i['mean']:+.1f} [{100 * i['low']:+.1f}, "
+                f"{100 * i['high']:+.1f}] | **{c['verdict']}** |"
+            )
         md.append("")
     return "\n".join(md)
 

@@ -89,8 +89,10 @@ def load_study(path: str | Path) -> Study:
     for claim in study.claims:
         missing = [c for c in (claim.get("better"), claim.get("worse")) if c not in study.conditions]
         if missing or claim.get("split") not in SPLITS:
-            raise ConfigError(f"study {path}: claim {claim.get('name')}: conditions {missing} unknown, or split "
-                              f"{claim.get('split')!r} not one of {SPLITS}")  # fmt: skip
+            raise ConfigError(
+                f"study {path}: claim {claim.get('name')}: conditions {missing} unknown, or split "
+                f"{claim.get('split')!r} not one of {SPLITS}"
+            )
     for name, overrides in study.conditions.items():
         try:
             load_config(str(ROOT / study.base), [*study.common, *overrides])
@@ -133,17 +135,26 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
             args = [f"run_name={run_dir.name}", f"output_dir={run_dir.parent}", f"seed={seed}", "resume_from=latest"]
             if root is not None:
                 splits = ",".join(str(root / f"{s}.jsonl") for s in SPLITS)
-                args += [f"max_steps={study.steps}", "progress_bar=false", "toy.enabled=false",
-                         f"model.path={root / 'model'}", f"data.train_files=[{root / 'train.jsonl'}]",
-                         f"data.labeled_ratio={LABELED_RATIO}", f"eval.files=[{splits}]", "eval.select_on=validation",
-                         f"eval.steps={study.eval_every}", f"save_steps={study.eval_every}"]  # fmt: skip
+                args += [
+                    f"max_steps={study.steps}",
+                    "progress_bar=false",
+                    "toy.enabled=false",
+                    f"model.path={root / 'model'}",
+                    f"data.train_files=[{root / 'train.jsonl'}]",
+                    f"data.labeled_ratio={LABELED_RATIO}",
+                    f"eval.files=[{splits}]",
+                    "eval.select_on=validation",
+                    f"eval.steps={study.eval_every}",
+                    f"save_steps={study.eval_every}",
+                ]
                 if tiny:  # the test suite's study: a few questions per batch
                     args += ["train.rollout_batch_size=16", "train.update_batch_size=16"]
                 cmd = [sys.executable, str(ROOT / "trapo_train.py")]
             else:
                 cmd = ["deepspeed", str(ROOT / "trapo_train.py")]
-            runs.append((name, seed, run_dir, [*cmd, "--config", str(ROOT / study.base), *study.common,
-                                               *overrides, *args]))  # fmt: skip
+            runs.append(
+                (name, seed, run_dir, [*cmd, "--config", str(ROOT / study.base), *study.common, *overrides, *args])
+            )
     return runs
 
 
@@ -177,21 +188,35 @@ def analyse(study: Study, curves: dict[tuple[str, int], list[dict]], seeds: list
         diffs = [picked[(claim["better"], s)][split] - picked[(claim["worse"], s)][split] for s in seeds]
         interval = paired_interval(diffs)
         claims.append({**claim, "interval": interval, "verdict": verdict(interval)})
-    return {"study": study.name, "title": study.title, "knob": study.knob, "seeds": seeds, "steps": study.steps,
-            "conditions": conditions, "claims": claims}  # fmt: skip
+    return {
+        "study": study.name,
+        "title": study.title,
+        "knob": study.knob,
+        "seeds": seeds,
+        "steps": study.steps,
+        "conditions": conditions,
+        "claims": claims,
+    }
 
 
 def markdown(res: dict) -> str:
-    lines = [f"## {res['title']}", "", f"{len(res['seeds'])} paired seeds, {res['steps']} steps; test accuracy at "
-             "the best validation step (mean over seeds).", ""]  # fmt: skip
+    lines = [
+        f"## {res['title']}",
+        "",
+        f"{len(res['seeds'])} paired seeds, {res['steps']} steps; test accuracy at "
+        "the best validation step (mean over seeds).",
+        "",
+    ]
     lines += ["| condition | ID test | OOD test |", "|---|---|---|"]
     for name, c in res["conditions"].items():
         lines.append(f"| {name} | {c['test']['mean']:.3f} | {c['test_ood']['mean']:.3f} |")
     lines += ["", "| claim | what it means here | mean difference [95% interval] | verdict |", "|---|---|---|---|"]
     for c in res["claims"]:
         i = c["interval"]
-        lines.append(f"| {c['name']} | {c.get('means', '')} | {i['mean']:+.3f} [{i['low']:+.3f}, {i['high']:+.3f}] "
-                     f"| {c['verdict']} |")  # fmt: skip
+        lines.append(
+            f"| {c['name']} | {c.get('means', '')} | {i['mean']:+.3f} [{i['low']:+.3f}, {i['high']:+.3f}] "
+            f"| {c['verdict']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
