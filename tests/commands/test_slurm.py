@@ -19,15 +19,27 @@ if [ "$1 $2" = "show hostnames" ]; then printf '%s\\n' $FAKE_NODES; else echo "s
 """
 
 
-def slurm_env(tmp_path: Path, nodes: str, gpus: str, **extra) -> dict:
+# Slurm's own scontrol on a malformed list ('gpu[01-02]x'): "Invalid hostlist" on stderr, no host, exit status 0
+BAD_SCONTROL = """#!/bin/bash
+echo "Invalid hostlist: $3" >&2
+"""
+
+
+def slurm_env(tmp_path: Path, nodes: str, gpus: str, scontrol: str = SCONTROL, **extra) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "scontrol").write_text(SCONTROL)
+    (bin_dir / "scontrol").write_text(scontrol)
     (bin_dir / "scontrol").chmod(0o755)
     env = runtime.subprocess_env(**extra)
     env["PATH"] = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), env["PATH"]])
-    env.update(FAKE_NODES=nodes, FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), SLURM_JOB_NODELIST="n[01-02]",
-               SLURM_GPUS_ON_NODE=gpus, SLURM_JOB_ID="4242")  # fmt: skip
+    env.update(
+        FAKE_NODES=nodes,
+        FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+        SLURM_JOB_NODELIST="n[01-02]",
+        SLURM_JOB_NUM_NODES=str(len(nodes.split())),
+        SLURM_GPUS_ON_NODE=gpus,
+        SLURM_JOB_ID="4242",
+    )
     return env
 
 
@@ -48,13 +60,38 @@ def test_dry_run_prints_the_hostfile_and_the_resuming_launch(tmp_path):
         "rollout.n=16",
     ]
     # one node: local ranks, no hostfile (DeepSpeed would want ssh to it)
-    env["FAKE_NODES"] = "node07"
+    env.update(FAKE_NODES="node07", SLURM_JOB_NUM_NODES="1")
     one = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True).stdout.splitlines()
     assert one[0] == "node07 slots=8" and one[1].split()[:3] == ["deepspeed", "--num_gpus", "8"]
     # outside an allocation: one line
     del env["SLURM_JOB_NODELIST"]
     out = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 2 and "not inside a Slurm allocation" in out.stderr
+
+
+def test_a_malformed_host_list_stops_in_one_line_before_the_hostfile(tmp_path):
+    env = slurm_env(tmp_path, "", "8", scontrol=BAD_SCONTROL, TRAPO_DRY_RUN="1")
+    env.update(SLURM_JOB_NODELIST="gpu[01-02]x", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="4343")
+    out = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("train.sbatch: the host list"), out.stderr
+    assert "SLURM_JOB_NODELIST='gpu[01-02]x' gives 0 host(s)" in out.stderr
+    assert "Invalid hostlist: gpu[01-02]x" in out.stderr and "expected 2 (SLURM_JOB_NUM_NODES)" in out.stderr
+    assert not os.path.exists(os.path.join(ROOT, "outputs", "hostfile-4343"))  # nothing written, nothing launched
+
+
+def test_a_host_count_other_than_the_jobs_node_count_stops_in_one_line(tmp_path):
+    env = slurm_env(tmp_path, "node01 node02", "8", TRAPO_DRY_RUN="1")
+    env.update(SLURM_JOB_NUM_NODES="3", SLURM_JOB_ID="4344")
+    out = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
+    assert "SLURM_JOB_NODELIST='n[01-02]' gives 2 host(s)" in out.stderr and "expected 3" in out.stderr
+    assert not os.path.exists(os.path.join(ROOT, "outputs", "hostfile-4344"))
+    # no node count in the environment (run by hand): any non-empty list is taken
+    del env["SLURM_JOB_NUM_NODES"]
+    env["SLURM_JOB_ID"] = "4242"  # the hostfile the dry run above writes
+    out = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.splitlines()[:2] == ["node01 slots=8", "node02 slots=8"], out.stderr
 
 
 @pytest.mark.toy_run
