@@ -295,10 +295,22 @@ def test_malformed_and_invalid_rows_are_named_by_file_and_line_and_prose_golds_a
     with pytest.raises(DataError, match=r"bad.jsonl line 2: not valid JSON \(Expecting value, column \d+\)"):
         run([str(bad_json), "--labeled", "1", "--out", out])
     assert main([str(bad_json), "--labeled", "1", "--out", out]) == 2  # one line, no traceback
+    # A bad row on the file's 8th line (a blank line before it) is named by that 1-based line, as training
+    # names it; the first row's being fine is no longer hidden behind "cannot read the first JSONL row".
+    good = "".join(json.dumps({"question": f"{i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(6))
     surrogate = tmp_path / "sur.jsonl"
-    surrogate.write_text('{"question": "a \\ud800", "answer": "2"}\n')
-    with pytest.raises(DataError, match=r"sur.jsonl row 0: field 'question' holds invalid Unicode"):
+    surrogate.write_text(good + '\n{"question": "a \\ud800", "answer": "2"}\n')
+    with pytest.raises(DataError, match=r"sur.jsonl line 8: field 'question' holds invalid Unicode"):
         run([str(surrogate), "--labeled", "1", "--out", out])
+    not_utf8 = tmp_path / "latin1.jsonl"
+    not_utf8.write_bytes(good.encode() + b"\n" + '{"question": "caf\u00e9?", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.jsonl line 8: not UTF-8 text \(byte 0xe9 at column 18\)"):
+        run([str(not_utf8), "--labeled", "1", "--out", out])
+    assert main([str(not_utf8), "--labeled", "1", "--out", out]) == 2  # one line, no traceback
+    first_bad = tmp_path / "first.jsonl"
+    first_bad.write_bytes(b"\n\xff\n" + good.encode())
+    with pytest.raises(DataError, match=r"first.jsonl line 2: not UTF-8 text \(byte 0xff at column 1\)"):
+        run([str(first_bad), "--labeled", "1", "--out", out])
     rows = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)]
     rows += [{"question": "Which one?", "answer": "see the solution above"}]
     prose = tmp_path / "prose.jsonl"

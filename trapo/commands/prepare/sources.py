@@ -28,7 +28,7 @@ class Row:
     answer: str
     data_source: str
     ability: str
-    where: str  # "file row N", for messages and provenance
+    where: str  # "file row N" (parquet, 0-based) or "file line N" (JSONL, 1-based), for messages and provenance
 
 
 def resolve_source(spec: str) -> tuple[Path, str | None]:
@@ -72,12 +72,8 @@ def _columns(path: Path) -> list[str]:
             return list(pq.read_schema(path).names)
         except Exception as err:  # noqa: BLE001 - pyarrow raises many types; all mean "not a readable parquet"
             raise DataError(f"{path}: cannot read as parquet ({err})") from None
-    try:
-        with open(path, encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "{}")
-        row = json.loads(first)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DataError(f"{path}: cannot read the first JSONL row ({err})") from None
+    first = next(_jsonl_lines(path), None)
+    row = _json(path, *first) if first else {}
     return list(row) if isinstance(row, dict) else []
 
 
@@ -90,22 +86,42 @@ def detect_layout(path: Path) -> str:
     raise DataError(f"{path}: columns {', '.join(cols) or '(none)'} match no known layout (accepted: {accepted})")
 
 
-def _records(path: Path, columns: tuple[str, ...]) -> list[dict]:
+def _records(path: Path, columns: tuple[str, ...]) -> list[tuple[str, object]]:
+    """("row N" of a parquet file, 0-based as pyarrow counts, or "line N" of a JSONL file, 1-based as an
+    editor counts, each as training names it; the record) of every row."""
     if path.suffix == ".parquet":
         names = pq.read_schema(path).names
-        return pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist()
+        return [
+            (f"row {i}", rec)
+            for i, rec in enumerate(pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist())
+        ]
+    return [(f"line {n}", _json(path, n, line)) for n, line in _jsonl_lines(path)]
+
+
+def _jsonl_lines(path: Path):
+    """(1-based line number, text) of each non-blank line, read lazily, one line decoded at a time: a byte that
+    is not UTF-8 is named by its line, as training names a JSONL row (trapo/data.py)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text (byte {err.start}); re-encode it as UTF-8") from None
-    records = []
-    for i, line in enumerate(lines):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path} line {i + 1}: not valid JSON ({err.msg}, column {err.colno})") from None
-    return records
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(
+                        f"{path} line {n}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                        "re-encode the file as UTF-8 or remove the row"
+                    ) from None
+                if line.strip():
+                    yield n, line
+    except OSError as err:
+        raise DataError(f"{path}: cannot read it ({err.strerror})") from None
+
+
+def _json(path: Path, n: int, line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} line {n}: not valid JSON ({err.msg}, column {err.colno})") from None
 
 
 def _choices(options) -> str:
@@ -131,8 +147,8 @@ def read_source(path: Path) -> tuple[str, list[Row]]:
     }.get(layout, ("question", "answer"))
     default_source = path.stem if layout in ("verl", "qa") else layout
     rows = []
-    for i, rec in enumerate(_records(path, (question_col, answer_col, "options", "data_source", "ability"))):
-        where = f"{path} row {i}"
+    for place, rec in _records(path, (question_col, answer_col, "options", "data_source", "ability")):
+        where = f"{path} {place}"
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected an object with '{question_col}' and '{answer_col}'")
         question, answer = rec.get(question_col), rec.get(answer_col)
