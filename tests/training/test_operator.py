@@ -151,6 +151,37 @@ def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
     assert all(r["offload"]["offload_s"] > 0 and r["offload"]["reload_s"] > 0 for r in rows)
 
 
+def test_ctrl_c_during_start_up_is_one_line_naming_what_was_written_and_exit_130(toy_dir, tmp_path):
+    """SIGINT before the first step (here: once the run's log exists, while the libraries import and the model
+    loads): no traceback on the terminal, one line saying what start-up wrote, SIGINT's exit status 130."""
+    run_dir = tmp_path / "ctrlc"
+    cmd = [sys.executable, "trapo_train.py", *overrides(toy_dir, tmp_path, run_name="ctrlc", max_steps=2)]
+    # SIGINT at its default in the child (a pytest-xdist worker may ignore it, and a child inherits that)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.time() + 300
+    while not (run_dir / "log.txt").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == [
+        f"[trapo] interrupted during start-up (before the first step): nothing written but .lock, log.txt in "
+        f"{run_dir}; run the same command again to start"
+    ], err[-3000:]
+    assert out == "" and not (run_dir / "metrics.jsonl").exists()
+    assert "KeyboardInterrupt" in (run_dir / "log.txt").read_text()  # where it was, for a bug report
+
+
 @pytest.mark.two_cores
 def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir, tmp_path):
     """SIGTERM to the whole process group (a Ctrl-C, a cluster's preemption), launched with deepspeed."""

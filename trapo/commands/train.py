@@ -30,7 +30,64 @@ def _traceback_to_log(log: Path | None) -> None:
             traceback.print_exc(file=sys.stderr)
 
 
+class _StartUp:
+    """What start-up has made so far, for the one line a Ctrl-C ends in (KeyboardInterrupt: outside the
+    training loop, where trapo/training/preemption.py turns SIGINT into a save and a stop instead)."""
+
+    def __init__(self):
+        self.run_dir: Path | None = None
+        self.log: Path | None = None  # log.txt, once the libraries' output goes there
+        self.entries: set[str] = set()  # the run directory's entries before this start
+        self.metrics = 0  # metrics.jsonl's size before: larger at the interrupt, steps were taken
+        self.toy: Path | None = None  # the toy's manifest, when the toy is on
+        self.toy_mtime = 0.0
+
+    def note(self, cfg) -> None:
+        self.run_dir = Path(cfg.run_dir)
+        self.entries = set(os.listdir(self.run_dir)) if self.run_dir.is_dir() else set()
+        self.metrics = _size(self.run_dir / "metrics.jsonl")
+        if cfg.toy.enabled:
+            self.toy = Path(cfg.toy.asset_dir) / "manifest.json"
+            self.toy_mtime = self.toy.stat().st_mtime if self.toy.is_file() else 0.0
+
+    def interrupted(self) -> str:
+        if self.run_dir is None:
+            return "interrupted during start-up (before the first step): nothing written"
+        if _size(self.run_dir / "metrics.jsonl") > self.metrics:
+            return (
+                f"interrupted after the training steps (final evaluation or summary): the steps and checkpoints "
+                f"written are in {self.run_dir}; summary.json is not"
+            )
+        wrote = []
+        if self.run_dir.is_dir():
+            new = sorted(set(os.listdir(self.run_dir)) - self.entries)
+            if new:
+                wrote.append(f"{', '.join(new)} in {self.run_dir}")
+        if self.toy is not None and self.toy.is_file() and self.toy.stat().st_mtime != self.toy_mtime:
+            wrote.append(f"the toy's model and data in {self.toy.parent} (complete: a next run reuses them)")
+        what = "nothing written but " + "; ".join(wrote) if wrote else "nothing written"
+        return f"interrupted during start-up (before the first step): {what}; run the same command again to start"
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`_main`, with a Ctrl-C outside the training loop ending in one line and exit status 130 (SIGINT's)."""
+    started = _StartUp()
+    try:
+        return _main(argv, started)
+    except KeyboardInterrupt:
+        from trapo import console
+
+        _traceback_to_log(started.log)  # where it was, for a bug report; the terminal gets the one line
+        if int(os.environ.get("RANK", "0")) == 0:
+            console.say(started.interrupted())
+        return 130
+
+
+def _main(argv: list[str] | None, started: _StartUp) -> int:
     runtime.configure()  # before vLLM or torch is imported: see trapo/runtime.py
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML experiment config (default: the toy task)")
@@ -43,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        started.note(cfg)
         from trapo.engine.rollout import require_backend
 
         # No vLLM for backend vllm: stop before anything is built (one that fails to import: the trainer, later)
@@ -62,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # rank 0 claimed (and made) the directory; another rank may see another filesystem
         print(f"trapo_train: run directory {cfg.run_dir}: cannot write its log ({err.strerror})", file=sys.stderr)
         return 2
+    started.log = log
     from trapo.commands import toy
     from trapo.engine.checkpoint import CheckpointError
     from trapo.training.trainer import Preempted, TrainingError, run
