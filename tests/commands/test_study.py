@@ -15,6 +15,7 @@ import yaml
 
 from trapo import runtime
 from trapo.commands.reproduce.study import load_study
+from trapo.config import ConfigError
 
 ROOT = str(runtime.ROOT)
 STUDIES = sorted(glob.glob(os.path.join(ROOT, "configs", "studies", "*", "*.yaml")))
@@ -60,12 +61,106 @@ def test_a_bad_study_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(study))
     out = reproduce("--study", str(bad), "--print")
-    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "conditions ['p9'] unknown" in out.stderr
+    assert (
+        out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "worse: 'p9' is not a condition" in out.stderr
+    )
     study["claims"][0]["worse"] = "p1.0"
     study["conditions"]["p1.0"] = ["selection.top_q=1.0"]
     bad.write_text(yaml.safe_dump(study))
     out = reproduce("--study", str(bad), "--print")
     assert out.returncode == 2 and "condition p1.0" in out.stderr and "did you mean 'selection.top_p'" in out.stderr
+
+
+def bad_study(tmp_path, change) -> str:
+    """configs/studies/toy/top_p.yaml with `change` applied, written to tmp_path; load_study's one line."""
+    study = yaml.safe_load(open(os.path.join(ROOT, "configs", "studies", "toy", "top_p.yaml")))
+    change(study)
+    path = tmp_path / "top_p.yaml"
+    path.write_text(yaml.safe_dump(study))
+    with pytest.raises(ConfigError) as err:
+        load_study(path)
+    message = str(err.value)
+    assert message.startswith(f"study {path}: ") and "\n" not in message
+    return message[len(f"study {path}: ") :]
+
+
+def test_a_misspelled_knob_stops_print_and_the_study_set_before_any_run(tmp_path):
+    knob = bad_study(tmp_path, lambda s: s.update(knob="selection.top_q"))
+    assert knob == "knob: key 'selection.top_q' is not a known setting; did you mean 'selection.top_p'?"
+    out = reproduce("--study", str(tmp_path / "top_p.yaml"), "--print")
+    assert (
+        out.returncode == 2
+        and out.stdout == ""
+        and out.stderr == f"reproduce: study {tmp_path / 'top_p.yaml'}: {knob}\n"
+    )
+    # the set of studies (sensitivity.run_set) reads every file before its first run
+    out = reproduce("--studies", str(tmp_path), "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "docs"))
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and knob in out.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "docs").exists()
+
+
+def test_every_field_of_a_study_file_is_checked_when_it_is_read(tmp_path):
+    def fields(**kv):
+        return lambda s: s.update(kv)
+
+    def condition(name, overrides):
+        return lambda s: s["conditions"].update({name: overrides})
+
+    def claim(**kv):
+        return lambda s: s["claims"][0].update(kv)
+
+    def drop_split(s):
+        del s["claims"][0]["split"]
+
+    def strategy_knob(s):  # a setting, set by the condition, but not a number
+        s.update(knob="selection.strategy")
+        s["conditions"]["p0.1"].append("selection.strategy=tcs")
+
+    c0 = "claims[0] (larger_top_p_hurts): "
+    cases = [
+        # the knob: a setting (not a section) that every condition sets to a number
+        ("knob: key 'selection' is a section, not a setting; its keys: selection.", fields(knob="selection")),
+        ("knob: got ['selection.top_p']; expected a dotted config key or null", fields(knob=["selection.top_p"])),
+        (
+            "knob: condition p0.1 does not set selection.threshold; give every condition "
+            "selection.threshold=<value>, or set knob: null",
+            fields(knob="selection.threshold"),
+        ),
+        (
+            "knob: condition p0.1 sets selection.strategy=tcs, not a number (the results' x axis); set knob: null",
+            strategy_knob,
+        ),
+        # the fields themselves
+        ("knbo: not a study field; did you mean 'knob'?", fields(knbo="selection.top_p")),
+        ("claims: missing; every study has name, title, scale, base", lambda s: s.pop("claims")),
+        ("name: got 'a/b'; expected a plain name", fields(name="a/b")),
+        ("scale: got 'tpy'; expected toy or gpu", fields(scale="tpy")),
+        ("base: no config file configs/toy_trp.yaml", fields(base="configs/toy_trp.yaml")),
+        ("seeds: got [0, 0]; expected a list of distinct integer seeds", fields(seeds=[0, 0])),
+        ("quick_seeds: got '0,1'; expected a list of distinct integer seeds", fields(quick_seeds="0,1")),
+        ("steps: got '32'; expected a whole number of steps", fields(steps="32")),
+        ("steps: a toy study needs steps, a multiple of eval_every > 0", fields(steps=30)),
+        ("common: got 'mode=trapo'; expected a list of overrides", fields(common="mode=trapo")),
+        # the conditions
+        ("conditions: got []; expected a mapping of condition names to lists of overrides", fields(conditions=[])),
+        (
+            "conditions.p0.2: got 'selection.top_p=0.2'; expected a list of overrides (key=value), [] for none",
+            condition("p0.2", "selection.top_p=0.2"),
+        ),
+        ("conditions: the name 0.2 is not a string; quote it ('0.2':)", condition(0.2, ["selection.top_p=0.2"])),
+        # the claims and their keys
+        (c0 + "'beter' is not a claim key; did you mean 'better'?", claim(beter="p0.1")),
+        (c0 + "'split' is missing; every claim has name, better, worse, split", drop_split),
+        (c0 + "worse: 'p0.9' is not a condition of this study; did you mean 'p0.7'?", claim(worse="p0.9")),
+        (c0 + "split: got 'tset'; did you mean 'test'?", claim(split="tset")),
+        (c0 + "better and worse are both p0.1; name two conditions", claim(worse="p0.1")),
+        (
+            "claims[2]: got 'p0.1 > p1.0'; expected a mapping with name, better",
+            lambda s: s["claims"].append("p0.1 > p1.0"),
+        ),
+    ]
+    for expected, change in cases:
+        assert bad_study(tmp_path, change).startswith(expected), expected
 
 
 @pytest.mark.toy_run

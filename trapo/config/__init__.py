@@ -16,7 +16,7 @@ modules. Import from the package (`from trapo.config import Config`), not
 from its modules.
 """
 
-from trapo.config.loading import dump_config, load_config, parse_override, to_dict
+from trapo.config.loading import check_key, dump_config, load_config, parse_override, to_dict
 from trapo.config.schema import (
     ADVANTAGE_SCALES,
     AGGREGATIONS,
@@ -80,6 +80,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "flatten",
+    "check_key",
     "dump_config",
     "load_config",
     "parse_override",

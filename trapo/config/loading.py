@@ -92,16 +92,39 @@ def _apply(obj: Any, values: dict, source: str, prefix: str = "") -> None:
     for key, value in values.items():
         where = f"{source}: key '{prefix}{key}'"
         if key not in names:
-            if f"{prefix}{key}" in REMOVED_KEYS:
-                raise ConfigError(f"{where} was removed: {REMOVED_KEYS[f'{prefix}{key}']}")
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
-            raise ConfigError(f"{where} is not a known setting{hint}")
+            raise _unknown(key, names, prefix, where)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             _apply(getattr(obj, key), value, source, f"{prefix}{key}.")
         else:
             setattr(obj, key, _coerce(tp, value, where))
+
+
+def _unknown(key: Any, names: list[str], prefix: str, where: str) -> ConfigError:
+    """A key that is not among `names`: what replaced it (a removed key), or the closest name."""
+    if f"{prefix}{key}" in REMOVED_KEYS:
+        return ConfigError(f"{where} was removed: {REMOVED_KEYS[f'{prefix}{key}']}")
+    close = difflib.get_close_matches(str(key), names, n=1)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+    return ConfigError(f"{where} is not a known setting{hint}")
+
+
+def check_key(dotted: str, source: str) -> None:
+    """`dotted` names one setting (`selection.top_p`, not a section nor a path past a value); else the
+    ConfigError a config file naming it would get (did you mean, or what replaced a removed key)."""
+    obj: Any = Config()
+    parts = str(dotted).split(".")
+    for i, part in enumerate(parts):
+        prefix, where = ".".join(parts[:i]) + "." if i else "", f"{source}: key '{dotted}'"
+        if not dataclasses.is_dataclass(obj):
+            raise ConfigError(f"{where}: '{prefix.rstrip('.')}' is a setting, not a section")
+        names = [f.name for f in dataclasses.fields(obj)]
+        if part not in names:
+            raise _unknown(part, names, prefix, where)
+        obj = getattr(obj, part)
+    if dataclasses.is_dataclass(obj):
+        keys = ", ".join(f"{dotted}.{f.name}" for f in dataclasses.fields(obj))
+        raise ConfigError(f"{source}: key '{dotted}' is a section, not a setting; its keys: {keys}")
 
 
 def parse_override(text: str) -> dict:

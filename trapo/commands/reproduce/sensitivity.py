@@ -25,6 +25,7 @@ from pathlib import Path
 
 from trapo.commands.reproduce.analysis import t_quantile
 from trapo.commands.reproduce.study import launches, load_study, run_study
+from trapo.commands.reproduce.study_file import knob_setting
 
 ORDER = ("top_p", "gamma", "warmup", "select_method", "random_select")
 RESULTS = "sensitivity.json"
@@ -32,14 +33,11 @@ PAGE = "sensitivity.md"
 
 
 def knob_values(study) -> dict[str, float] | None:
-    """{condition: the knob's value} (the plot's x axis), or None for a study without a knob."""
+    """{condition: the knob's value} (the plot's x axis), or None for a study without a knob (load_study has
+    checked that every condition sets it to a number)."""
     if not study.knob:
         return None
-    out = {}
-    for name, overrides in study.conditions.items():
-        value = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == study.knob]
-        out[name] = float(value[0])
-    return out
+    return {name: float(knob_setting(overrides, study.knob)) for name, overrides in study.conditions.items()}
 
 
 def run_times(run_dirs: list[Path]) -> dict:

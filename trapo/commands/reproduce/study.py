@@ -15,6 +15,9 @@ A study file (configs/studies/):
     steps, eval_every     the step budget and the validation cadence (toy scale)
     claims                name, better, worse (condition names), split, means (what it says at this scale)
 
+Every field is checked when the file is read (study_file.py), before any run or launch: one line naming the file,
+the field and the fix (a misspelled knob gets the config schema's did-you-mean).
+
 Each run is `trapo_train.py` with `resume_from=latest`: a finished run (summary.json, same budget) is kept, a
 killed one resumes from its newest checkpoint (one that stopped before its first checkpoint starts over).
 Runs live in one store beside the studies (`<out>/../runs/<key>-seed<s>`), keyed by the run's whole override
@@ -40,9 +43,8 @@ import yaml
 from trapo import runtime
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
 from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT, TINY_TOY
+from trapo.commands.reproduce.study_file import SPLITS, check_fields, check_knob
 from trapo.config import ConfigError, load_config
-
-SPLITS = ("validation", "test", "test_ood")
 
 
 @dataclass
@@ -67,37 +69,24 @@ class Study:
 
 
 def load_study(path: str | Path) -> Study:
-    """A study file, checked whole before any run: its keys, the claims' conditions, and every condition's
-    config (loaded with its overrides, so a bad key or value names the study and the condition)."""
+    """A study file, checked whole before any run: every field (study_file.check_fields: the knob against the
+    config schema, the conditions, the claims and their keys), then every condition's config (loaded with its
+    overrides, so a bad key or value names the study and the condition)."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"study {path}: cannot read it ({err})") from None
-    known = set(Study.__dataclass_fields__) - {"path"}
-    if not isinstance(raw, dict) or set(raw) - known:
-        extra = sorted(set(raw) - known) if isinstance(raw, dict) else raw
-        raise ConfigError(f"study {path}: unknown keys {extra}; a study has {sorted(known)}")
-    try:
-        study = Study(**raw, path=str(path))
-    except TypeError as err:
-        raise ConfigError(f"study {path}: {err}") from None
-    if study.scale not in ("toy", "gpu"):
-        raise ConfigError(f"study {path}: scale must be toy or gpu, got {study.scale!r}")
+    check_fields(raw, path, ROOT)
+    study = Study(**raw, path=str(path))
     if study.scale == "toy" and not (study.steps > 0 and study.eval_every > 0 and study.steps % study.eval_every == 0):
-        raise ConfigError(f"study {path}: a toy study needs steps, a multiple of eval_every > 0")
-    for claim in study.claims:
-        missing = [c for c in (claim.get("better"), claim.get("worse")) if c not in study.conditions]
-        if missing or claim.get("split") not in SPLITS:
-            raise ConfigError(
-                f"study {path}: claim {claim.get('name')}: conditions {missing} unknown, or split "
-                f"{claim.get('split')!r} not one of {SPLITS}"
-            )
+        raise ConfigError(f"study {path}: steps: a toy study needs steps, a multiple of eval_every > 0")
     for name, overrides in study.conditions.items():
         try:
             load_config(str(ROOT / study.base), [*study.common, *overrides])
         except ConfigError as err:
             raise ConfigError(f"study {path}: condition {name}: {err}") from None
+    check_knob(study.knob, study.conditions, path)
     return study
 
 

@@ -1,0 +1,146 @@
+"""A study file's fields checked when it is read, before any run or launch: each problem is one line that names
+the file, the field and the fix (a misspelled knob would otherwise pass `--print` and end the analysis in an
+IndexError after every run had finished).
+
+What is checked: the fields themselves (unknown ones get a did-you-mean, missing ones are named), each field's
+type, `base` exists, `knob` is a setting of the config schema (trapo.config's did-you-mean) that every
+condition sets to a number, the conditions are named lists of overrides, the seeds are distinct integers, and
+every claim has its keys (name, better, worse, split, means), names two conditions and one of SPLITS. The
+overrides' keys and values are then checked by loading every condition's config (study.load_study).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+from trapo.config import ConfigError, check_key
+
+SPLITS = ("validation", "test", "test_ood")
+REQUIRED = ("name", "title", "scale", "base", "conditions", "seeds", "claims")
+OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every")
+CLAIM_KEYS = ("name", "better", "worse", "split", "means")
+CLAIM_REQUIRED = ("name", "better", "worse", "split")
+
+
+def _hint(word: Any, names: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(word), [str(n) for n in names], n=1)
+    return f"did you mean '{close[0]}'?" if close else f"expected one of {', '.join(map(str, names))}"
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _overrides(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def check_fields(raw: Any, path: Path, root: Path) -> None:
+    """Raise ConfigError, one line naming the file, the field and the fix, for the first bad field of `raw`
+    (the knob's value in each condition: check_knob, once the conditions' configs have loaded)."""
+
+    def bad(field: str, problem: str) -> ConfigError:
+        return ConfigError(f"study {path}: {field}: {problem}")
+
+    if not isinstance(raw, dict):
+        raise ConfigError(f"study {path}: not a mapping of fields; a study has {', '.join(REQUIRED + OPTIONAL)}")
+    for key in raw:
+        if key not in REQUIRED + OPTIONAL:
+            raise bad(str(key), f"not a study field; {_hint(key, REQUIRED + OPTIONAL)}")
+    for key in REQUIRED:
+        if key not in raw:
+            raise bad(key, "missing; every study has " + ", ".join(REQUIRED))
+    for key in ("name", "title", "base"):
+        if not isinstance(raw[key], str) or not raw[key].strip():
+            raise bad(key, f"got {raw[key]!r}; expected a non-empty string")
+    if "/" in raw["name"] or raw["name"] in (".", ".."):
+        raise bad("name", f"got {raw['name']!r}; expected a plain name (it names the study's output folder)")
+    if raw["scale"] not in ("toy", "gpu"):
+        raise bad("scale", f"got {raw['scale']!r}; expected toy or gpu")
+    if not (root / raw["base"]).is_file():
+        raise bad("base", f"no config file {raw['base']} (a path from the repository root, e.g. configs/toy_trap.yaml)")
+    for key in ("steps", "eval_every"):
+        value = raw.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad(key, f"got {value!r}; expected a whole number of steps")
+    for key in ("seeds", "quick_seeds"):
+        value = raw.get(key, [])
+        if not _int_list(value) or len(set(value)) != len(value) or (key == "seeds" and not value):
+            raise bad(key, f"got {value!r}; expected a list of distinct integer seeds, e.g. [0, 1, 2]")
+    if not _overrides(raw.get("common", [])):
+        raise bad("common", f"got {raw.get('common')!r}; expected a list of overrides (key=value strings)")
+    conditions = raw["conditions"]
+    if not isinstance(conditions, dict) or not conditions:
+        raise bad("conditions", f"got {conditions!r}; expected a mapping of condition names to lists of overrides")
+    for name, overrides in conditions.items():
+        if not isinstance(name, str):
+            raise bad("conditions", f"the name {name!r} is not a string; quote it ('{name}':)")
+        if not _overrides(overrides):
+            raise bad(f"conditions.{name}", f"got {overrides!r}; expected a list of overrides (key=value), [] for none")
+    knob = raw.get("knob")
+    if knob is not None and not isinstance(knob, str):
+        raise bad("knob", f"got {knob!r}; expected a dotted config key or null")
+    if knob is not None:
+        check_key(knob, f"study {path}: knob")
+    check_claims(raw["claims"], conditions, path)
+
+
+def knob_setting(overrides: list[str], knob: str) -> str | None:
+    """The value a condition's overrides give the knob (the last one wins, as in the config), or None."""
+    values = [o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].strip() == knob]
+    return values[-1].strip() if values else None
+
+
+def check_knob(knob: str | None, conditions: dict, path: Path) -> None:
+    """A knob (a setting of the schema: check_fields) is set to a number by every condition (the results' x axis).
+    Called after the conditions' configs load, so that a misspelled override is named as such first."""
+    if knob is None:
+        return
+    for name, overrides in conditions.items():
+        value = knob_setting(overrides, knob)
+        if value is None:
+            raise ConfigError(
+                f"study {path}: knob: condition {name} does not set {knob}; give every condition {knob}=<value>, "
+                "or set knob: null"
+            )
+        try:
+            float(value)
+        except ValueError:
+            raise ConfigError(
+                f"study {path}: knob: condition {name} sets {knob}={value}, not a number (the results' x axis); "
+                "set knob: null for a study whose conditions are not points on a scale"
+            ) from None
+
+
+def check_claims(claims: Any, conditions: dict, path: Path) -> None:
+    """Every claim: a mapping of CLAIM_KEYS with a name, two distinct conditions and one of SPLITS."""
+    if not isinstance(claims, list):
+        raise ConfigError(f"study {path}: claims: got {claims!r}; expected a list of claims ({', '.join(CLAIM_KEYS)})")
+    seen = set()
+    for i, claim in enumerate(claims):
+        where = f"study {path}: claims[{i}]"
+        if not isinstance(claim, dict):
+            raise ConfigError(f"{where}: got {claim!r}; expected a mapping with {', '.join(CLAIM_KEYS)}")
+        where += f" ({claim['name']})" if isinstance(claim.get("name"), str) else ""
+        for key in claim:
+            if key not in CLAIM_KEYS:
+                raise ConfigError(f"{where}: '{key}' is not a claim key; {_hint(key, CLAIM_KEYS)}")
+        for key in CLAIM_REQUIRED:
+            if key not in claim:
+                raise ConfigError(f"{where}: '{key}' is missing; every claim has {', '.join(CLAIM_REQUIRED)}")
+        for key in ("name", "means"):
+            if key in claim and not isinstance(claim[key], str):
+                raise ConfigError(f"{where}: {key}: got {claim[key]!r}; expected a string")
+        if claim["name"] in seen:
+            raise ConfigError(f"{where}: name: a second claim named {claim['name']}; give each claim its own name")
+        seen.add(claim["name"])
+        for key in ("better", "worse"):
+            if claim[key] not in conditions:
+                hint = _hint(claim[key], list(conditions))
+                raise ConfigError(f"{where}: {key}: {claim[key]!r} is not a condition of this study; {hint}")
+        if claim["better"] == claim["worse"]:
+            raise ConfigError(f"{where}: better and worse are both {claim['better']}; name two conditions")
+        if claim["split"] not in SPLITS:
+            raise ConfigError(f"{where}: split: got {claim['split']!r}; {_hint(claim['split'], SPLITS)}")
