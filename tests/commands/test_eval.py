@@ -116,29 +116,54 @@ def test_arguments_and_weights_are_checked_before_the_engine_starts(tmp_path):
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
     ok = dict(n=None, temperature=0.6, max_tokens=32, max_prompt_tokens=None, limit=None, hf_max_batch=8)
-    ok.update(rope_theta=None, max_position_embeddings=None)
+    ok.update(rope_theta=None, max_position_embeddings=None, pass_k=None, seed=0)
     check_arguments(argparse.Namespace(**ok), model)
     # a prompt cap no longer adds to the context check: the prompts are measured (engine_length)
     check_arguments(argparse.Namespace(**{**ok, "max_prompt_tokens": 60}), model)
     check_arguments(argparse.Namespace(**{**ok, "max_tokens": 64, "max_position_embeddings": 128}), model)
-    for change, needle in [({"n": 0}, "--n 0: samples per question must be >= 1"),
-                           ({"temperature": -1.0}, "--temperature -1.0: must be in [0, 2]"),
-                           ({"max_tokens": 64}, "--max-tokens 64: leaves no room for a prompt in the 64 tokens the "
-                                                "model serves (max_position_embeddings in its config.json)"),
-                           ({"max_tokens": 64, "max_position_embeddings": 64},
-                            "in the 64 tokens the model serves (--max-position-embeddings)"),
-                           ({"rope_theta": 0.0}, "--rope-theta 0.0: must be > 0"),
-                           ({"max_position_embeddings": 0}, "--max-position-embeddings 0: must be >= 1"),
-                           ({"limit": 0}, "--limit 0: must be >= 1")]:  # fmt: skip
+    for change, needle in [
+        ({"n": 0}, "--n 0: samples per question must be >= 1"),
+        ({"temperature": -1.0}, "--temperature -1.0: must be in [0, 2]"),
+        (
+            {"max_tokens": 64},
+            "--max-tokens 64: leaves no room for a prompt in the 64 tokens the "
+            "model serves (max_position_embeddings in its config.json)",
+        ),
+        (
+            {"max_tokens": 64, "max_position_embeddings": 64},
+            "in the 64 tokens the model serves (--max-position-embeddings)",
+        ),
+        ({"rope_theta": 0.0}, "--rope-theta 0.0: must be a finite number > 0"),
+        ({"max_position_embeddings": 0}, "--max-position-embeddings 0: must be >= 1"),
+        ({"limit": 0}, "--limit 0: must be >= 1"),
+    ]:
         with pytest.raises(DataError, match=re.escape(needle)):
             check_arguments(argparse.Namespace(**{**ok, **change}), model)
     (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:-4])
     with pytest.raises(DataError, match=r"model.safetensors: truncated \(\d+ of \d+ bytes\)"):
         check_arguments(argparse.Namespace(**ok), model)
 
-    out = subprocess.run([sys.executable, "-m", "trapo", "eval", "--model", str(model), "--benchmarks", "math",
-                          "--n", "0", "--out", str(tmp_path / "o")], capture_output=True, text=True,
-                         env=runtime.subprocess_env(), cwd=runtime.ROOT, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trapo",
+            "eval",
+            "--model",
+            str(model),
+            "--benchmarks",
+            "math",
+            "--n",
+            "0",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=runtime.subprocess_env(),
+        cwd=runtime.ROOT,
+        timeout=300,
+    )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and lines == ["trapo eval: --n 0: samples per question must be >= 1"], out.stderr
 
@@ -281,3 +306,124 @@ def test_rope_theta_and_positions_reach_the_vllm_backend(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("CONFIG ")).removeprefix("CONFIG "))
     assert config["rope_theta"] == pytest.approx(40000.0) and config["max_position_embeddings"] == 128
+
+
+def test_every_numeric_flag_is_checked_before_the_model_is_fetched():
+    """Each flag out of range is one line naming the flag, its value and what it takes; the run stops before
+    the model is fetched (here a hub id that does not exist: the flag is named, not the model)."""
+    import argparse
+    import subprocess
+    import sys
+
+    from trapo import runtime
+    from trapo.commands.eval import check_flags
+
+    ok = dict(n=4, temperature=0.6, max_tokens=32, max_prompt_tokens=None, limit=None, hf_max_batch=8)
+    ok.update(rope_theta=None, max_position_embeddings=None, pass_k=4, seed=0)
+    check_flags(argparse.Namespace(**ok))
+    check_flags(argparse.Namespace(**{**ok, "n": None, "pass_k": 2}))  # the benchmarks' n is checked later
+    cases = [
+        ({"pass_k": -1}, "--pass-k -1: pass@k needs 1 <= k <= --n (4), the samples per question"),
+        ({"pass_k": 0}, "--pass-k 0: pass@k needs 1 <= k <= --n (4)"),
+        ({"pass_k": 5}, "--pass-k 5: pass@k needs 1 <= k <= --n (4)"),
+        ({"n": -2}, "--n -2: samples per question must be >= 1"),
+        ({"temperature": float("nan")}, "--temperature nan: must be in [0, 2]"),
+        ({"temperature": 2.5}, "--temperature 2.5: must be in [0, 2]"),
+        ({"temperature": 0.0}, "--temperature 0 (greedy) gives one sample per question; --n 4 asks for more"),
+        ({"max_tokens": 0}, "--max-tokens 0: must be >= 1"),
+        ({"max_prompt_tokens": -5}, "--max-prompt-tokens -5: must be >= 1"),
+        ({"max_position_embeddings": 0}, "--max-position-embeddings 0: must be >= 1"),
+        ({"limit": -1}, "--limit -1: must be >= 1"),
+        ({"hf_max_batch": 0}, "--hf-max-batch 0: must be >= 1"),
+        ({"rope_theta": float("inf")}, "--rope-theta inf: must be a finite number > 0"),
+        ({"rope_theta": -1.0}, "--rope-theta -1.0: must be a finite number > 0"),
+        ({"seed": -1}, "--seed -1: must be in [0, 4294967295]"),
+        ({"seed": 2**32}, "--seed 4294967296: must be in [0, 4294967295]"),
+    ]
+    for change, needle in cases:
+        with pytest.raises(DataError, match=re.escape(needle)):
+            check_flags(argparse.Namespace(**{**ok, **change}))
+
+    cmd = [sys.executable, "-m", "trapo", "eval", "--model", "no-such-org/no-such-model", "--benchmarks", "math"]
+    cmd += ["--pass-k", "-1"]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=runtime.subprocess_env(), cwd=runtime.ROOT, timeout=300
+    )
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    expected = "trapo eval: --pass-k -1: pass@k needs 1 <= k <= --n, the samples per question"
+    assert out.returncode == 2 and lines == [expected], out.stderr
+
+
+def eval_until_the_engine(model: Path, *flags: str):
+    """`trapo eval --backend hf` on `model` with the engine's factory replaced by one that fails: what the run
+    says before any engine loads, then 'the engine was opened' if it got that far."""
+    import subprocess
+    import sys
+
+    from trapo import runtime
+
+    script = (
+        "import sys\n"
+        "from trapo import runtime\n"
+        "runtime.configure()\n"
+        "from trapo.engine import rollout_engine\n"
+        "def refuse(*args, **kwargs):\n"
+        "    raise RuntimeError('the engine was opened')\n"
+        "rollout_engine.open_engine = refuse\n"
+        "from trapo.commands.eval import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    cmd = [sys.executable, "-c", script, "--model", str(model), "--backend", "hf", "--template", "plain", *flags]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=runtime.subprocess_env(), cwd=runtime.ROOT, timeout=300
+    )
+    return out.returncode, [line for line in out.stderr.splitlines() if line.strip()]
+
+
+def test_a_prompt_over_max_prompt_tokens_and_a_pass_k_over_the_benchmarks_n_stop_before_any_engine_loads(tmp_path):
+    model = tiny_model(tmp_path / "m", 64)
+    bench = sums_benchmark(tmp_path / "sums.jsonl")
+    common = ["--benchmarks", str(bench), "--max-tokens", "8", "--no-progress"]
+    rc, lines = eval_until_the_engine(model, *common, "--max-prompt-tokens", "5", "--out", str(tmp_path / "a"))
+    assert rc == 2 and len(lines) == 1, lines
+    assert re.fullmatch(
+        r"trapo eval: .*sums.jsonl line 1: prompt has 6 tokens, over --max-prompt-tokens=5", lines[0]
+    ), lines
+    assert not (tmp_path / "a" / "samples.jsonl").exists()
+
+    rc, lines = eval_until_the_engine(model, *common, "--pass-k", "2", "--out", str(tmp_path / "b"))  # n: 1
+    expected = (
+        "trapo eval: --pass-k 2: pass@k needs 1 <= k <= the samples per question; sums takes 1 by the paper's "
+        "protocol: add --n 2"
+    )
+    assert rc == 2 and lines == [expected], lines
+
+    rc, lines = eval_until_the_engine(model, *common, "--max-prompt-tokens", "6", "--out", str(tmp_path / "c"))
+    assert rc == 1 and len(lines) == 1 and "RuntimeError: the engine was opened" in lines[0], lines  # it fits
+
+
+def test_prose_golds_are_counted_and_warned_once_per_file_before_generation(tmp_path):
+    """A gold that is prose scores 0 (training refuses such rows): one line naming the file, how many and the
+    first row, before the engine loads; the run goes on."""
+    from trapo.data import Benchmark, Question
+    from trapo.training.evaluation import ungradable_golds
+
+    model = tiny_model(tmp_path / "m", 64)
+    rows = [{"id": i, "question": f"{11 + i}+{12 + i}=", "answer": str(23 + 2 * i)} for i in range(4)]
+    rows[1]["answer"] = "see the solution above"
+    rows[3]["answer"] = "the answer is in the text"
+    bench = tmp_path / "prose.jsonl"
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--benchmarks", str(bench), "--max-tokens", "8", "--no-progress", "--out", str(tmp_path / "o")]
+    rc, lines = eval_until_the_engine(model, *flags)
+    assert rc == 1 and len(lines) == 2, lines
+    assert re.fullmatch(
+        rf"trapo eval: warning: {re.escape(str(bench))}: 2 of 4 questions have a gold that is prose, not a math "
+        rf"answer or an option letter \(first: {re.escape(str(bench))} line 2, 'see the solution above'\); they "
+        r"score 0 unless a response repeats the gold verbatim: fix or remove those rows",
+        lines[0],
+    ), lines
+    assert "RuntimeError: the engine was opened" in lines[1]  # warned before, and the run went on
+
+    ok = [Question(f"q{i}", "1+1?", g, True, None, f"a.jsonl line {i + 1}") for i, g in enumerate(["2", "B"])]
+    assert ungradable_golds([Benchmark("a", ok, "a.jsonl")]) == []  # a number, an option letter: no warning

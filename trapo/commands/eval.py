@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ from trapo import hub, runtime
 from trapo.algorithm.pass_at_k import mean_pass_at_k
 from trapo.config import BACKENDS, DTYPES, PROMPT_TEMPLATES, ConfigError
 from trapo.data import Benchmark, DataError, benchmarks_dir, resolve_benchmarks, stop_token_ids
-from trapo.training.evaluation import evaluate, pending_prompts
+from trapo.training.evaluation import evaluate, pending_prompts, ungradable_golds
 
 if TYPE_CHECKING:
     from trapo.engine.rollout_engine import EngineSettings
@@ -123,26 +124,40 @@ def served_context(args, model: Path) -> tuple[int, str] | None:
     return length, f"{key} in its config.json"
 
 
-def check_arguments(args, model: Path) -> None:
-    """The ranges vLLM's SamplingParams and max_model_len checks would reject later (after the model loaded),
-    and the model's weight files, checked now: DataError naming the flag or the file."""
+SEEDS = 2**32  # numpy's (and so vLLM's) seed range: [0, 2**32)
+
+
+def check_flags(args) -> None:
+    """Every numeric flag's range, checked before the model is fetched or anything loads: the ranges vLLM's
+    SamplingParams, numpy's seed and the pass@k estimator would reject later. A DataError naming the flag."""
     if args.n is not None and args.n < 1:
         raise DataError(f"--n {args.n}: samples per question must be >= 1")
     if not 0 <= args.temperature <= 2:
         raise DataError(f"--temperature {args.temperature}: must be in [0, 2] (0: greedy)")
+    if args.temperature == 0 and args.n is not None and args.n > 1:
+        raise DataError(f"--temperature 0 (greedy) gives one sample per question; --n {args.n} asks for more")
     for flag, value in (
         ("--max-tokens", args.max_tokens),
         ("--max-prompt-tokens", args.max_prompt_tokens),
         ("--max-position-embeddings", args.max_position_embeddings),
+        ("--limit", args.limit),
+        ("--hf-max-batch", args.hf_max_batch),
     ):
         if value is not None and value < 1:
             raise DataError(f"{flag} {value}: must be >= 1")
-    if args.rope_theta is not None and not args.rope_theta > 0:
-        raise DataError(f"--rope-theta {args.rope_theta}: must be > 0")
-    if args.limit is not None and args.limit < 1:
-        raise DataError(f"--limit {args.limit}: must be >= 1")
-    if args.hf_max_batch < 1:
-        raise DataError(f"--hf-max-batch {args.hf_max_batch}: must be >= 1")
+    if args.rope_theta is not None and not 0 < args.rope_theta < math.inf:
+        raise DataError(f"--rope-theta {args.rope_theta}: must be a finite number > 0")
+    if not 0 <= args.seed < SEEDS:
+        raise DataError(f"--seed {args.seed}: must be in [0, {SEEDS - 1}]")
+    if args.pass_k is not None and (args.pass_k < 1 or (args.n is not None and args.pass_k > args.n)):
+        n = f"--n ({args.n})" if args.n is not None else "--n"
+        raise DataError(f"--pass-k {args.pass_k}: pass@k needs 1 <= k <= {n}, the samples per question")
+
+
+def check_arguments(args, model: Path) -> None:
+    """The flags (check_flags), the model's weight files and the response budget against its context, checked
+    before the engine starts: DataError naming the flag or the file."""
+    check_flags(args)
     problem = hub.weight_problem(model)
     if problem:
         raise DataError(f"--model {model}: {problem}")
@@ -241,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--template", default="dataset", choices=PROMPT_TEMPLATES)
     parser.add_argument("--limit", type=int, help="first N questions per benchmark")
-    parser.add_argument("--pass-k", type=int, help="also report pass@K (unbiased; needs n >= K)")
+    parser.add_argument("--pass-k", type=int, help="also report pass@K (unbiased; 1 <= K <= --n)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="output dir (default: <model>/../eval; a hub id: outputs/eval/<org>--<name>)")
     parser.add_argument("--overwrite", action="store_true", help="discard earlier samples in --out")
@@ -261,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
+        check_flags(args)  # before the model is fetched
         source = hub.fetch(args.model, args.revision, what="--model") if args.model else None
         model = source.local_dir if source else latest_toy_checkpoint()
         if not (model / "config.json").is_file():
@@ -279,8 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"--temperature 0 (greedy) gives one sample per question; {several[0]} takes "
                 f"{n_for(several[0])} by the paper's protocol: add --n 1"
             )
-        if args.pass_k and any(n_for(b.name) < args.pass_k for b in benchmarks):
-            raise DataError(f"--pass-k {args.pass_k} needs --n >= {args.pass_k}")
+        fewer = [b.name for b in benchmarks if n_for(b.name) < (args.pass_k or 0)]
+        if fewer:
+            raise DataError(
+                f"--pass-k {args.pass_k}: pass@k needs 1 <= k <= the samples per question; {fewer[0]} takes "
+                f"{n_for(fewer[0])} by the paper's protocol: add --n {args.pass_k}"
+            )
         default_out = Path("outputs/eval") / args.model.replace("/", "--") if on_hub else model.parent / "eval"
         out = Path(args.out) if args.out else default_out
         out.mkdir(parents=True, exist_ok=True)
@@ -306,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError) as err:
         print(f"trapo eval: {err}", file=sys.stderr)
         return 2
+
+    for line in ungradable_golds(benchmarks):  # scored 0 (training refuses such rows): said before generating
+        print(f"trapo eval: warning: {line}", file=sys.stderr)
 
     from trapo import console
 

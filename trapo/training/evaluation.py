@@ -17,7 +17,7 @@ import time
 from trapo.algorithm.pass_at_k import avg_at_k
 from trapo.algorithm.rewards import answer_rewards, extract_answer
 from trapo.config import Config
-from trapo.data import Benchmark, tokenize_prompts
+from trapo.data import Benchmark, gold_problem, tokenize_prompts
 from trapo.engine import dist
 from trapo.engine.rollout import request_seed
 
@@ -27,6 +27,30 @@ def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=
     answers = [extract_answer(t) for t in texts]  # once: graded and kept
     rewards = answer_rewards(answers, [gold] * len(texts), timeout, verifier)
     return [{"answer": a, "correct": r == 1.0} for a, r in zip(answers, rewards)]
+
+
+def ungradable_golds(benchmarks: list[Benchmark]) -> list[str]:
+    """One warning per benchmark file holding questions whose gold is empty or prose (`gold_problem`, the
+    check training refuses such rows by): how many, and the first one's row and gold. A prose gold matches
+    only a response that repeats it word for word, so its question scores 0 (nearly) always."""
+    bad: dict[str, list] = {}
+    total: dict[str, int] = {}
+    for b in benchmarks:
+        total[b.source] = total.get(b.source, 0) + len(b.questions)
+        for q in b.questions:
+            why = gold_problem(q.answer)
+            if why:
+                bad.setdefault(b.source, []).append((q, why))
+    lines = []
+    for source, found in bad.items():
+        q, why = found[0][0], " or ".join(sorted({w for _, w in found}))
+        gold = q.answer if len(q.answer or "") <= 60 else q.answer[:57] + "..."
+        lines.append(
+            f"{source}: {len(found)} of {total[source]} questions have a gold that is {why}, not a math answer "
+            f"or an option letter (first: {q.where}, {gold!r}); they score 0 unless a response repeats the gold "
+            f"verbatim: fix or remove those rows"
+        )
+    return lines
 
 
 def pending_prompts(
