@@ -106,3 +106,38 @@ def test_base_identity_reads_the_hub_blob_name_and_hashes_other_files(tmp_path):
     assert str(local) in msg and "/elsewhere" in msg and ident["sha256"][:16] in msg and "f" * 16 in msg
     assert "full fine-tuning run" in lora.base_problem(None, ident)
     assert "LoRA run" in lora.base_problem(ident, None)
+
+
+def test_targets_are_checked_from_the_config_alone_before_any_weight_is_read(tmp_path):
+    """The architecture from config.json on the meta device: a directory with no weight file at all."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from trapo.commands.toy import MODEL_SHAPE
+
+    Qwen2Config(vocab_size=64, **MODEL_SHAPE).save_pretrained(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # nothing to load: no weights exist
+    config = AutoConfig.from_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        lora.check_config_targets(config, ["q_proj", "qkv_proj"])
+    msg = str(err.value)
+    assert "\n" not in msg and "'qkv_proj' is not a linear layer" in msg and "down_proj" in msg
+    with pytest.raises(ConfigError, match="lm_head.*chunked head"):
+        lora.check_config_targets(config, ["lm_head"])
+    lora.check_config_targets(config, ["self_attn.q_proj", "mlp.up_proj"])
+
+
+def test_the_policy_checks_targets_before_it_reads_a_weight(tmp_path):
+    """Policy refuses a bad target from the model directory's config: its weight file is never opened (the
+    directory has none), and DeepSpeed's config is not even read."""
+    from transformers import Qwen2Config
+
+    from trapo.commands.toy import MODEL_SHAPE
+    from trapo.config import Config
+    from trapo.engine.policy import Policy
+
+    Qwen2Config(vocab_size=64, **MODEL_SHAPE).save_pretrained(tmp_path)
+    cfg = Config()
+    cfg.model.lora = LoraConfig(rank=8, target_modules=["qkv_proj"])
+    cfg.train.deepspeed_config = str(tmp_path / "absent.json")
+    with pytest.raises(ConfigError, match="'qkv_proj' is not a linear layer"):
+        Policy(cfg, str(tmp_path), 1, 0, loss=None)

@@ -77,6 +77,53 @@ def test_a_resume_refuses_changes_that_alter_the_run_and_lists_each(tmp_path):
     }  # fmt: skip
 
 
+def test_a_structural_change_is_refused_even_when_named_in_one_line(tmp_path):
+    """The adapters' rank and layers, and the dtype, shape the checkpoint's state: naming them in
+    resume_changes cannot make it load, so the resume stops here, before any model loads."""
+    cfg = Config()
+    cfg.model.lora.rank, cfg.model.dtype = 8, "float32"
+    first_start(tmp_path, cfg)
+    checkpoint = tmp_path / "checkpoints" / "step-4"
+
+    def resumed(**model):
+        lora = {k: v for k, v in model.items() if k in ("rank", "alpha", "target_modules")}
+        rest = {k: v for k, v in model.items() if k not in lora}
+        new_lora = dataclasses.replace(cfg.model.lora, **lora)
+        return to_dict(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=new_lora, **rest)))
+
+    for change, key in [
+        ({"rank": 16}, "model.lora.rank: 8 -> 16"),
+        ({"rank": 0}, "model.lora.rank: 8 -> 0"),
+        ({"target_modules": ["q_proj", "v_proj"]}, "model.lora.target_modules: "),
+        ({"dtype": "bfloat16"}, "model.dtype: 'float32' -> 'bfloat16'"),
+    ]:
+        named = ["model.lora.rank", "model.lora.target_modules", "model.dtype"]
+        with pytest.raises(ConfigError) as err:
+            run_record.resume_changes(tmp_path, resumed(**change), allowed=named, checkpoint=checkpoint)
+        line = str(err.value)
+        assert "\n" not in line and key in line and "even named in resume_changes" in line, line
+        assert f"model.path={checkpoint / 'hf'}" in line and "resume_changes=[" not in line, line
+    # what loads may change when named: the scale, the same layers listed in another order, the same dtype
+    order = list(reversed(cfg.model.lora.target_modules))
+    changes = run_record.resume_changes(
+        tmp_path, resumed(alpha=32.0, target_modules=order), allowed=["model.lora.alpha", "model.lora.target_modules"]
+    )
+    assert changes["model.lora.alpha"] == [16.0, 32.0] and "model.lora.target_modules" in changes
+    with pytest.raises(ConfigError, match=r"resume_changes=\[model.lora.alpha\]"):  # unnamed: the usual refusal
+        run_record.resume_changes(tmp_path, resumed(alpha=32.0), allowed=[])
+    full = dataclasses.replace(cfg.model.lora, rank=0)  # full fine-tuning: the target list means nothing
+    first_start(tmp_path, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=full)))
+    assert "model.lora.target_modules" in run_record.resume_changes(
+        tmp_path, resumed(rank=0, target_modules=["q_proj"]), allowed=["model.lora.target_modules"]
+    )
+    auto = runtime.dtype_name("auto")  # what "auto" resolves to here: the same dtype, named two ways
+    cfg.model.dtype = auto
+    first_start(tmp_path, cfg)
+    assert run_record.resume_changes(tmp_path, resumed(dtype="auto"), allowed=["model.dtype"]) == {
+        "model.dtype": [auto, "auto"]
+    }
+
+
 def test_the_first_config_stays_and_every_start_is_recorded(tmp_path):
     first_start(tmp_path, Config())
     later = Config(max_steps=9)
@@ -139,3 +186,20 @@ def test_a_resume_with_a_changed_setting_stops_before_loading_and_keeps_the_firs
         "output_dir",
     }  # fmt: skip (the copy moved the run directory: output_dir is recorded too)
     assert [r["step"] for r in metrics(tmp_path / "straight")] == list(range(1, 7))
+
+
+@pytest.mark.toy_run
+@pytest.mark.xdist_group("straight_run")
+def test_a_resume_naming_a_structural_change_stops_in_one_line_before_loading(toy_dir, tmp_path, straight_run):
+    """The issue's case on the toy: a full fine-tuning run resumed with adapters (model.lora.rank 0 -> 8), the
+    change named in resume_changes: refused before the policy loads, the checkpoint's hf/ proposed instead."""
+    shutil.copytree(straight_run, tmp_path / "straight")
+    args = overrides(toy_dir, tmp_path, run_name="straight", mode="trapo", resume_from="latest", max_steps=6)
+    out = train([*args, "model.lora.rank=8", "resume_changes=[model.lora.rank]"], check=False)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "model.lora.rank: 0 -> 8" in lines[-1] and "even named in resume_changes" in lines[-1], lines[-1]
+    assert "/checkpoints/step-" in lines[-1] and "/hf" in lines[-1]
+    assert "trainable parameters" not in out.stderr  # the adapters were never attached: no model loaded
+    starts = (tmp_path / "straight" / "starts.jsonl").read_text().splitlines()
+    assert len(starts) == 1  # this start was not recorded: nothing written

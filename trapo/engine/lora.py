@@ -56,6 +56,17 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
             )
 
 
+def check_config_targets(hf_config, targets: list[str]) -> None:
+    """`check_targets` before any weight is read: on the model's architecture built from its config alone,
+    on the meta device (no memory, no weight file opened; a second at 7B). Call it before DeepSpeed's
+    zero.Init is on (HfDeepSpeedConfig), which would partition even an empty model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    check_targets(skeleton, targets)
+
+
 def attach(model: torch.nn.Module, lora: LoraConfig, seed: int = 0) -> torch.nn.Module:
     """The model wrapped by peft with fresh adapters on `lora.target_modules`, every base parameter frozen.
 

@@ -26,7 +26,7 @@ from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_m
 from trapo.algorithm.loss import LossSpec, policy_loss
 from trapo.config import Config, ConfigError
 from trapo.engine import attention, dist, lora, packing
-from trapo.engine.batch import TrainSequence, collate, pack_by_tokens
+from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.memory_plan import check_stage
 from trapo.runtime import torch_dtype
 
@@ -119,6 +119,9 @@ class Policy:
         self.loss = loss  # what `update` runs; the config's loss keys are read only through it
         self.device = dist.comm_device()
         dtype = torch_dtype(cfg.model.dtype)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        if cfg.model.lora.rank > 0:  # a bad target: one line before any weight is read (the architecture alone)
+            lora.check_config_targets(hf_config, cfg.model.lora.target_modules)
         try:
             ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -139,7 +142,6 @@ class Policy:
         ds_config.pop("fp16", None)
         self._hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it turns on zero.Init
 
-        hf_config = AutoConfig.from_pretrained(model_dir)
         self.overrides = model_overrides(cfg, hf_config)  # the engine takes the same
         for key, value in self.overrides.items():
             setattr(hf_config, key, value)
@@ -243,8 +245,9 @@ class Policy:
     def _groups(self, seqs: list[TrainSequence]) -> list[list[int]]:
         """This rank's micro-batches (indices into seqs), padded with empty ones to the busiest rank's count:
         every rank must run the same number of forward/backward passes."""
-        lengths, budget = [len(s.ids) for s in seqs], self.cfg.train.micro_batch_tokens
-        groups = packing.pack_rows(lengths, budget) if self.cfg.train.packing else pack_by_tokens(lengths, budget)
+        groups = packing.micro_batches(
+            [len(s.ids) for s in seqs], self.cfg.train.micro_batch_tokens, self.cfg.train.packing
+        )
         # At least one pass even when nothing is trainable anywhere: DeepSpeed's step needs a backward.
         return groups + [[] for _ in range(max(dist.all_max(len(groups)), 1) - len(groups))]
 

@@ -1,7 +1,7 @@
 """A run directory's owner and its record: one run at a time, a first config that stays, every start logged.
 
     claim(run_dir)                       # rank 0, before anything is written there; ConfigError when held
-    changes = resume_changes(run_dir, as_run, allowed)   # a resume: refused keys raise, safe ones returned
+    changes = resume_changes(run_dir, as_run, allowed, checkpoint)   # a resume: refused keys raise
     record_start(run_dir, {...})          # one line of starts.jsonl per start
     as_run(cfg, snapshot)                 # the config as recorded: a hub model's revision pinned to its commit
 
@@ -15,7 +15,8 @@ and goes on unlocked.
 
 `config.yaml` is written by a run's first start and never overwritten by a resume. A resume compares its
 config (a hub model's revision pinned to its commit) with it, key by key: a key in `SAFE` may change; any
-other change is refused, listing each key with its old and new value, unless `resume_changes` names it.
+other change is refused, listing each key with its old and new value, unless `resume_changes` names it; a
+key in `FIXED` (the adapters' rank and layers, the dtype) is refused even then: the checkpoint cannot load.
 `starts.jsonl` records every start: when, where, the step it started at, the world size and the changes.
 """
 
@@ -58,6 +59,16 @@ SAFE = (
     "rollout.cpu_kv_cache_gb",
     "rollout.enable_sleep_mode",
 )
+
+# Keys no resume can change, even named in resume_changes: the checkpoint's saved state takes its shape from
+# them, so it cannot load (DeepSpeed would stop with a size mismatch after the model and vLLM loaded).
+# model.lora.alpha and dropout may change when named: the same adapters load, scaled or dropped otherwise.
+# model.path may too: the same weights moved elsewhere resume (another base is named at the load, lora.py).
+FIXED = {
+    "model.lora.rank": "the checkpoint's adapters and their optimizer state have that rank (0: full weights)",
+    "model.lora.target_modules": "the checkpoint holds adapters on those layers and no others",
+    "model.dtype": "the checkpoint's DeepSpeed state (weights, master copy) was saved in that precision",
+}
 
 _held: dict[Path, int] = {}  # run directory -> the descriptor holding its lock (this process)
 
@@ -119,10 +130,24 @@ def safe(key: str) -> bool:
     return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE)
 
 
-def resume_changes(run_dir: Path, as_run: dict, allowed: list[str]) -> dict[str, list]:
+def fixed(key: str, old, new, adapters: bool = True) -> bool:
+    """Whether a change of `key` from `old` to `new` is one no checkpoint can resume (FIXED): a reordered
+    target list names the same layers (and without `adapters`, rank 0, none), and "auto" is the dtype it
+    resolves to here."""
+    if key == "model.lora.target_modules":
+        return adapters and sorted(old or []) != sorted(new or [])
+    if key == "model.dtype":
+        from trapo.runtime import dtype_name
+
+        return dtype_name(old) != dtype_name(new)
+    return key in FIXED
+
+
+def resume_changes(run_dir: Path, as_run: dict, allowed: list[str], checkpoint: Path | None = None) -> dict[str, list]:
     """{key: [old, new]} of every setting that differs from the run's config.yaml (none without one).
-    ConfigError, listing each, when a key outside SAFE changed and `allowed` does not name it. A key only
-    one side knows (the schema grew or shrank between the starts) is not compared."""
+    ConfigError, listing each, when a key outside SAFE changed and `allowed` does not name it; ConfigError
+    for a FIXED key's change whatever `allowed` names, pointing at a new run from `checkpoint`'s hf/. A key
+    only one side knows (the schema grew or shrank between the starts) is not compared."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return {}
@@ -132,6 +157,16 @@ def resume_changes(run_dir: Path, as_run: dict, allowed: list[str]) -> dict[str,
         raise ConfigError(f"{path}: cannot read the run's config ({err}); restore it, or start a new run") from None
     now = flatten(as_run)
     changes = {k: [first[k], now[k]] for k in now if k in first and first[k] != now[k]}
+    adapters = bool(now.get("model.lora.rank"))
+    structural = {k: v for k, v in changes.items() if fixed(k, *v, adapters=adapters)}
+    if structural:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r} ({FIXED[k]})" for k, (old, new) in structural.items())
+        hf = (Path(checkpoint) if checkpoint else Path(run_dir) / "checkpoints" / "step-N") / "hf"
+        raise ConfigError(
+            f"resuming {run_dir}: no resume can change {listed}, even named in resume_changes; put the old "
+            f"value back, or start a new run from the checkpoint's merged model: model.path={hf}, resume_from "
+            "unset and another run_name"
+        )
     refused = {k: v for k, v in changes.items() if not safe(k) and k not in allowed}
     if refused:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())

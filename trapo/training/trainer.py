@@ -64,11 +64,11 @@ class Trainer(Checkpointing):
             console.say(notice)
         # rank 0 owns the directory (one run at a time) before it looks at or cleans anything in it
         dist.on_rank0(lambda: run_record.open_run_dir(self.run_dir, self.ckpt_root, cfg.resume_from))
-        resumes = ckpt.resolve(cfg.resume_from, self.ckpt_root) is not None  # a missing resume_from: now
+        resumes = ckpt.resolve(cfg.resume_from, self.ckpt_root)  # a missing resume_from: now
         self.model_source = fetch_model(cfg)  # a hub id: downloaded once per node
         # a resume keeps its record: a changed setting that would alter the run stops it before any load
         settings = to_dict(run_record.as_run(cfg, self.model_source))
-        self.changes = run_record.resume_changes(self.run_dir, settings, cfg.resume_changes) if resumes else {}
+        self.changes = run_record.resume_changes(self.run_dir, settings, cfg.resume_changes, resumes) if resumes else {}
         self.resumed_from: Path | None = None  # the checkpoint this start resumed, if any
         self.moved_from: int | None = None  # the world size of that checkpoint, when it differs from this run's
         inputs = prepare_inputs(cfg, self.world, self.model_source and str(self.model_source.local_dir))
