@@ -5,11 +5,13 @@ import random
 import pytest
 import torch
 
+from trapo import console
 from trapo.engine.attention import register_attention
 from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.packing import (
     balance,
     collate_packed,
+    micro_batches,
     pack_rows,
     update_efficiency,
     work_counts,
@@ -23,6 +25,20 @@ def test_pack_rows_first_fit_decreasing_within_the_budget():
     assert rows == [[5], [1], [3, 2], [0, 4]]
     assert sorted(i for r in rows for i in r) == list(range(6))
     assert all(sum(lengths[i] for i in r) <= 10 for r in rows if len(r) > 1)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_budget_below_one_sequence_is_said_once_with_the_key_the_longest_and_the_fix(monkeypatch, packed):
+    said = []
+    monkeypatch.setattr(console, "_warned", set())
+    monkeypatch.setattr(console, "say", said.append)
+    assert micro_batches([5, 9, 3], budget=12, packed=packed)  # every sequence fits: nothing said
+    assert said == []
+    for _ in range(3):  # every update of the run: one sequence per micro-batch, said the first time only
+        assert micro_batches([30, 12, 41], budget=10, packed=packed) == [[2], [0], [1]]
+    assert len(said) == 1
+    assert said[0].startswith("warning: train.micro_batch_tokens=10 is smaller than one sequence")
+    assert "the longest has 41 tokens" in said[0] and "set train.micro_batch_tokens >= 41" in said[0]
 
 
 def test_collate_packed_restarts_positions_and_never_predicts_across_sequences():

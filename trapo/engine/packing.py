@@ -19,7 +19,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trapo.engine.batch import TrainSequence, collate
+from trapo import console
+from trapo.engine.batch import TrainSequence, collate, pack_by_tokens
+
+
+def micro_batches(lengths: list[int], budget: int, packed: bool) -> list[list[int]]:
+    """This rank's micro-batches (indices into `lengths`): `pack_rows` when packed, else `pack_by_tokens`.
+
+    A sequence longer than `budget` (train.micro_batch_tokens) runs alone, over the budget: said once per
+    run, with the longest sequence's tokens and the fix, since a budget chosen to bound memory then does not.
+    """
+    longest = max(lengths, default=0)
+    if longest > budget:
+        console.warn_once(
+            "micro_batch_tokens",
+            f"train.micro_batch_tokens={budget} is smaller than one sequence (the longest has {longest} tokens, "
+            "prompt + response): each such sequence runs alone in a micro-batch of its full length, over the "
+            f"budget; set train.micro_batch_tokens >= {longest}, or lower data.max_prompt_tokens / "
+            "rollout.max_tokens",
+        )
+    return pack_rows(lengths, budget) if packed else pack_by_tokens(lengths, budget)
 
 
 def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
