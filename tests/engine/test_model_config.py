@@ -14,12 +14,12 @@ def test_rope_override_is_the_whole_rope_parameters_with_the_new_theta():
     cfg.model.max_position_embeddings = 16384
     hf = AutoConfig.for_model("qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     assert hf.rope_parameters["rope_theta"] == 10000.0  # transformers 5.19 reads theta from here only
-    overrides = model_overrides(cfg, hf)
+    overrides = model_overrides(cfg.model, hf)
     assert overrides == {
         "rope_parameters": {**hf.rope_parameters, "rope_theta": 40000.0},
         "max_position_embeddings": 16384,
     }
-    assert model_overrides(Config(), hf) == {}  # nothing set: the checkpoint's own values
+    assert model_overrides(Config().model, hf) == {}  # nothing set: the checkpoint's own values
 
 
 def test_same_model_names_each_key_that_differs():

@@ -196,12 +196,11 @@ def model_overrides_for(args, model: Path) -> dict:
         return {}
     from transformers import AutoConfig
 
-    from trapo.config import Config
+    from trapo.config import ModelConfig
     from trapo.engine.policy import model_overrides
 
-    cfg = Config()
-    cfg.model.rope_theta, cfg.model.max_position_embeddings = args.rope_theta, args.max_position_embeddings
-    return model_overrides(cfg, AutoConfig.from_pretrained(model))
+    settings = ModelConfig(rope_theta=args.rope_theta, max_position_embeddings=args.max_position_embeddings)
+    return model_overrides(settings, AutoConfig.from_pretrained(model))
 
 
 def engine_settings(args, model: Path, max_model_len: int) -> EngineSettings:

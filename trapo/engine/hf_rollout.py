@@ -115,6 +115,11 @@ class HfEngine:
         self.max_batch = max_batch
         self.prefill_tokens = prefill_tokens
         self.zero3_engine = zero3_engine
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        # A sliding-window cache layer keeps only its window, which joining prefill groups would not rebuild
+        self.joinable_cache = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_token_ids or [0])[0]
         self._turns = 0  # open turns (a turn inside a turn gathers nothing more)
@@ -285,12 +290,9 @@ class HfEngine:
         `prefill_tokens` tokens each (a longer prompt goes alone), every row with the batch's padding, mask and
         positions, so it computes what one forward of the batch would; the groups' caches are then joined."""
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
 
         config = self.model.config
-        # A sliding-window layer keeps only its window, which joining groups would not rebuild: one forward then
-        plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
-        per_forward = max(1, self.prefill_tokens // ids.shape[1]) if plain else len(ids)
+        per_forward = max(1, self.prefill_tokens // ids.shape[1]) if self.joinable_cache else len(ids)
         parts, logits = [], []
         for start in range(0, len(ids), per_forward):
             part, group = DynamicCache(config=config), slice(start, start + per_forward)

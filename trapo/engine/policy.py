@@ -24,7 +24,7 @@ from trapo import console
 from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
 from trapo.algorithm.loss import LossSpec, policy_loss
-from trapo.config import Config, ConfigError
+from trapo.config import Config, ConfigError, ModelConfig
 from trapo.engine import attention, dist, lora, packing
 from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.memory_plan import check_stage
@@ -57,7 +57,7 @@ class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss that DeepSpeed applied, too many skipped steps)."""
 
 
-def model_overrides(cfg: Config, hf_config) -> dict:
+def model_overrides(model: ModelConfig, hf_config) -> dict:
     """Model config attributes the run sets over the checkpoint's, as both transformers and vLLM read them.
 
     transformers 5.19 builds the rotary embedding from `rope_parameters["rope_theta"]`
@@ -66,11 +66,11 @@ def model_overrides(cfg: Config, hf_config) -> dict:
     override is the checkpoint's whole `rope_parameters` with the new theta.
     """
     overrides = {}
-    if cfg.model.rope_theta is not None:
+    if model.rope_theta is not None:
         rope = dict(getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"})
-        overrides["rope_parameters"] = {**rope, "rope_theta": float(cfg.model.rope_theta)}
-    if cfg.model.max_position_embeddings is not None:
-        overrides["max_position_embeddings"] = cfg.model.max_position_embeddings
+        overrides["rope_parameters"] = {**rope, "rope_theta": float(model.rope_theta)}
+    if model.max_position_embeddings is not None:
+        overrides["max_position_embeddings"] = model.max_position_embeddings
     return overrides
 
 
@@ -142,7 +142,7 @@ class Policy:
         ds_config.pop("fp16", None)
         self._hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it turns on zero.Init
 
-        self.overrides = model_overrides(cfg, hf_config)  # the engine takes the same
+        self.overrides = model_overrides(cfg.model, hf_config)  # the engine takes the same
         for key, value in self.overrides.items():
             setattr(hf_config, key, value)
         model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype)
