@@ -132,18 +132,19 @@ bench: $(STAMP)
 
 # A lent GPU machine (Python 3.12, torch, transformers; no DeepSpeed, Math-Verify or vLLM, no index):
 # `make gpu-kit` here downloads what it lacks into .gpukit/ (git-ignored, about 21 MiB); there,
-# `make gpu-check [PART=1|2|3|4]` installs it offline and checks the trainer on the GPU, writing
+# `make gpu-check [PART=1|2|3|4 | ONLY=check,...]` installs it offline and checks the trainer on the GPU, writing
 # docs/gpu/<date>-<gpu>.md. GPU_CHECK_DRY_RUN=1 runs the same script on CPU with the toy (CI does).
 gpu-kit: $(STAMP)
 	$(PY) -m trapo gpu-kit
 
 PART ?=
+ONLY ?=
 ifeq ($(GPU_CHECK_DRY_RUN),1)
 gpu-check: $(STAMP)
-	$(PY) -m trapo gpu-check --dry-run $(if $(PART),--part $(PART))
+	$(PY) -m trapo gpu-check --dry-run $(if $(PART),--part $(PART)) $(if $(ONLY),--only $(ONLY))
 else
 gpu-check:
-	python3 -m trapo gpu-check $(if $(PART),--part $(PART))
+	python3 -m trapo gpu-check $(if $(PART),--part $(PART)) $(if $(ONLY),--only $(ONLY))
 endif
 
 clean-venv:

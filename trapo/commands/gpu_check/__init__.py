@@ -3,6 +3,7 @@
     make gpu-kit                      # where the package index is reachable: the wheels, into .gpukit/
     make gpu-check                    # on the GPU machine (offline): one call, the checks that tell most first
     make gpu-check PART=1|2|3|4       # a second call: one part
+    make gpu-check ONLY=kill_resume   # a second call: the named checks (the first call's last line names them)
     GPU_CHECK_DRY_RUN=1 make gpu-check  # the same script on CPU, toy and tiny shapes (CI runs it)
 
 First the environment (nvidia-smi, nvcc, torch, CUDA and package versions), printed before anything can
@@ -83,6 +84,7 @@ class Check:
         self.logs: dict[str, str] = {}
         self.seconds: dict[str, float] = {}  # row name -> seconds its check took here
         self.estimates: dict[str, float] = {}  # row name -> its check's GPU estimate (plan.ESTIMATES)
+        self.failed_checks: set[str] = set()  # check functions (ORDER's names) with a failed or skipped row
 
     def add(self, name: str, ok: bool, figure: str, log: str = "") -> None:
         self.rows.append((name, ok, figure))
@@ -271,11 +273,23 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
         "toy.dir=" + str(WORK / "toy-assets"),
         *(SMALL_TOY if dry_run else []),
     ]
-    log = []
+    name, log = f"toy kill and resume (hf, {dtype}, launcher)", []
+    started = time.time()
     code, out = shell(_launch([*common, "run_name=straight"], env), env, 300)
     log.append(tail(out, 15))
     if code != 0:
-        check.add("toy kill and resume (hf, bf16, launcher)", False, f"the straight run failed ({code})", out)
+        check.add(name, False, f"the straight run failed ({code})", out)
+        return
+    # the killed run and the resume together take about one straight run (which also built the toy's assets)
+    needed, left = 1.5 * (time.time() - started), DEADLINE[0] - time.time()
+    if left < needed:
+        check.add(
+            name,
+            False,
+            f"not run to the kill: {left:.0f} s of the call left after the straight run, the "
+            f"kill and the resume need ~{needed:.0f} s; rerun it alone: make gpu-check ONLY=kill_resume",
+            out,
+        )
         return
     proc = subprocess.Popen(
         _launch([*common, "run_name=killed"], env),
@@ -285,7 +299,7 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = min(time.time() + 240, DEADLINE[0] - 60)  # leave the resume a minute of the part's budget
+    deadline = time.time() + 240
     while time.time() < deadline and len(_metrics(out_dir / "killed")) < 5 and proc.poll() is None:
         time.sleep(0.2)
     killed_at = len(_metrics(out_dir / "killed"))
@@ -298,11 +312,12 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(straight, resumed)]
     rewards = all(a["reward_labeled"] == b["reward_labeled"] for a, b in zip(straight, resumed))
     health = max((r["logprob_diff_rollout_vs_policy"] or 0.0) for r in straight + resumed) if resumed else float("inf")
-    ok = code == 0 and steps_ok and max(diffs, default=1.0) < 1e-3 and health < 5e-2 and 0 < killed_at < 8
+    ok = code == 0 and steps_ok and max(diffs, default=1.0) < 1e-3 and health < 5e-2 and 2 <= killed_at < 8
     check.add(
-        f"toy kill and resume (hf, {dtype}, launcher)",
+        name,
         ok,
-        f"killed after step {killed_at}, resumed to {len(resumed)}: max |loss diff| vs straight "
+        ("" if killed_at >= 2 else "killed before the first checkpoint (step 2), so nothing was resumed; ")
+        + f"killed after step {killed_at}, resumed to {len(resumed)}: max |loss diff| vs straight "
         f"{max(diffs, default=float('nan')):.2e}, labeled rewards equal: {rewards}, "
         f"max logprob_diff_rollout_vs_policy {health:.2e}",
         "\n".join(log),
@@ -351,9 +366,25 @@ PARTS = {1: [doctor, pytest_gpu], 2: [bench_update], 3: [kill_resume, shape_step
 # One call's order, what tells most first (plan.ESTIMATES has each one's GPU time): the real loop at a real width,
 # the GPU tests, the doctor, the update's throughput, the launcher's kill and resume, the 7B LoRA step.
 ORDER = [shape_step, pytest_gpu, doctor, bench_update, kill_resume, shape_step_lora]
+CHECKS = {fn.__name__: fn for fn in ORDER}
+
+
+def _check_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown check {unknown or text!r}; the checks: {', '.join(CHECKS)}")
+    return names
 
 
 # ----------------------------------------------------------------------------- report
+
+
+def _make_args(title: str) -> str:
+    """The make variables that ran this report: ' PART=3', ' ONLY=kill_resume' or ''."""
+    if title.startswith("only-"):
+        return " ONLY=" + ",".join(n for n in CHECKS if n in title[5:].split("-"))
+    return f" PART={title[4:]}" if title else ""
 
 
 def report(check: Check, env_lines: list[str], title: str, dry_run: bool, seconds: float) -> Path:
@@ -365,8 +396,7 @@ def report(check: Check, env_lines: list[str], title: str, dry_run: bool, second
     lines = [
         f"# GPU check {stem}",
         "",
-        f"`make gpu-check{f' PART={title[4:]}' if title else ''}`{note}, "
-        f"{seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
+        f"`make gpu-check{_make_args(title)}`{note}, {seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
         "",
         "## Environment",
         "",
@@ -402,6 +432,7 @@ def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: floa
         left = deadline - time.time()
         if left < 30 or (not dry_run and estimate > left):
             check.add(fn.__name__, False, f"not run: {left:.0f} s of the call left, estimated {estimate:.0f} s")
+            check.failed_checks.add(fn.__name__)
             continue
         DEADLINE[0] = deadline
         started, before = time.perf_counter(), len(check.rows)
@@ -409,6 +440,8 @@ def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: floa
             fn(check, env, dry_run)
         except Exception as err:  # noqa: BLE001 - a check's own failure is its finding; the others run
             check.add(fn.__name__, False, f"{type(err).__name__}: {err}")
+        if not all(ok for _, ok, _ in check.rows[before:]):
+            check.failed_checks.add(fn.__name__)
         for name, _, _ in check.rows[before:]:
             check.seconds[name], check.estimates[name] = time.perf_counter() - started, estimate
         write()  # a call cut short still brings back what ran
@@ -417,6 +450,11 @@ def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trapo gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", type=int, choices=sorted(PARTS), help="one part (default: the one-call plan)")
+    parser.add_argument(
+        "--only",
+        type=_check_names,
+        help=f"these checks alone, comma-separated (what an earlier call left): {', '.join(CHECKS)}",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -432,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join([*path, env["PYTHONPATH"]])
     names = [fn.__name__ for fn in ORDER]
     planned, planned_s = plan.one_call(["kit", *names])
-    if args.part:
+    if args.only:
+        fns, title, budget = [CHECKS[n] for n in args.only], "only-" + "-".join(args.only), PART_BUDGET
+    elif args.part:
         fns, title, budget = PARTS[args.part], f"part{args.part}", PART_BUDGET
     else:  # the dry run runs every check, so CI keeps each one working; the GPU runs the plan
         fns = ORDER if args.dry_run else [fn for fn in ORDER if fn.__name__ in planned]
@@ -451,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     path = write()
     failed = sum(not ok for _, ok, _ in check.rows)
     print(f"gpu-check: {len(check.rows) - failed} passed, {failed} failed; report {path.relative_to(ROOT)}")
-    if not args.part:
+    if not args.part and not args.only:
         print(f"one call: {', '.join(planned)} planned in {planned_s:.0f} s (limit {plan.LIMIT_S})")
+    left_out = [] if args.part or args.only else [fn.__name__ for fn in ORDER if fn not in fns]
+    again = [fn.__name__ for fn in ORDER if fn.__name__ in left_out or fn.__name__ in check.failed_checks]
+    if again and not args.dry_run:
+        print(f"not run or failed here: make gpu-check ONLY={','.join(again)}")
     return 1 if failed else 0

@@ -15,13 +15,16 @@ from dataclasses import dataclass
 
 LIMIT_S = 480  # a call may run 600 s; 120 s stay for the estimates' error and the report's way back
 
-# The cost model of one H100/H200, calibrated on the first call's timings (docs/gpu/2026-11-26-nvidia-h200*.md).
-PROCESS_S = 12.0  # a fresh Python process importing torch, transformers and DeepSpeed and starting CUDA
-TRAINER_S = 8.0  # a trainer's start beyond that: ZeRO-3 init, the toy's assets read, grading workers
+# The cost model of one H100 or H200, fitted to the slower of the two (the H100 ran each check ~1.35x the
+# H200's time): docs/gpu/2026-11-26-nvidia-h200*.md and docs/gpu/2026-11-26-nvidia-h100-80gb-hbm3.md.
+PROCESS_S = 15.0  # a fresh Python process importing torch, transformers and DeepSpeed and starting CUDA
+TRAINER_S = 10.0  # a trainer's start beyond that: ZeRO-3 init, the toy's assets read, grading workers
+TOY_BUILD_S = 20.0  # the toy's tokenizer, model and data, built once per check that trains it
+PARAM_S = 1.2e-8  # per parameter of a shape step: random init on the host, ZeRO-3 partitioning on load
 BF16_FLOPS = 300e12  # achieved by a ZeRO-3 update with checkpointing, recompute counted (bench_update_gpu)
-LAYER_STEP_S = 1.3e-3  # one decoder layer of one eager transformers decode step: launch-bound, ~width-free
+LAYER_STEP_S = 1.75e-3  # one decoder layer of one eager transformers decode step: launch-bound, ~width-free
 DISK_BYTES_S = 1.0e9  # safetensors written and read back (the random model of a shape step)
-TOY_STEP_S = 1.0  # one toy training step on the GPU (a tiny model: launch-bound, shape-independent)
+TOY_STEP_S = 1.5  # one toy training step on the GPU (a tiny model: launch-bound, shape-independent)
 KIT_S = 15.0  # pip installing ~22 MiB of wheels offline, then importing them once
 
 
@@ -58,17 +61,20 @@ def update_s(shape: Shape, trainable_share: float = 1.0) -> float:
 def shape_step_s(shape: Shape, lora: bool = False) -> float:
     """Build and save the random model, load it, two training steps."""
     io = 2 * 2 * shape.params / DISK_BYTES_S  # bf16 written, then read
-    return PROCESS_S + TRAINER_S + io + 2 * (generation_s(shape) + update_s(shape, 0.0 if lora else 1.0))
+    setup = PROCESS_S + TRAINER_S + PARAM_S * shape.params + io
+    return setup + 2 * (generation_s(shape) + update_s(shape, 0.0 if lora else 1.0))
 
 
 def toy_runs_s(runs: int, steps: int) -> float:
-    return runs * (PROCESS_S + TRAINER_S + steps * TOY_STEP_S)
+    """`runs` trainer processes of `steps` toy steps each, the toy built by the first."""
+    return TOY_BUILD_S + runs * (PROCESS_S + TRAINER_S + steps * TOY_STEP_S)
 
 
 def bench_update_s(seqs: int = 32, length: int = 2048, steps: int = 3) -> float:
     """bench_update_gpu: two heads x (one warm-up + `steps`) updates, then packed vs padded at mixed lengths."""
     shape = Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, sequences=seqs, prompt=length // 4, answer=length)
-    return PROCESS_S + 2 * R1_1P5B.params * 2 / DISK_BYTES_S + 4 * (steps + 1) * update_s(shape)
+    setup = PROCESS_S + PARAM_S * R1_1P5B.params + 2 * R1_1P5B.params * 2 / DISK_BYTES_S
+    return setup + 4 * (steps + 1) * update_s(shape)
 
 
 # check name -> estimated GPU seconds; the order is the order of what tells most first
@@ -79,7 +85,7 @@ ESTIMATES = {
     # the varlen kernel against per-sequence attention; the toy in bf16 straight and resumed (3 runs x 4 steps)
     "pytest_gpu": 10 + toy_runs_s(3, 4),
     # versions, NCCL collectives, a two-step trial run on a shrunken model, the memory plan
-    "doctor": PROCESS_S + toy_runs_s(1, 2),
+    "doctor": PROCESS_S + TRAINER_S + TOY_BUILD_S + 2 * TOY_STEP_S,  # its trial run is in its own process
     "bench_update": bench_update_s(),
     "kill_resume": toy_runs_s(3, 8),
     "shape_step_lora": shape_step_s(MATH_7B, lora=True),
