@@ -66,8 +66,12 @@ def test_one_call_plan_takes_checks_in_order_while_the_estimates_fit():
     assert names == order[: len(names)] and total <= plan.LIMIT_S
     assert total + plan.ESTIMATES[order[len(names)]] > plan.LIMIT_S  # the next one would not fit
     assert plan.one_call(order, limit=plan.ESTIMATES["kit"]) == (["kit"], plan.ESTIMATES["kit"])
-    # the cost model by hand: 2 rounds of 256 rows x 512 decode steps x 28 layers x 1.3 ms
-    assert plan.generation_s(plan.R1_1P5B) == pytest.approx(2 * 512 * 28 * 1.3e-3)
+    # the cost model by hand: 2 rounds of 256 rows x 512 decode steps x 28 layers x 1.75 ms
+    assert plan.generation_s(plan.R1_1P5B) == pytest.approx(2 * 512 * 28 * 1.75e-3)
+    # the toy built once, then 3 processes of (15 + 10) s start and 8 steps x 1.5 s
+    assert plan.toy_runs_s(3, 8) == pytest.approx(20 + 3 * (15 + 10 + 8 * 1.5))
+    # the one call leaves the kill and resume to a second: the H100's first call ran out of time on it
+    assert "kill_resume" not in names
     # (fwd 2 + recompute 2 + bwd 4) x 1.78e9 x 512 x 576 tokens / 300 TFLOP/s; LoRA: no weight gradients (6)
     assert plan.update_s(plan.R1_1P5B) == pytest.approx(8 * 1.78e9 * 512 * 576 / 300e12)
     assert plan.update_s(plan.MATH_7B, 0.0) == pytest.approx(6 * 7.6e9 * 512 * 576 / 300e12)
