@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from trapo.engine import dist
+from trapo.engine import decoding, dist
 from trapo.engine.memory_plan import HF_PREFILL_TOKENS
 from trapo.engine.rollout import Rollout, decode_responses, request_seed
 
@@ -169,26 +169,25 @@ class HfEngine:
 
     @contextlib.contextmanager
     def turn(self):
-        """A stretch of generation: the ZeRO-3 parameters whole on every rank (collective), the model in eval
-        mode (no dropout, no gradient checkpointing) with transformers' sdpa attention, which reads the
-        left-padding mask (packed training rows use trapo/engine/packing.py's kernel); restored after."""
+        """A stretch of generation: the ZeRO-3 parameters whole on every rank (collective), no gradients, the
+        model in eval mode (no dropout, no gradient checkpointing) with sdpa attention that reads the
+        left-padding mask and grouped heads in place (trapo/engine/decoding.py; packed training rows use
+        trapo/engine/packing.py's kernel); restored after."""
         if self._turns:
             yield self
             return
         model = self.model
         was_training, attention = model.training, model.config._attn_implementation
         gather = dist.gathered_for_generation(self.zero3_engine) if self.zero3_engine else contextlib.nullcontext()
-        with gather:
+        with gather, torch.no_grad(), dist.plain_linear_forward():
             model.eval()
-            if attention != "sdpa":
-                model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(decoding.register_decode_attention())
             self._turns += 1
             try:
                 yield self
             finally:
                 self._turns -= 1
-                if attention != "sdpa":
-                    model.set_attn_implementation(attention)
+                model.set_attn_implementation(attention)
                 model.train(was_training)
 
     # ------------------------------------------------------------------ sampling
@@ -252,6 +251,9 @@ class HfEngine:
         rows = torch.arange(b, device=device)  # the batch row each live row stands for
         done = torch.zeros(b, dtype=torch.bool, device=device)  # finished, still in the batch until compaction
         cache, logits = self._prefill(ids, mask, positions)
+        if self.joinable_cache:  # room for the whole response: no copy of the cache per token
+            cache = decoding.reserve(cache, width + max_tokens)
+        mask = torch.cat([mask, mask.new_ones((b, max_tokens))], dim=1)  # sliced to the filled length each step
         position = positions[:, -1] + 1
         for t in range(max_tokens):
             token, lp = sample_tokens(logits.float(), temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t)
@@ -267,10 +269,9 @@ class HfEngine:
                 keep = (~done).nonzero()[:, 0]
                 cache.batch_select_indices(keep)
                 rows, done, mask, token, position = rows[keep], done[keep], mask[keep], token[keep], position[keep]
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=mask,
+                attention_mask=mask[:, : width + t + 1],
                 position_ids=position[:, None],
                 past_key_values=cache,
                 use_cache=True,
