@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy studies-toy lint bench clean-venv gpu-kit gpu-check
+.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy studies-toy lint bench bench-peers clean-venv gpu-kit gpu-check
 
 setup: $(STAMP)
 
@@ -113,6 +113,18 @@ endif
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# Our step beside TRL's GRPOTrainer (1.16) on the same toy job, alternating pairs; TRL lives in its own
+# virtual environment (.venv-peers, bench/peers/requirements.txt), never in `make setup`'s. Writes the
+# bench-peers block of docs/benchmarks.md.
+PEERS := .venv-peers
+$(PEERS)/.installed: bench/peers/requirements.txt
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q -r bench/peers/requirements.txt
+	touch $@
+
+bench-peers: $(STAMP) $(PEERS)/.installed
+	$(PY) bench/peers/run.py --peers-python $(PEERS)/bin/python
 
 bench: $(STAMP)
 	$(PY) bench/bench_selection.py

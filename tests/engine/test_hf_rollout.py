@@ -158,3 +158,22 @@ def test_prefill_in_groups_of_rows_generates_what_one_forward_does(tiny):
         for grouped, whole in zip(runs[budget], one):
             for (_, lps, _), (_, ref, _) in zip(grouped, whole):
                 assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=1e-6)
+
+
+def test_min_tokens_keeps_stop_tokens_out_until_then_and_reports_the_processed_logprob(tiny):
+    model, tokenizer, prompts = tiny
+    vocab = model.config.vocab_size
+    stops = list(range(0, vocab, 3))  # a third of the vocabulary stops: unforced, most rows end early
+    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64)
+    seeds = [request_seed(2, i) for i in range(len(prompts))]
+    free = engine.generate(prompts, n=4, temperature=1.0, max_tokens=10, seeds=seeds)
+    assert min(len(r.token_ids) for g in free for r in g) < 6
+    forced = engine.generate(prompts, n=4, temperature=1.0, max_tokens=10, seeds=seeds, min_tokens=6)
+    for prompt, group in zip(prompts, forced):
+        for r in group:
+            assert len(r.token_ids) >= 6 and all(t not in stops for t in r.token_ids[:6])
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + r.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+            logits[:6, stops] = float("-inf")  # the distribution the first 6 tokens were drawn from
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(r.logprobs), expected, atol=1e-5)

@@ -21,6 +21,8 @@ figure no code printed. Each block lives in one file (`BLOCKS`):
 - `bench-rollout` in docs/benchmarks.md: what bench/bench_rollout.py printed for both backends
   (`make bench` saves it as outputs/bench/rollout-vllm.txt and rollout-hf.txt).
 - `bench-lora` in docs/benchmarks.md: what bench/bench_lora.py printed (outputs/bench/lora.txt).
+- `bench-peers` in docs/benchmarks.md: what bench/peers/run.py printed (`make bench-peers` saves it as
+  outputs/bench/peers.txt and writes the block itself).
 
 `--file PATH` writes the blocks asked for into PATH instead (tests use it).
 """
@@ -48,9 +50,11 @@ BLOCKS = {
     "memory-plan": DOCS / "memory-plan.md",
     "bench-rollout": DOCS / "benchmarks.md",
     "bench-lora": DOCS / "benchmarks.md",
+    "bench-peers": DOCS / "benchmarks.md",
 }
 BENCH_ROLLOUT = ("rollout-vllm.txt", "rollout-hf.txt")  # bench_rollout.py's output, per backend
 BENCH_LORA = "lora.txt"  # bench_lora.py's output
+BENCH_PEERS = "peers.txt"  # bench/peers/run.py's output
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -151,6 +155,11 @@ def bench_lora_block(folder: Path) -> str:
     return _bench_lines([folder / BENCH_LORA], mine)
 
 
+def bench_peers_block(folder: Path) -> str:
+    """bench/peers/run.py's table, fenced."""
+    return "```\n" + (folder / BENCH_PEERS).read_text().rstrip() + "\n```"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             ("memory-plan", args.plan),
             ("bench-rollout", args.bench and all((args.bench / n).is_file() for n in BENCH_ROLLOUT)),
             ("bench-lora", args.bench and (args.bench / BENCH_LORA).is_file()),
+            ("bench-peers", args.bench and (args.bench / BENCH_PEERS).is_file()),
         )
         if on
     ]
@@ -198,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                 body = bench_block(args.bench)
             elif name == "bench-lora":
                 body = bench_lora_block(args.bench)
+            elif name == "bench-peers":
+                body = bench_peers_block(args.bench)
             else:
                 body = plan_block()
             text = texts[target] if target in texts else target.read_text()

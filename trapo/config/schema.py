@@ -117,6 +117,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 3000  # response budget; also the Dr.GRPO loss denominator's length
+    # No stop token ends a response before this many tokens (vLLM's min_tokens; transformers' min_new_tokens):
+    # benchmarks force lengths with min_tokens = max_tokens. 0: stop tokens end a response anywhere.
+    min_tokens: int = 0
     # Share of each GPU's memory vLLM may take (weights + KV cache). vLLM sizes its KV cache once, when
     # the engine is built, from this share (sleep and wake map the same pool again: it never grows).
     # During rollouts the trainer keeps its fp32 master weights and Adam moments (~10.5 GB per GPU for

@@ -49,6 +49,11 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(0 <= r.eval_temperature <= 2, "rollout.eval_temperature", f"must be in [0, 2], got {r.eval_temperature}")
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.max_tokens >= 1, "rollout.max_tokens", f"must be >= 1, got {r.max_tokens}")
+    need(
+        0 <= r.min_tokens <= r.max_tokens,
+        "rollout.min_tokens",
+        f"must be in [0, rollout.max_tokens={r.max_tokens}], got {r.min_tokens}",
+    )
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
     need(
         r.dynamic_sampling_max_rounds >= 0,

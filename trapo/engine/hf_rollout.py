@@ -202,6 +202,7 @@ class HfEngine:
         top_p: float = 1.0,
         max_tokens: int,
         seeds: list[int] | None = None,
+        min_tokens: int = 0,
     ) -> list[list[Rollout]]:
         """n samples per prompt, [len(prompts)][n]. Sample j of a prompt with seed s is drawn with the key
         request_seed(s, j): the same on every rank, in every batch. Without seeds, the keys follow this
@@ -224,6 +225,7 @@ class HfEngine:
                     temperature=temperature,
                     top_p=top_p,
                     max_tokens=max_tokens,
+                    min_tokens=min_tokens,
                 )
                 for k, out in zip(chunk, outs):
                     sampled[k] = out
@@ -232,7 +234,14 @@ class HfEngine:
         return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(
-        self, prompts: list[list[int]], keys: list[int], *, temperature: float, top_p: float, max_tokens: int
+        self,
+        prompts: list[list[int]],
+        keys: list[int],
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        min_tokens: int = 0,
     ) -> list[tuple[list[int], list[float], bool]]:
         """(token ids, log-probs, truncated) per prompt: one left-padded batch with a KV cache."""
         device = torch.device(self.device())
@@ -256,7 +265,10 @@ class HfEngine:
         mask = torch.cat([mask, mask.new_ones((b, max_tokens))], dim=1)  # sliced to the filled length each step
         position = positions[:, -1] + 1
         for t in range(max_tokens):
-            token, lp = sample_tokens(logits.float(), temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t)
+            logits = logits.float()
+            if t < min_tokens:  # stop tokens get probability 0 (vLLM's min_tokens does the same)
+                logits = logits.index_fill(-1, stops[stops >= 0], float("-inf"))
+            token, lp = sample_tokens(logits, temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t)
             tokens[rows, t] = torch.where(done, -1, token)  # no boolean indexing: no host sync per step
             logprobs[rows, t] = torch.where(done, 0.0, lp)
             done = done | torch.isin(token, stops)

@@ -35,9 +35,11 @@ class RolloutEngine(Protocol):
         top_p: float = 1.0,
         max_tokens: int,
         seeds: list[int] | None = None,
+        min_tokens: int = 0,
     ) -> list[list[Rollout]]:
         """n samples per prompt, [len(prompts)][n]. With `seeds` (one per prompt, `rollout.request_seed`) a
-        sample depends on its seed and the weights only, so a resumed run draws the same rollouts."""
+        sample depends on its seed and the weights only, so a resumed run draws the same rollouts. No stop
+        token is drawn before `min_tokens` tokens (its probability is 0 there, as in vLLM)."""
         ...
 
     def turn(self) -> AbstractContextManager:

@@ -220,6 +220,7 @@ class VllmEngine:
         top_p: float = 1.0,
         max_tokens: int,
         seeds: list[int] | None = None,
+        min_tokens: int = 0,
     ) -> list[list[Rollout]]:
         """n samples per prompt. With `seeds` (one per prompt) sampling depends
         only on the seed and the weights, not on batch composition, so a resumed
@@ -245,6 +246,7 @@ class VllmEngine:
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_tokens,
+                min_tokens=min_tokens,
                 seed=seed,
                 stop_token_ids=self.stop_token_ids,
                 logprobs=0 if self.sampled_logprobs else None,  # 0: the sampled token's own only

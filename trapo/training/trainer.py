@@ -253,6 +253,7 @@ class Trainer(Checkpointing):
                 temperature=r.temperature,
                 top_p=r.top_p,
                 max_tokens=r.max_tokens,
+                min_tokens=r.min_tokens,
                 seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
             )
 

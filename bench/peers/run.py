@@ -1,0 +1,112 @@
+"""Our step beside TRL's GRPOTrainer on the same toy job: `make bench-peers`.
+
+The job, on both sides: the toy's model and labeled questions, 16 questions x 8 answers per step forced to
+each length (rollout.min_tokens on ours, min_new_tokens on TRL's), Dr.GRPO without KL or entropy terms,
+one update per step, fp32 on CPU, OMP_NUM_THREADS=1. Each side runs in its own process (TRL in
+.venv-peers, which `make bench-peers` builds from bench/peers/requirements.txt); the sides take turns in
+alternating order, `--pairs` times per length, so a slow stretch of a shared machine falls on all of them.
+Each process's first step is a warm-up and is left out. Prints medians and ratios, saves them to
+outputs/bench/peers.txt and writes the `bench-peers` block of docs/benchmarks.md.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+SIDES = ("ours-hf", "ours-vllm", "trl")
+
+
+def run_side(side: str, tokens: int, steps: int, toy: Path, peers_python: str) -> dict:
+    from trapo import runtime
+
+    env = runtime.subprocess_env(OMP_NUM_THREADS="1")
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):  # each side is its own world
+        env.pop(key, None)
+    if side == "trl":
+        cmd = [peers_python, str(ROOT / "bench/peers/trl_job.py"), "--toy", str(toy / "seed-0")]
+        cmd += ["--out", str(ROOT / "outputs/bench/trl-run")]
+    else:
+        cmd = [sys.executable, str(ROOT / "bench/peers/ours.py"), "--toy", str(toy), "--backend", side[5:]]
+    cmd += ["--tokens", str(tokens), "--steps", str(steps)]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{") and '"side"' in line]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"bench-peers: {side} at {tokens} tokens failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    lengths = result["mean_length"][1:]
+    if lengths and min(lengths) != tokens:  # the comparison is only fair at equal lengths
+        raise SystemExit(f"bench-peers: {side} generated {lengths} tokens on average, not the forced {tokens}")
+    return result
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over every measured step (each process's first left out) and the start-ups."""
+    step = [s for r in runs for s in r["step"][1:]]
+    generate = [g for r in runs for g in r["generate"][1:]]
+    rest = [s - g for r in runs for s, g in zip(r["step"][1:], r["generate"][1:])]
+    return {
+        "step": statistics.median(step),
+        "generate": statistics.median(generate),
+        "rest": statistics.median(rest),
+        "startup": statistics.median(r["startup"] for r in runs),
+        "steps": len(step),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="64,256", help="forced response lengths, comma-separated")
+    ap.add_argument("--pairs", type=int, default=2, help="rounds per length; each round runs every side once")
+    ap.add_argument("--steps", type=int, default=4, help="steps per process (the first is a warm-up)")
+    ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers/bin/python"))
+    ap.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md as it is")
+    args = ap.parse_args()
+    toy_dir = ROOT / "outputs/toy-assets"  # built by the first side to run (ours-hf), then shared
+    lines = [
+        "toy job: 16 questions x 8 answers forced to N tokens, Dr.GRPO, one update per step, fp32, "
+        "OMP_NUM_THREADS=1; medians of measured steps (each process's first left out)",
+        f"{'tokens':>6}  {'side':<10} {'step s':>7} {'generate s':>11} {'rest s':>7} {'start-up s':>11} {'steps':>6}",
+    ]
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+        for pair in range(args.pairs):
+            order = SIDES if pair % 2 == 0 else SIDES[::-1]  # alternating, so no side always goes first
+            for side in order:
+                runs[side].append(run_side(side, tokens, args.steps, toy_dir, args.peers_python))
+                print(f"  {tokens} tokens, round {pair + 1}: {side} done", flush=True)
+        med = {side: summarize(r) for side, r in runs.items()}
+        for side, m in med.items():
+            lines.append(
+                f"{tokens:>6}  {side:<10} {m['step']:>7.2f} {m['generate']:>11.2f} {m['rest']:>7.2f} "
+                f"{m['startup']:>11.1f} {m['steps']:>6}"
+            )
+        trl = med["trl"]
+        for side in ("ours-hf", "ours-vllm"):
+            m = med[side]
+            lines.append(
+                f"{tokens:>6}  {side} / trl: step {m['step'] / trl['step']:.2f}x, generate "
+                f"{m['generate'] / trl['generate']:.2f}x, rest {m['rest'] / trl['rest']:.2f}x, "
+                f"start-up {m['startup'] / trl['startup']:.2f}x"
+            )
+        vllm, hf = med["ours-vllm"], med["ours-hf"]
+        lines.append(f"{tokens:>6}  ours-vllm / ours-hf: generate {vllm['generate'] / hf['generate']:.2f}x")
+    text = "\n".join(lines)
+    print(text)
+    out = ROOT / "outputs/bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.txt").write_text(text + "\n")
+    if not args.no_docs:
+        from trapo.commands import readme
+
+        path = readme.BLOCKS["bench-peers"]
+        path.write_text(readme.replace_block(path.read_text(), "bench-peers", readme.bench_peers_block(out)))
+        print(f"bench-peers: wrote the bench-peers block of {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
