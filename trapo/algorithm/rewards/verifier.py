@@ -333,7 +333,10 @@ class MathVerifier:
             raise ValueError("extract_many: Math-Verify's answers are extracted in the trainer (extract_answer)")
         unique = list(dict.fromkeys(texts))
         payloads: list[str | None] = [None] * len(unique)
-        verdicts = self._request([(t, None) for t in unique], list(range(len(unique))), timeout, deadline, payloads)
+        from trapo.algorithm.rewards.verifiers import EXTRACT_MARK
+
+        items = [(EXTRACT_MARK + t, None) for t in unique]
+        verdicts = self._request(items, list(range(len(unique))), timeout, deadline, payloads)
         table = {t: (v, p) for t, v, p in zip(unique, verdicts, payloads)}
         return [table[t][0] for t in texts], [table[t][1] for t in texts]
 

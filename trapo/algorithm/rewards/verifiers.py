@@ -27,6 +27,10 @@ from trapo.algorithm.rewards.answers import choice_letter, normalize
 from trapo.algorithm.rewards.extraction import extract_answer
 from trapo.config.schema import verifier_problem
 
+# Marks a response sent to the workers for extraction: the memory of slow items then never mistakes a response
+# for an answer of the same spelling (`MathVerifier.extract_many` adds it, `TaskChecker.single` drops it).
+EXTRACT_MARK = "⟨response⟩"
+
 
 class OptionLetters:
     """`mcq`: the option letter of the extracted answer (`B`, `(b)`, `\\text{B}`); no letter, no answer."""
@@ -142,7 +146,7 @@ class TaskChecker:
         pass
 
     def single(self, response: str) -> bytes:
-        answer = self.verifier.extract(response)
+        answer = self.verifier.extract(response.removeprefix(EXTRACT_MARK))
         if answer is not None and not isinstance(answer, str):
             raise TypeError(f"extract returned {type(answer).__name__}, not str or None")
         key = None if answer is None else self.verifier.key(answer) if self.keyed else answer
