@@ -56,6 +56,13 @@ USER_MODULE = textwrap.dedent(
         def key(self, answer):
             return answer[0].lower()
 
+    class BadTypes(Letters):
+        def extract(self, response):
+            return 5 if "5" in response else response
+
+        def key(self, answer):
+            return [answer]  # not hashable
+
     class NoEqual:
         def extract(self, response):
             return response
@@ -199,3 +206,13 @@ def test_training_refuses_a_missing_verifier_in_one_line_before_the_model_loads(
 def test_load_verifier_instantiates_a_class_and_takes_an_object(user_module):
     assert type(load_verifier("user_verifiers:Letters")).__name__ == "Letters"
     assert isinstance(load_verifier("exact"), ExactMatch)
+
+
+def test_an_extraction_of_the_wrong_type_or_an_unhashable_key_is_no_answer_and_counted(user_module):
+    v = MathVerifier(num_workers=1, timeout=2.0, spec="user_verifiers:BadTypes")
+    try:
+        tally = Tally()
+        assert extract_answers(["5", "ab"], v, None, None, tally) == ([None, None], [None, None])
+        assert tally == Tally(failed=2) and v.errors == 2
+    finally:
+        v.close()
