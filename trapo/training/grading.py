@@ -41,11 +41,10 @@ class Grades:
     pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
     timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
     budget_cut: int = 0  # comparisons left undecided because the step's grading budget was spent
-    failed: int = 0  # comparisons left undecided because grading processes died on them
+    failed: int = 0  # left undecided: grading processes died on them, or a task verifier's call raised
     # What was compared, for the rollout dump (trapo/training/rollout_dump.py): each response's extracted answer
-    # (`extract_answer` or the task verifier's extract, None without one) [b][G], and each unlabeled
-    # question's pseudo-label (the majority
-    # answer; None on a tie or for a labeled question) [b].
+    # (`extract_answer`, or the task verifier's extract; None without one) [b][G], and each unlabeled
+    # question's pseudo-label (the majority answer; None on a tie or for a labeled question) [b].
     answers: list[list[str | None]] = field(default_factory=list)
     pseudo_labels: list[str | None] = field(default_factory=list)
 
