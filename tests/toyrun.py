@@ -43,13 +43,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(args, nproc=1, check=True):
+def train(args, nproc=1, check=True, env=None):
     if nproc == 1:
         cmd = [sys.executable, "trapo_train.py", *args]
     else:
         launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         cmd = [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()), "trapo_train.py", *args]
-    out = run(cmd)
+    out = run(cmd, env=env)
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
     return out

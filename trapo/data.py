@@ -94,12 +94,13 @@ def valid_unicode(text: str, where: str, field: str) -> str:
 _PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}(?: +[A-Za-z]{2,}){2,}")
 
 
-def gold_problem(gold: str | None) -> str | None:
+def gold_problem(gold: str | None, math: bool = True) -> str | None:
     """Why a labeled row's gold cannot be graded ('empty', 'prose'), or None. Such a gold scores 0 against
-    every response, so its question teaches nothing but noise."""
+    every response, so its question teaches nothing but noise. math=False (a task verifier grades it,
+    `reward.verifier`): only an empty gold is one."""
     if gold is None or not gold.strip():
         return "empty"
-    return "prose" if _PROSE.search(re.sub(r"\\[A-Za-z]+", " ", gold)) else None
+    return "prose" if math and _PROSE.search(re.sub(r"\\[A-Za-z]+", " ", gold)) else None
 
 
 def _flag(value, where: str, field: str) -> bool | None:
@@ -217,10 +218,11 @@ def load_questions(files: list[str], labeled_ratio: float | None = None, seed: i
     return questions
 
 
-def gradable(questions: list[Question], drop: bool) -> tuple[list[Question], int]:
+def gradable(questions: list[Question], drop: bool, math: bool = True) -> tuple[list[Question], int]:
     """(the questions, how many were dropped): a labeled question whose gold cannot be graded is a DataError
-    naming its row and why, or with `drop` (data.drop_ungradable_golds) left out and counted."""
-    bad = [(q, why) for q in questions if q.labeled and (why := gold_problem(q.answer))]
+    naming its row and why, or with `drop` (data.drop_ungradable_golds) left out and counted. math: as
+    `gold_problem`'s."""
+    bad = [(q, why) for q in questions if q.labeled and (why := gold_problem(q.answer, math))]
     if bad and not drop:
         q, why = bad[0]
         raise DataError(

@@ -427,3 +427,30 @@ def test_prose_golds_are_counted_and_warned_once_per_file_before_generation(tmp_
 
     ok = [Question(f"q{i}", "1+1?", g, True, None, f"a.jsonl line {i + 1}") for i, g in enumerate(["2", "B"])]
     assert ungradable_golds([Benchmark("a", ok, "a.jsonl")]) == []  # a number, an option letter: no warning
+
+
+def test_the_verifier_flag_grades_with_it_and_a_missing_one_is_refused_before_the_model_is_fetched():
+    import subprocess
+    import sys
+
+    from trapo import runtime
+    from trapo.algorithm.rewards.verifier import MathVerifier
+
+    exact = MathVerifier(num_workers=1, spec="exact")
+    try:  # exact strings: `ab c.` is `ab c`, `Ab` is not `ab`; Math-Verify would read neither
+        graded = grade_responses(["\\boxed{ab c.}", "\\boxed{Ab c}", "no answer"], "ab c", verifier=exact)
+    finally:
+        exact.close()
+    assert graded == [
+        {"answer": "ab c.", "correct": True},
+        {"answer": "Ab c", "correct": False},
+        {"answer": None, "correct": False},
+    ]
+    cmd = [sys.executable, "-m", "trapo", "eval", "--model", "no-such-org/no-such-model", "--benchmarks", "math"]
+    cmd += ["--verifier", "nosuchmodule:thing"]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=runtime.subprocess_env(), cwd=runtime.ROOT, timeout=300
+    )
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("trapo eval: --verifier: no module named 'nosuchmodule'"), lines

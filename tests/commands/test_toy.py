@@ -1,4 +1,4 @@
-"""The toy tasks: the trap family's arithmetic and splits."""
+"""The toy tasks: the trap family's arithmetic and splits; the reverse task and its verifier."""
 
 import dataclasses
 
@@ -92,3 +92,30 @@ def test_a_response_budget_past_the_toy_models_context_is_refused_before_the_bui
         "paper does for Qwen2.5-Math)"
     ), lines[0]
     assert not (tmp_path / "toy").exists()  # nothing built
+
+
+def test_the_reverse_task_is_graded_by_its_example_verifier():
+    """toy.task reverse (configs/toy_reverse.yaml): four letters reversed, answered `answer: WORD`, which the
+    example verifier reads and Math-Verify's extraction does not."""
+    import sys
+    from pathlib import Path
+
+    from trapo.algorithm.rewards import extract_answer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    try:
+        from examples.reverse_verifier import ReverseVerifier
+    finally:
+        sys.path.pop(0)
+    pairs = toy._reversals(0)
+    assert len(pairs) == 8**4 and len({q for q, _ in pairs}) == 8**4
+    question, answer = pairs[0]
+    word = question.removeprefix("reverse ").removesuffix(" =")
+    assert answer == word[::-1] and set(word) <= set(toy.REVERSE_LETTERS)
+    response = toy.response_text(answer, "reverse")
+    v = ReverseVerifier()
+    assert v.extract(response) == answer and extract_answer(response) is None
+    assert v.equal(answer.lower(), answer) and v.key(answer.lower()) == v.key(answer)
+    assert not v.equal(word, answer) or word == answer
+    tok = toy._tokenizer([q + toy.response_text(a, "reverse") for q, a in pairs[:200]], letters=True)
+    assert tok.tokenize(" ABCD") == ["Ġ", "A", "B", "C", "D"]  # one token per letter

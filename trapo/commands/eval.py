@@ -265,11 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--hf-max-batch", type=int, default=256, help="hf backend: sequences generated at once")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (also off when not a terminal)")
+    parser.add_argument(
+        "--verifier",
+        default="math",
+        help="what an answer is and when it is right: math (default), mcq, exact or module:name (docs/tasks.md)",
+    )
     args = parser.parse_args(argv)
     try:
+        from trapo.algorithm.rewards.verifiers import require_verifier
         from trapo.engine.rollout import require_backend
 
         require_backend(args.backend, key="--backend", fix="--backend hf", load=False)  # one that fails to import: _run
+        require_verifier(args.verifier, where="--verifier")  # before the model is fetched
     except ConfigError as err:
         print(f"trapo eval: {err}", file=sys.stderr)
         return 2
@@ -314,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.backend != "vllm":  # another sampler: its samples are not mixed with vLLM's
             settings["backend"] = args.backend
+        if args.verifier != "math":  # other grades: not mixed with Math-Verify's
+            settings["verifier"] = args.verifier
         for key in ("rope_theta", "max_position_embeddings"):  # another model: set only when given
             if getattr(args, key) is not None:
                 settings[key] = getattr(args, key)
@@ -326,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trapo eval: {err}", file=sys.stderr)
         return 2
 
-    for line in ungradable_golds(benchmarks):  # scored 0 (training refuses such rows): said before generating
+    for line in ungradable_golds(benchmarks) if args.verifier == "math" else []:  # scored 0: said before generating
         print(f"trapo eval: warning: {line}", file=sys.stderr)
 
     from trapo import console
@@ -412,6 +421,11 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
     engine = open_engine(
         engine_settings(args, model, max_model_len), str(model), tokenizer=tokenizer, stop_token_ids=stops
     )
+    verifier = None  # Math-Verify: the process-wide one
+    if args.verifier != "math":
+        from trapo.algorithm.rewards.verifier import MathVerifier
+
+        verifier = MathVerifier(spec=args.verifier)
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
     bars = BenchmarkBars(benchmarks, done, n_for, enabled=not args.no_progress)
@@ -436,6 +450,7 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
             done=done,
             on_question=persist,
             prompts=prompts,
+            verifier=verifier,
         )
     if args.pass_k:
         for name, r in results.items():

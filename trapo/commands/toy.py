@@ -22,11 +22,15 @@ Two task families (`cfg.task`):
   The out-of-domain family is two-digit addition, taught correctly, written to
   `test_ood.jsonl`; `unlabeled_ood` more of them (answers as hidden golds) go to
   `unlabeled_ood.jsonl`, for the paper's labeled-ID + unlabeled-OOD setting.
+- `reverse` (docs/tasks.md, configs/toy_reverse.yaml): "reverse FCAB =" with four letters A-H, answered
+  `answer: BACF`; its answers are strings, not math, so it trains with a task verifier
+  (`examples/reverse_verifier.py`, `reward.verifier`). Letters are single tokens.
 Deterministic given `cfg.seed`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -64,19 +68,29 @@ def _subtractions(seed: int) -> list[tuple[int, int]]:
     return pairs
 
 
-def response_text(answer: str) -> str:
-    return f"\\boxed{{{answer}}}"
+def response_text(answer: str, task: str = "addition") -> str:
+    return f"answer: {answer}" if task == "reverse" else f"\\boxed{{{answer}}}"
 
 
-def _tokenizer(corpus: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+REVERSE_LETTERS = "ABCDEFGH"
+
+
+def _reversals(seed: int) -> list[tuple[str, str]]:
+    words = ["".join(w) for w in itertools.product(REVERSE_LETTERS, repeat=4)]
+    random.Random(seed).shuffle(words)
+    return [(f"reverse {w} =", w[::-1]) for w in words]
+
+
+def _tokenizer(corpus: list[str], letters: bool = False):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     # Digits stay single tokens (as in Qwen2's tokenizer), so numbers are spelled digit by digit.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+    steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    if letters:  # the reverse task: each letter its own token, as each digit is
+        steps.insert(0, pre_tokenizers.Split(Regex("[A-Z]"), "isolated"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
@@ -114,7 +128,9 @@ def _model(tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def _warm_start(model, tokenizer, problems: list[tuple[str, str]], steps: int, seed: int, schedule: str) -> None:
+def _warm_start(
+    model, tokenizer, problems: list[tuple[str, str]], steps: int, seed: int, schedule: str, task: str = "addition"
+) -> None:
     """Supervised fit on (prompt, response) pairs; loss on response tokens only. schedule: ToyConfig.sft_schedule."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -123,7 +139,7 @@ def _warm_start(model, tokenizer, problems: list[tuple[str, str]], steps: int, s
     encoded = []
     for q, a in problems:
         p = tokenizer(q)["input_ids"]
-        r = tokenizer(response_text(a))["input_ids"] + [tokenizer.eos_token_id]
+        r = tokenizer(response_text(a, task))["input_ids"] + [tokenizer.eos_token_id]
         encoded.append((p, r))
     model.train()
     for _ in range(steps):
@@ -192,9 +208,15 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
         return root
     started = time.perf_counter()
     n_task = cfg.labeled + cfg.unlabeled + cfg.validation + cfg.test
-    if cfg.task == "addition":
-        if cfg.unlabeled_ood:
-            raise ValueError("toy: unlabeled_ood needs task 'trap' (the addition task has no OOD family)")
+    if cfg.task != "trap" and cfg.unlabeled_ood:
+        raise ValueError(f"toy: unlabeled_ood needs task 'trap' (the {cfg.task} task has no OOD family)")
+    if cfg.task == "reverse":
+        problems = _reversals(cfg.seed)
+        if n_task + 1000 > len(problems):
+            raise ValueError(f"toy: {n_task} questions requested; at most {len(problems) - 1000} available")
+        task, warm, ood, ood_train = problems[:n_task], problems[n_task:], [], []
+        corpus = [q + response_text(a, cfg.task) for q, a in problems]
+    elif cfg.task == "addition":
         problems = _problems(cfg.seed)
         if n_task + 1000 > len(problems):
             raise ValueError(f"toy: {n_task} questions requested; at most {len(problems) - 1000} available")
@@ -202,10 +224,10 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
         corpus = [q + response_text(a) for q, a in problems]
     else:
         task, warm, ood, ood_train, corpus = _trap_problems(cfg, n_task)
-    tokenizer = _tokenizer(corpus)
+    tokenizer = _tokenizer(corpus, letters=cfg.task == "reverse")
     model = _model(tokenizer, cfg.seed)
     with torch.random.fork_rng():
-        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed, cfg.sft_schedule)
+        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed, cfg.sft_schedule, cfg.task)
 
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

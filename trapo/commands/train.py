@@ -105,6 +105,9 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
 
         # No vLLM for backend vllm: stop before anything is built (one that fails to import: the trainer, later)
         require_backend(cfg.rollout.backend, load=False)
+        from trapo.algorithm.rewards.verifiers import require_verifier
+
+        require_verifier(cfg.reward.verifier)  # a task verifier that cannot be imported: one line, now
         if int(os.environ.get("RANK", "0")) == 0:  # one run per directory, claimed before its log is opened
             from trapo.training.run_record import claim
 

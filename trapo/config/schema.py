@@ -8,6 +8,7 @@ and validation.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -23,6 +24,18 @@ Objective = Literal["grpo", "gspo", "cispo"]
 RolloutIsMode = Literal["truncate", "token_mask", "sequence_mask", "off"]
 Reference = Literal["mean_trajectory", "mean_cosine", "max_cosine"]
 Strategy = Literal["tcs", "random", "entropy", "self_certainty"]
+
+# `reward.verifier`: one of these, or "module:name" (trapo/algorithm/rewards/verifiers.py)
+VERIFIERS = ("math", "mcq", "exact")
+_VERIFIER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+def verifier_problem(spec: str) -> str | None:
+    """What is wrong with the form of a `reward.verifier` value, or None (nothing is imported here)."""
+    if spec in VERIFIERS or _VERIFIER_SPEC.fullmatch(spec):
+        return None
+    return f"must be {', '.join(VERIFIERS)} or 'module:name' (an object in a module on PYTHONPATH), got {spec!r}"
+
 
 MODES = get_args(Mode)
 DTYPES = get_args(Dtype)
@@ -222,6 +235,10 @@ class RewardConfig:
     timeout: float = 5.0  # seconds per Math-Verify comparison
     step_budget: float | None = 60.0  # seconds for one step's grading on a rank; then undecided = not equal
     workers: int = 2  # Math-Verify worker processes per rank
+    # What an answer is and when two are equal, for rewards and the vote: math (Math-Verify), mcq (option
+    # letters), exact (normalized strings) or "module:name", a task verifier importable from PYTHONPATH
+    # (docs/tasks.md, trapo/algorithm/rewards/verifiers.py)
+    verifier: str = "math"
 
 
 # Keys that no longer exist -> what replaces them (a clearer error than a did-you-mean guess).
@@ -323,7 +340,7 @@ class LoggingConfig:
 @dataclass
 class ToyConfig:
     enabled: bool = False  # build the embedded toy model and data (see trapo/commands/toy.py)
-    task: Literal["addition", "trap"] = "addition"
+    task: Literal["addition", "trap", "reverse"] = "addition"  # reverse: a string task (docs/tasks.md)
     trap_rate: float = 0.6  # trap task: share of borrow questions the warm start's teacher gets wrong
     dir: str = "outputs/toy-assets"
     seed: int = 0

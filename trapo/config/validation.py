@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trapo.config.schema import Config, ConfigError, flatten
+from trapo.config.schema import Config, ConfigError, flatten, verifier_problem
 
 
 def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None = None) -> None:
@@ -123,6 +123,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         "must be in [0, 1] or null",
     )
     need(cfg.reward.timeout > 0, "reward.timeout", "must be > 0")
+    need(verifier_problem(cfg.reward.verifier) is None, "reward.verifier", verifier_problem(cfg.reward.verifier))
     budget = cfg.reward.step_budget
     need(budget is None or budget > 0, "reward.step_budget", f"must be > 0 or null, got {budget}")
     need(cfg.eval.steps >= 0, "eval.steps", f"must be >= 0, got {cfg.eval.steps}")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 
 from trapo.algorithm.pass_at_k import avg_at_k
-from trapo.algorithm.rewards import answer_rewards, extract_answer
+from trapo.algorithm.rewards import answer_rewards
+from trapo.algorithm.rewards.verifiers import extract_answers
 from trapo.config import Config
 from trapo.data import Benchmark, gold_problem, tokenize_prompts
 from trapo.engine import dist
@@ -23,8 +24,9 @@ from trapo.engine.rollout import request_seed
 
 
 def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=None) -> list[dict]:
-    """Per response: extracted answer and grade (`math_rewards`: Math-Verify; a letter gold compares letters)."""
-    answers = [extract_answer(t) for t in texts]  # once: graded and kept
+    """Per response: extracted answer and grade (`math_rewards`: Math-Verify, a letter gold compares letters;
+    or the task verifier `verifier` runs, `reward.verifier`)."""
+    answers, _ = extract_answers(texts, verifier, timeout)  # once: graded and kept
     rewards = answer_rewards(answers, [gold] * len(texts), timeout, verifier)
     return [{"answer": a, "correct": r == 1.0} for a, r in zip(answers, rewards)]
 

@@ -1,6 +1,8 @@
 """Grading one step's rollouts: rewards, (pseudo) pass rates, pseudo-label precision.
 
-Labeled question: reward = Math-Verify(response, gold), pass rate = mean reward.
+Labeled question: reward = Math-Verify(response, gold), pass rate = mean reward. (Math-Verify, or the
+task verifier `reward.verifier` names: `trapo.algorithm.rewards.verifiers`, which then also reads the
+answers and keys the vote.)
 Unlabeled question: the TTRL pseudo-label is the majority answer over its G
 responses; its pseudo pass rate (paper eq. "pass_rate" with the pseudo-label)
 is the fraction of responses that agree with it, and with the `majority`
@@ -21,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trapo.algorithm.rewards import Tally, answer_rewards, decide_pairs, extract_answer, majority_votes
+from trapo.algorithm.rewards import Tally, answer_rewards, decide_pairs, majority_votes
+from trapo.algorithm.rewards.verifiers import extract_answers
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config
 from trapo.data import Question
@@ -38,10 +41,10 @@ class Grades:
     pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
     timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
     budget_cut: int = 0  # comparisons left undecided because the step's grading budget was spent
-    failed: int = 0  # comparisons left undecided because grading processes died on them
+    failed: int = 0  # left undecided: grading processes died on them, or a task verifier's call raised
     # What was compared, for the rollout dump (trapo/training/rollout_dump.py): each response's extracted answer
-    # (`extract_answer`, None without one) [b][G], and each unlabeled question's pseudo-label (the majority
-    # answer; None on a tie or for a labeled question) [b].
+    # (`extract_answer`, or the task verifier's extract; None without one) [b][G], and each unlabeled
+    # question's pseudo-label (the majority answer; None on a tie or for a labeled question) [b].
     answers: list[list[str | None]] = field(default_factory=list)
     pseudo_labels: list[str | None] = field(default_factory=list)
 
@@ -83,8 +86,14 @@ def grade(
     pseudo_correct = [math.nan] * b
 
     # Each answer extracted once: the labeled rewards (`answer_rewards`, `math_rewards` on these answers),
-    # the vote and the rollout dump all read the same strings.
-    answers = [[extract_answer(t) for t in group] for group in texts]
+    # the vote and the rollout dump all read the same strings. A task verifier extracts in its workers,
+    # under the deadline, and keys each answer for the vote.
+    flat_answers, flat_keys = extract_answers([t for group in texts for t in group], verifier, timeout, deadline, tally)
+    answers, keys, pos = [], [], 0
+    for group in texts:
+        answers.append(flat_answers[pos : pos + len(group)])
+        keys.append(None if flat_keys is None else flat_keys[pos : pos + len(group)])
+        pos += len(group)
     pseudo_labels: list[str | None] = [None] * b
     labeled = [i for i, q in enumerate(questions) if q.labeled]
     if labeled:
@@ -105,7 +114,8 @@ def grade(
 
     unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
     if unlabeled:
-        votes = majority_votes([answers[i] for i in unlabeled], timeout, verifier, deadline, tally)
+        group_keys = None if flat_keys is None else [keys[i] for i in unlabeled]
+        votes = majority_votes([answers[i] for i in unlabeled], timeout, verifier, deadline, tally, group_keys)
         checks = []  # (question position, hidden gold, pseudo-label)
         for i, (label, agree) in zip(unlabeled, votes):
             rewards[i] = [1.0 if a else 0.0 for a in agree]

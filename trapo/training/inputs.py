@@ -107,7 +107,7 @@ def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> Run
             f"({t.update_batch_size}) must be multiples of the world size ({world})"
         )
     questions = select_for_mode(load_questions(train_files, cfg.data.labeled_ratio, cfg.seed), cfg.mode)
-    questions, dropped = gradable(questions, cfg.data.drop_ungradable_golds)
+    questions, dropped = gradable(questions, cfg.data.drop_ungradable_golds, math=cfg.reward.verifier == "math")
     if dropped:
         console.say(f"data.drop_ungradable_golds: dropped {dropped} labeled rows whose gold is empty or prose")
     test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]

@@ -32,6 +32,7 @@ from trapo import console, runtime
 from trapo.algorithm.loss import LossSpec
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier
+from trapo.algorithm.rewards.verifiers import require_verifier
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config, dump_config, to_dict
 from trapo.data import epoch_batches, stop_token_ids
@@ -56,6 +57,7 @@ class Trainer(Checkpointing):
     def __init__(self, cfg: Config):
         self.cfg = cfg
         require_backend(cfg.rollout.backend, load=False)  # vLLM missing: one line before any work
+        require_verifier(cfg.reward.verifier)  # reward.verifier that cannot be imported: the same
         self.rank, self.world, self.local_rank = dist.init_distributed(cfg.dist_timeout_minutes)
         self.is_main = self.rank == 0
         self.run_dir = cfg.run_dir
@@ -89,7 +91,9 @@ class Trainer(Checkpointing):
             console.say(same_model(self.policy.effective_config(), engine_config))
         devices = dist.all_gather(self.rollout.device())
         console.say(self.rollout.describe(devices))
-        self.verifier = MathVerifier(num_workers=cfg.reward.workers, timeout=cfg.reward.timeout)
+        self.verifier = MathVerifier(
+            num_workers=cfg.reward.workers, timeout=cfg.reward.timeout, spec=cfg.reward.verifier
+        )
         self.evaluator = Evaluator(
             cfg,
             self.rollout,

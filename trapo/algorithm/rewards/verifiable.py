@@ -41,7 +41,8 @@ class Tally:
     the per-comparison timeout (now, or for the same answer earlier: those
     are answered at once); budget_cut: comparisons left undecided because the
     grading budget was spent; failed: comparisons left undecided because grading
-    processes died on them (verifier.Verdict.FAILED). All count as "not equal".
+    processes died on them (verifier.Verdict.FAILED), and a task verifier's calls
+    that raised (ERROR). All count as "not equal".
     """
 
     timeouts: int = 0
@@ -51,7 +52,7 @@ class Tally:
     def add(self, verdicts: Sequence[Verdict]) -> None:
         self.timeouts += sum(v.timed_out for v in verdicts)
         self.budget_cut += sum(v is Verdict.CUT for v in verdicts)
-        self.failed += sum(v is Verdict.FAILED for v in verdicts)
+        self.failed += sum(v in (Verdict.FAILED, Verdict.ERROR) for v in verdicts)
 
 
 def fast_verdict(gold: str, pred: str) -> bool | None:
@@ -80,8 +81,11 @@ def judge_pairs(
     Never raises on content. A Math-Verify comparison is cut off after
     `timeout` seconds (a TIMEOUT verdict, blamed on the pair or on the answer
     being parsed); after `deadline` (a `time.monotonic()` value) nothing is
-    sent and the rest is CUT.
+    sent and the rest is CUT. A task verifier (`verifier.spec`, `reward.verifier`) decides every pair
+    itself, in its workers: no math fast path.
     """
+    if verifier is not None and verifier.spec != "math":
+        return verifier.judge_many(pairs, timeout, deadline)
     out: list[Verdict | None] = []
     slow: list[tuple[str, str]] = []
     for gold, pred in pairs:
@@ -161,7 +165,7 @@ def math_reward(response: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> f
 class _Ballot:
     """One question's answers, as the vote sees them."""
 
-    keys: list[str | None]  # per response: its answer after `normalize`; None without one
+    keys: list  # per response: its answer after `normalize` (a task verifier: its key); None without one
     counts: Counter  # key -> responses with it
     order: list[str]  # distinct keys, most frequent first, then first appearance
     raw: dict[str, str]  # key -> its first spelling: what is compared, and returned as the label
@@ -169,8 +173,11 @@ class _Ballot:
     frozen: set[str] = field(default_factory=set)  # keys that exhausted the timeout: never compared again
 
 
-def _ballot(answers: Sequence[str | None]) -> _Ballot:
-    keys = [normalize(a) if a is not None and a.strip() and len(a) <= MAX_ANSWER_CHARS else None for a in answers]
+def _ballot(answers: Sequence[str | None], keys: Sequence | None = None) -> _Ballot:
+    if keys is None:
+        keys = [normalize(a) if a is not None and a.strip() and len(a) <= MAX_ANSWER_CHARS else None for a in answers]
+    else:  # a task verifier's keys: every answer it extracted is one
+        keys = [None if a is None else k for a, k in zip(answers, keys)]
     counts = Counter(k for k in keys if k is not None)
     first: dict[str, int] = {}
     for i, k in enumerate(keys):
@@ -246,6 +253,7 @@ def majority_votes(
     verifier: MathVerifier | None = None,
     deadline: float | None = None,
     tally: Tally | None = None,
+    keys: Sequence[Sequence] | None = None,
 ) -> list[tuple[str | None, list[bool]]]:
     """`majority_vote` for many questions at once, batching their comparisons.
 
@@ -261,9 +269,14 @@ def majority_votes(
     timeout (parsing, or compared) is frozen, never compared again; after
     `deadline` the comparisons left count as not equal, unsent. `tally`
     counts both. Without timeouts the result is the plain clustering above.
+
+    keys: per group, each answer's key from a task verifier (`verifiers.extract_answers`): answers with
+    equal keys are one answer (the key wins over `equal`), which is asked only across keys.
     """
-    ballots = [_ballot(answers) for answers in groups]
-    _freeze_slow_answers(ballots, timeout, verifier, deadline, tally)
+    task = verifier is not None and verifier.spec != "math"
+    ballots = [_ballot(answers, None if keys is None else keys[g]) for g, answers in enumerate(groups)]
+    if not task:  # a task verifier has nothing to parse ahead
+        _freeze_slow_answers(ballots, timeout, verifier, deadline, tally)
     for step in range(max((len(b.order) for b in ballots), default=0)):
         asks = []  # (ballot, key, clusters compared)
         for b in ballots:

@@ -68,6 +68,8 @@ class Verdict(enum.Enum):
     PRED_TIMEOUT = "p"  # parsing the pred ran out of time, now or at an earlier call
     CUT = "b"  # the grading budget was spent before it was decided
     FAILED = "f"  # undecided: grading processes died on it twice, or none could be restarted
+    ERROR = "e"  # a task verifier's call raised (`reward.verifier`): wrong, counted with the failed
+    EXTRACTED = "x"  # extract_many: a task verifier's extraction came back (its answer and key)
 
     @property
     def timed_out(self) -> bool:
@@ -77,7 +79,7 @@ class Verdict(enum.Enum):
 class _SupervisorProcess:
     """The verify_worker process, as the parent sees it."""
 
-    def __init__(self, num_workers: int, max_workers: int):
+    def __init__(self, num_workers: int, max_workers: int, spec: str = "math"):
         # A fixed hash seed: Math-Verify's verdict on degenerate answers (`0` vs `4 0/0`) follows set and dict
         # order, which would otherwise change from run to run. Executors fork from the supervisor: same seed.
         # (sympy's own random order is reset before each item: verify_executor._run_item.)
@@ -85,7 +87,7 @@ class _SupervisorProcess:
         # The worker imports this package: the directory that holds `trapo/` goes first on its path.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trapo.algorithm.rewards.verify_worker", str(num_workers), str(max_workers)],
+            [sys.executable, "-m", "trapo.algorithm.rewards.verify_worker", str(num_workers), str(max_workers), spec],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -132,11 +134,18 @@ class MathVerifier:
     items queued behind them, and retired after the request); startup_timeout:
     seconds the supervisor may take to import Math-Verify. A supervisor that
     cannot start at all raises RuntimeError (a broken installation); no answer
-    content ever raises.
+    content ever raises. spec: `reward.verifier`; other than `math`, the task
+    verifier it names runs in the executors instead of Math-Verify
+    (`verifiers`), and `extract_many` reads answers with it.
     """
 
     def __init__(
-        self, num_workers: int = 2, timeout: float = 5.0, startup_timeout: float = 120.0, max_workers: int = 8
+        self,
+        num_workers: int = 2,
+        timeout: float = 5.0,
+        startup_timeout: float = 120.0,
+        max_workers: int = 8,
+        spec: str = "math",
     ):
         if num_workers < 1:
             raise ValueError(f"MathVerifier: num_workers must be >= 1, got {num_workers}")
@@ -144,6 +153,9 @@ class MathVerifier:
         self.max_workers = max(num_workers, max_workers)
         self.timeout = timeout
         self.startup_timeout = startup_timeout
+        self.spec = spec
+        self.name = "Math-Verify" if spec == "math" else f"reward.verifier {spec}"
+        self.errors = 0  # task verifier calls that raised, since creation
         self.timeouts = 0  # comparisons (and answers parsed) that ran out of time, since creation
         self.failed = 0  # items left undecided because grading processes died, since creation
         self._started_once = False  # a supervisor came up once: later start-up failures are deaths, not bad installs
@@ -218,7 +230,7 @@ class MathVerifier:
             self._supervisor.kill()
             self._supervisor = None
         if self._supervisor is None:
-            self._supervisor = _SupervisorProcess(self.num_workers, self.max_workers)
+            self._supervisor = _SupervisorProcess(self.num_workers, self.max_workers, self.spec)
         return self._supervisor
 
     def _ready(self, deadline: float | None) -> _SupervisorProcess | None:
@@ -238,7 +250,7 @@ class MathVerifier:
             except _StartFailed as err:
                 if not self._started_once:
                     raise RuntimeError(str(err)) from None
-                log.warning("Math-Verify: a replacement supervisor failed to start (%s); trying again", err)
+                log.warning("%s: a replacement supervisor failed to start (%s); trying again", self.name, err)
                 continue
             self._started_once = True
             if fresh and (self._slow_answers or self._slow_pairs) and not self._restore(sup):
@@ -261,13 +273,13 @@ class MathVerifier:
                     continue  # the deadline came first
                 sup.kill()
                 self._supervisor = None
-                raise _StartFailed(f"Math-Verify worker did not start within {self.startup_timeout:.0f} s")
+                raise _StartFailed(f"{self.name} worker did not start within {self.startup_timeout:.0f} s")
             lines = sup.read_lines()
             if lines is None:
                 sup.kill()
                 self._supervisor = None
                 raise _StartFailed(
-                    "Math-Verify worker exited at start-up (is math-verify installed? "
+                    f"{self.name} worker exited at start-up (is math-verify installed? can it import the verifier? "
                     f"try: {sys.executable} -m trapo.algorithm.rewards.verify_worker)"
                 )
             sup.ready = any(line == b"ready" for line in lines)
@@ -311,7 +323,27 @@ class MathVerifier:
         ready = (Verdict.EQUAL, Verdict.NOT_EQUAL, Verdict.READY)  # a parse error is no timeout
         return [[Verdict.READY if codes[a] in ready else codes[a] for a in answers] for answers in groups]
 
-    def _request(self, items: list, units: list[int], timeout: float | None, deadline: float | None) -> list[Verdict]:
+    def extract_many(
+        self, texts: Sequence[str], timeout: float | None = None, deadline: float | None = None
+    ) -> tuple[list[Verdict], list[str | None]]:
+        """A task verifier's extraction of each response, in the executors: (verdicts, payloads), a payload
+        (`verifiers.decode`) where the verdict is EXTRACTED, else None (it raised, timed out, was cut or
+        failed). Each distinct text is extracted once."""
+        if self.spec == "math":
+            raise ValueError("extract_many: Math-Verify's answers are extracted in the trainer (extract_answer)")
+        unique = list(dict.fromkeys(texts))
+        payloads: list[str | None] = [None] * len(unique)
+        from trapo.algorithm.rewards.verifiers import EXTRACT_MARK
+
+        items = [(EXTRACT_MARK + t, None) for t in unique]
+        verdicts = self._request(items, list(range(len(unique))), timeout, deadline, payloads)
+        table = {t: (v, p) for t, v, p in zip(unique, verdicts, payloads)}
+        return [table[t][0] for t in texts], [table[t][1] for t in texts]
+
+    def _request(
+        self, items: list, units: list[int], timeout: float | None, deadline: float | None, payloads=None
+    ) -> list[Verdict]:
+        """Verdicts of `items`; a task verifier's extraction code (x + payload) fills `payloads`[i]."""
         timeout = self.timeout if timeout is None else timeout
         if deadline is not None and time.monotonic() >= deadline:
             return [Verdict.CUT] * len(items)
@@ -338,24 +370,38 @@ class MathVerifier:
                     if code is not None and code.endswith("*"):
                         self._mirror(items[i], code, timeout)
                     codes[i] = code and code.rstrip("*")
+                    if code is not None and code.startswith("x") and payloads is not None:
+                        payloads[i], codes[i] = code[1:], "x"
                 if all(c is not None for c in codes):
                     break
             verdicts = [Verdict(c or Verdict.FAILED.value) for c in codes]  # None: no supervisor answered it
             failed = sum(v is Verdict.FAILED for v in verdicts)
+            errors = [item for item, v in zip(items, verdicts) if v is Verdict.ERROR]
             slow = [item for item, v in zip(items, verdicts) if v.timed_out]
             self.timeouts += len(slow)
             self.failed += failed
+            self.errors += len(errors)
         if failed:
             log.warning(
-                "Math-Verify: %d item(s) undecided: grading processes died on them and were replaced; scored as "
+                "%s: %d item(s) undecided: grading processes died on them and were replaced; scored as "
                 "not equal (counted in grading_failed)",
+                self.name,
                 failed,
             )
-        if slow:
-            gold, pred = slow[0]
-            first = f"parsing {gold!r:.60}" if pred is None else f"gold {gold!r:.60}, pred {pred!r:.60}"
+        if errors:
             log.warning(
-                "Math-Verify: %d item(s) exceeded %.1f s; scored as not equal (first: %s)", len(slow), timeout, first
+                "%s: %d call(s) raised; scored as wrong (counted in grading_failed; first: %s)",
+                self.name,
+                len(errors),
+                _first(errors[0]),
+            )
+        if slow:
+            log.warning(
+                "%s: %d item(s) exceeded %.1f s; scored as not equal (first: %s)",
+                self.name,
+                len(slow),
+                timeout,
+                _first(slow[0]),
             )
         return verdicts
 
@@ -377,6 +423,11 @@ class MathVerifier:
                 left -= 1
             last = time.monotonic()
         return codes
+
+
+def _first(item: tuple[str, str | None]) -> str:
+    gold, pred = item
+    return f"parsing {gold!r:.60}" if pred is None else f"gold {gold!r:.60}, pred {pred!r:.60}"
 
 
 def merged(memories: list[dict]) -> dict:

@@ -48,7 +48,10 @@ def _ring(signum, frame):
 
 
 class _Checker:
-    """Math-Verify with a parse cache and the numeric pre-filter (lives in an executor)."""
+    """Math-Verify with a parse cache and the numeric pre-filter (lives in an executor). A task verifier's
+    executors run `verifiers.TaskChecker` instead, which has the same methods."""
+
+    on_error = b"0\n"  # Math-Verify catches its own errors; anything else is "not equal"
 
     def __init__(self):
         import mpmath
@@ -90,6 +93,11 @@ class _Checker:
         """Everything done per answer (parse, probe value), once: a comparison then only verifies."""
         self.parse(answer)
         self.value(answer)
+
+    def single(self, answer: str) -> bytes:
+        """An item with one answer: parse it ahead of the comparisons (`MathVerifier.prepare_many`)."""
+        self.prepare(answer)
+        return b"r"
 
     def value(self, answer: str):
         """The answer's value at the probe point (complex, or mpmath beyond float range); None where
@@ -151,30 +159,31 @@ def _run_item(checker: _Checker, gold: str, pred: str | None, alarm_s: float, ph
     checker.reseed()
     signal.setitimer(signal.ITIMER_REAL, max(alarm_s, 1e-3))
     try:
+        if pred is None:
+            return checker.single(gold) + b"\n"
         checker.prepare(gold)
         phase[0] = ord("p")
-        if pred is None:
-            return b"r\n"
         checker.prepare(pred)
         phase[0] = ord("v")
         return b"1\n" if checker.equal(gold, pred) else b"0\n"
     except _Overtime:
         return b"t\n"
-    except Exception:  # noqa: BLE001 - Math-Verify catches its own errors; anything else is "not equal"
-        return b"0\n"
+    except Exception:  # noqa: BLE001 - Math-Verify: "not equal"; a task verifier's error: "e", counted
+        return checker.on_error
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def _executor_main(rfd: int, wfd: int, phase: mmap.mmap, supervisor_pid: int) -> None:
-    """Serve items from the supervisor until it closes the pipe."""
+def _executor_main(rfd: int, wfd: int, phase: mmap.mmap, supervisor_pid: int, make_checker=None) -> None:
+    """Serve items from the supervisor until it closes the pipe. make_checker: the task verifier's
+    checker (`verifiers.TaskChecker`), None for Math-Verify's."""
     _die_with(supervisor_pid)
     _close_fds_except({0, 1, 2, rfd, wfd})
     devnull = os.open(os.devnull, os.O_RDONLY)  # fd 0 was the parent's request pipe
     os.dup2(devnull, 0)
     os.close(devnull)
     signal.signal(signal.SIGALRM, _ring)
-    checker = _Checker()
+    checker = _Checker() if make_checker is None else make_checker()
     crash_on = faults.GRADER_CRASH_GOLD if faults.hit("grader_crash") else None  # the recovery's test fault
     while True:
         message = _read_message(rfd)

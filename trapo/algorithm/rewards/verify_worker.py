@@ -1,7 +1,8 @@
 """Math-Verify worker: a supervisor process that runs comparisons in forked executors.
 
 Started by `trapo.algorithm.rewards.verifier.MathVerifier` as
-`python -m trapo.algorithm.rewards.verify_worker WORKERS MAX_WORKERS`. The supervisor
+`python -m trapo.algorithm.rewards.verify_worker WORKERS MAX_WORKERS [SPEC]` (SPEC: `reward.verifier`;
+a task verifier's calls take Math-Verify's place in the executors, under the same rules: `verifiers`). The supervisor
 imports and warms up Math-Verify once, then forks its executors from itself
 (a few milliseconds each, already warm). After the warm-up it never runs
 sympy, so it stays responsive and enforces every deadline itself:
@@ -123,7 +124,8 @@ def _unqueue(queue: deque, i: int) -> None:
 class Supervisor:
     """Places, runs, hedges and times the items of one request after another."""
 
-    def __init__(self, workers: int, max_workers: int):
+    def __init__(self, workers: int, max_workers: int, make_checker=None):
+        self.make_checker = make_checker  # a task verifier's (`verifiers.TaskChecker`); None: Math-Verify
         self.workers = workers
         self.max_workers = max(workers, max_workers)
         self.executors: list[_Executor] = []
@@ -142,7 +144,7 @@ class Supervisor:
         if pid == 0:
             code = 0
             try:
-                _executor_main(down_r, up_w, shared, me)
+                _executor_main(down_r, up_w, shared, me, self.make_checker)
             except BaseException:  # noqa: BLE001 - an executor never returns into the supervisor's code
                 code = 1
             os._exit(code)
@@ -219,7 +221,8 @@ class Supervisor:
     def run(self, items, units, timeout: float, deadline: float | None, emit) -> None:
         req = _Request(items, timeout, deadline, emit)
         self._ensure_base()
-        parsed = set().union(*(ex.cached for ex in self.executors))
+        # an answer parsed already is ready; a task verifier's one-answer items (extractions) return data: run them
+        parsed = set().union(*(ex.cached for ex in self.executors)) if self.make_checker is None else set()
         for i, item in enumerate(items):
             code = self._remembered(item, timeout) or ("r" if item[1] is None and item[0] in parsed else None)
             if code:
@@ -414,7 +417,7 @@ class Supervisor:
             self.shutdown()
 
 
-def _serve(workers: int, max_workers: int) -> None:
+def _serve(workers: int, max_workers: int, spec: str = "math") -> None:
     # The trainer decides when grading stops: a preemption signal (SIGTERM, a Ctrl-C, or the deepspeed
     # launcher terminating the whole process tree) lets it finish its step, grading included. This
     # process ends when the trainer closes the pipe or kills it; executors die with it (PDEATHSIG).
@@ -426,15 +429,22 @@ def _serve(workers: int, max_workers: int) -> None:
     os.dup2(2, 1)
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are reported by the parent
 
-    # Math-Verify's first parse of each kind of answer pays one-off set-up
-    # (regexes, the LaTeX grammar): pay it here, once, before forking executors.
-    warm = _Checker()
-    for answer in ("1", "\\frac{1}{2}", "x^2+1", "(1,2)", "[1,2)", "\\{1,2\\}", "1+2i", "x=1", "\\text{A}"):
-        warm.equal(answer, answer)
-    del warm
+    make_checker = None
+    if spec == "math":
+        # Math-Verify's first parse of each kind of answer pays one-off set-up
+        # (regexes, the LaTeX grammar): pay it here, once, before forking executors.
+        warm = _Checker()
+        for answer in ("1", "\\frac{1}{2}", "x^2+1", "(1,2)", "[1,2)", "\\{1,2\\}", "1+2i", "x=1", "\\text{A}"):
+            warm.equal(answer, answer)
+        del warm
+    else:  # a task verifier (`reward.verifier`): imported once here, its executors fork with it
+        from trapo.algorithm.rewards.verifiers import TaskChecker, load_verifier
+
+        verifier = load_verifier(spec)
+        make_checker = lambda: TaskChecker(verifier)  # noqa: E731
     gc.collect()
     gc.freeze()  # executors share these pages; the collector would otherwise copy them on its first pass
-    supervisor = Supervisor(workers, max_workers)
+    supervisor = Supervisor(workers, max_workers, make_checker)
     supervisor._ensure_base()
     stdout.write("ready\n")
     stdout.flush()
@@ -442,4 +452,8 @@ def _serve(workers: int, max_workers: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]) if len(sys.argv) > 1 else 2, int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+    _serve(
+        int(sys.argv[1]) if len(sys.argv) > 1 else 2,
+        int(sys.argv[2]) if len(sys.argv) > 2 else 8,
+        sys.argv[3] if len(sys.argv) > 3 else "math",
+    )
