@@ -104,7 +104,7 @@ def test_the_reverse_task_is_graded_by_its_example_verifier():
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     try:
-        from examples.reverse_verifier import ReverseVerifier
+        from trapo.commands.toy_verifier import ReverseVerifier
     finally:
         sys.path.pop(0)
     pairs = toy._reversals(0)

@@ -24,7 +24,7 @@ Two task families (`cfg.task`):
   `unlabeled_ood.jsonl`, for the paper's labeled-ID + unlabeled-OOD setting.
 - `reverse` (docs/tasks.md, configs/toy_reverse.yaml): "reverse FCAB =" with four letters A-H, answered
   `answer: BACF`; its answers are strings, not math, so it trains with a task verifier
-  (`examples/reverse_verifier.py`, `reward.verifier`). Letters are single tokens.
+  (`trapo/commands/toy_verifier.py`, `reward.verifier`). Letters are single tokens.
 Deterministic given `cfg.seed`.
 """
 

@@ -1,11 +1,13 @@
-"""A task verifier, written as a user would write one: the toy's `reverse` task (docs/tasks.md).
+"""The toy `reverse` task's verifier (docs/tasks.md), written as a user would write one in their own module;
+it ships in the package so configs/toy_reverse.yaml runs wherever trapo is installed.
 
 The toy model answers "reverse FCAB =" with `answer: BACF`. Math-Verify cannot grade that (letters are
 not numbers), so the run names this object instead:
 
-    reward.verifier: examples.reverse_verifier:ReverseVerifier      (configs/toy_reverse.yaml)
+    reward.verifier: trapo.commands.toy_verifier:ReverseVerifier      (configs/toy_reverse.yaml)
 
-Any module on PYTHONPATH works the same way; the repository's root is on it when you run from there.
+Any module on PYTHONPATH works the same way (tests/training/test_task_verifier_runs.py plugs in one written
+in a folder outside the repository).
 """
 
 import re
