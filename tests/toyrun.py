@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
 STRAIGHT = dict(mode="trapo", max_steps=4, save_steps=2)  # the uninterrupted reference of the resume tests
 TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]  # as conftest's toy_dir
+VLLM = {"rollout.backend": "vllm"}  # for the tests of what vLLM does (the push, sleep, its engines, its resume)
 
 
 def overrides(toy_dir, out, **kv):
@@ -23,6 +24,9 @@ def overrides(toy_dir, out, **kv):
         "selection.warmup_epochs": 1,
         "save_steps": 0,
         "keep_checkpoints": "null",
+        # The hf backend starts in half the time; a test of what vLLM does passes VLLM (its own runs and resume
+        # stay covered: the push, sleep and offload, tensor parallelism, two ranks and two nodes, LoRA, a hub model).
+        "rollout.backend": "hf",
     }
     base.update(kv)
     return [f"toy.dir={toy_dir}", *TOY, *(f"{k}={v}" for k, v in base.items())]

@@ -6,7 +6,8 @@ one update per step, fp32 on CPU, OMP_NUM_THREADS=1. Each side runs in its own p
 .venv-peers, which `make bench-peers` builds from bench/peers/requirements.txt); the sides take turns in
 alternating order, `--pairs` times per length, so a slow stretch of a shared machine falls on all of them.
 Each process's first step is a warm-up and is left out. Prints medians and ratios, saves them to
-outputs/bench/peers.txt and writes the `bench-peers` block of docs/benchmarks.md.
+outputs/bench/peers.txt and writes the `bench-peers` block of docs/benchmarks.md and the README's
+`peers-ratios` block.
 """
 
 import argparse
@@ -103,9 +104,10 @@ def main() -> None:
     if not args.no_docs:
         from trapo.commands import readme
 
-        path = readme.BLOCKS["bench-peers"]
-        path.write_text(readme.replace_block(path.read_text(), "bench-peers", readme.bench_peers_block(out)))
-        print(f"bench-peers: wrote the bench-peers block of {path.relative_to(ROOT)}")
+        for name, block in (("bench-peers", readme.bench_peers_block), ("peers-ratios", readme.peers_ratios_block)):
+            path = readme.BLOCKS[name]
+            path.write_text(readme.replace_block(path.read_text(), name, block(out)))
+            print(f"bench-peers: wrote the {name} block of {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

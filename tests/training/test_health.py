@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from toyrun import metrics, overrides, run, train
+from toyrun import VLLM, metrics, overrides, run, train
 
 from trapo import faults, runtime
 from trapo.config import HealthConfig
@@ -31,7 +31,7 @@ def test_the_guard_warns_skips_saves_and_stops_after_consecutive_steps():
 @pytest.mark.toy_run
 def test_a_corrupted_weight_push_stops_the_run_in_one_line_without_saving_the_drifted_steps(toy_dir, tmp_path):
     env = runtime.subprocess_env(**faults.env("push_noise"))
-    args = overrides(toy_dir, tmp_path, run_name="noise", max_steps=10, save_steps=1, mode="trapo")
+    args = overrides(toy_dir, tmp_path, run_name="noise", max_steps=10, save_steps=1, mode="trapo", **VLLM)
     out = run([sys.executable, "trapo_train.py", *args], env=env)
     lines = [
         line for line in out.stderr.splitlines() if "logprob_diff_rollout_vs_policy" in line and "stopping" in line
@@ -48,7 +48,7 @@ def test_a_corrupted_weight_push_stops_the_run_in_one_line_without_saving_the_dr
     drifted = [r["step"] for r in logged if r["logprob_diff_rollout_vs_policy"] > 1.0]
     assert drifted == [2, 3, 4] and logged[-1]["step"] == 4  # stopped within rollout.health.steps = 3
     assert sorted(os.listdir(tmp_path / "noise" / "checkpoints")) == ["step-1"]  # nothing saved after the drift
-    clean = train(overrides(toy_dir, tmp_path, run_name="clean", max_steps=2, mode="trapo"))  # unset: no fault
+    clean = train(overrides(toy_dir, tmp_path, run_name="clean", max_steps=2, mode="trapo", **VLLM))  # no fault
     assert clean.returncode == 0 and all(
         r["logprob_diff_rollout_vs_policy"] < 1e-4 for r in metrics(tmp_path / "clean")
     )

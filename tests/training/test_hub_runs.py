@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 import yaml
-from toyrun import metrics, overrides, run, train
+from toyrun import VLLM, metrics, overrides, run, train
 
 A, B = "a" * 40, "b" * 40
 
 
 def hub_run(toy_dir, out, **kv):
     train_file = os.path.join(toy_dir, "seed-0", "train.jsonl")
-    extra = {"toy.enabled": "false", "model.path": "toyorg/toy-adder", "data.train_files": f"[{train_file}]"}
+    extra = {"toy.enabled": "false", "model.path": "toyorg/toy-adder", "data.train_files": f"[{train_file}]", **VLLM}
     return overrides(toy_dir, out, run_name="hub", mode="trapo", save_steps=2, **extra, **kv)
 
 

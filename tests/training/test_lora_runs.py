@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from toyrun import ROOT, metrics, overrides, run, train
+from toyrun import ROOT, VLLM, metrics, overrides, run, train
 
 LORA = {"model.lora.rank": 8, "model.lora.alpha": 16, "train.lr": "2e-3", "mode": "trapo"}
 SAME = ("loss", "pg_loss", "reward_labeled", "pass_rate_labeled", "pass_rate_unlabeled", "response_tokens", "selection")
@@ -18,11 +18,11 @@ H, FF, KV, R = 128, 384, 64, 8  # the toy's hidden, intermediate and k/v widths 
 
 
 def lora_run(toy_dir, out, model_dir=None, **kv):
-    extra = dict(LORA)
+    extra = {**LORA, **VLLM}  # the adapters' merge and push into vLLM; a test of the hf backend passes its own
     if model_dir:  # a base named by path (toy.enabled=false), so that another base can be put in its place
         train_file = os.path.join(toy_dir, "seed-0", "train.jsonl")
         extra.update({"toy.enabled": "false", "model.path": model_dir, "data.train_files": f"[{train_file}]"})
-    return overrides(toy_dir, out, **extra, **kv)
+    return overrides(toy_dir, out, **{**extra, **kv})
 
 
 @pytest.mark.toy_run

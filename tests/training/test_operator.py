@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from toyrun import ROOT, STRAIGHT, free_port, metrics, overrides, train
+from toyrun import ROOT, STRAIGHT, VLLM, free_port, metrics, overrides, train
 
 from trapo import runtime
 from trapo.training.loggers import read_wandb_history
@@ -125,7 +125,7 @@ def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
     loss_options = {"loss.objective": "gspo", "loss.overlong": "soft_penalty", "rollout.max_tokens": 12,
                     "loss.overlong_buffer": 11}  # fmt: skip
     args = {"loss.rollout_is": "sequence_mask", "train.offload_during_rollout": "true", "max_steps": 3,
-            "run_name": "is", **loss_options}  # fmt: skip
+            "run_name": "is", **loss_options, **VLLM}  # fmt: skip
     train(overrides(toy_dir, tmp_path, **args))
     plain = {**args, "loss.rollout_is": "off", "train.offload_during_rollout": "false", "run_name": "plain"}
     train(overrides(toy_dir, tmp_path, **plain))

@@ -1,6 +1,7 @@
-"""End to end on the toy model, on CPU, with the real stack (DeepSpeed ZeRO-3, vLLM, Math-Verify).
+"""End to end on the toy model, on CPU, with the real stack (DeepSpeed ZeRO-3, vLLM or the hf backend,
+Math-Verify). Runs generate with the hf backend (toyrun.overrides) unless they test what vLLM does (VLLM).
 
-Each run is a subprocess (a trainer owns a process: its distributed world and its vLLM engine).
+Each run is a subprocess (a trainer owns a process: its distributed world and its rollout engine).
 """
 
 import json
@@ -10,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from toyrun import ROOT, SCENARIO, STRAIGHT, TOY, free_port, metrics, overrides, run, train
+from toyrun import ROOT, SCENARIO, STRAIGHT, TOY, VLLM, free_port, metrics, overrides, run, train
 
 from trapo import runtime
 
@@ -279,7 +280,7 @@ def test_full_disk_stops_cleanly_and_a_damaged_latest_falls_back_both_resuming_e
 
 
 def test_weight_push_matches_transformers(toy_dir, tmp_path):
-    out = run([sys.executable, SCENARIO, "weight_push", *overrides(toy_dir, tmp_path, run_name="push")])
+    out = run([sys.executable, SCENARIO, "weight_push", *overrides(toy_dir, tmp_path, run_name="push", **VLLM)])
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["changed"] == res["total"]  # every tensor moved, and vLLM serves the moved weights
@@ -350,7 +351,7 @@ def engine_lines(stderr):
 
 
 def test_rope_override_reaches_both_models_and_health_metric_is_small_at_temperature(toy_dir, tmp_path):
-    args = {"model.rope_theta": 40000, "rollout.temperature": 0.7, "max_steps": 2, "run_name": "rope"}
+    args = {"model.rope_theta": 40000, "rollout.temperature": 0.7, "max_steps": 2, "run_name": "rope", **VLLM}
     out = train(overrides(toy_dir, tmp_path, **args))
     agree, engines = engine_lines(out.stderr)
     assert "rope_theta 40000," in agree  # read back from the policy's inv_freq and from vLLM's rotary layer
@@ -362,7 +363,8 @@ def test_rope_override_reaches_both_models_and_health_metric_is_small_at_tempera
 
 
 def test_skipped_weight_push_shows_in_the_health_metric(toy_dir, tmp_path):
-    out = run([sys.executable, SCENARIO, "skip_push", *overrides(toy_dir, tmp_path, run_name="stale", max_steps=2)])
+    args = overrides(toy_dir, tmp_path, run_name="stale", max_steps=2, **VLLM)
+    out = run([sys.executable, SCENARIO, "skip_push", *args])
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = (r["logprob_diff_rollout_vs_policy"] for r in metrics(tmp_path / "stale"))
     assert first < 1e-4  # step 1: the engine still holds the policy's initial weights
@@ -372,7 +374,12 @@ def test_skipped_weight_push_shows_in_the_health_metric(toy_dir, tmp_path):
 def test_a_push_that_misses_a_parameter_fails_naming_it(toy_dir, tmp_path):
     """vLLM only logs a parameter a reload left untouched; after a level-2 sleep it would hold garbage."""
     out = run(
-        [sys.executable, SCENARIO, "partial_push", *overrides(toy_dir, tmp_path, run_name="partial", max_steps=1)]
+        [
+            sys.executable,
+            SCENARIO,
+            "partial_push",
+            *overrides(toy_dir, tmp_path, run_name="partial", max_steps=1, **VLLM),
+        ]
     )
     assert out.returncode == 0, out.stderr[-3000:]
     error = json.loads(out.stdout.strip().splitlines()[-1])["error"]
@@ -394,7 +401,7 @@ def test_engine_placement_check(toy_dir):
 @pytest.mark.two_cores
 def test_tensor_parallel_rollouts_two_ranks(toy_dir, tmp_path):
     """deepspeed --num_gpus 2 with rollout.tensor_parallel_size=2: one engine shared by both ranks."""
-    args = {"rollout.tensor_parallel_size": 2, "max_steps": 2, "run_name": "tp", "eval.steps": 2}
+    args = {"rollout.tensor_parallel_size": 2, "max_steps": 2, "run_name": "tp", "eval.steps": 2, **VLLM}
     out = train(overrides(toy_dir, tmp_path, **args), nproc=2)
     assert engine_lines(out.stderr)[1].endswith("vLLM engines (tensor parallel 2): rank 0 cpu, rank 1 cpu")
     m = metrics(tmp_path / "tp")
@@ -413,7 +420,7 @@ def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
     def launch(node_rank, port, **kv):
         cmd = [launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank)]
         cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), "trapo_train.py"]
-        cmd += overrides(toy_dir, tmp_path, run_name="nodes", save_steps=2, **kv)
+        cmd += overrides(toy_dir, tmp_path, run_name="nodes", save_steps=2, **VLLM, **kv)
         return subprocess.Popen(
             cmd, cwd=ROOT, env=runtime.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -444,7 +451,7 @@ def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exa
     from trapo.training import sampling
 
     ds = {"rollout.dynamic_sampling": "true", "train.update_batch_size": 8, "logging.rollouts_every": 1}
-    common = dict(mode="naive_semi", max_steps=3, save_steps=2, **ds)
+    common = dict(mode="naive_semi", max_steps=3, save_steps=2, **ds, **VLLM)  # vLLM's seeded resume, 2 engines
     train(overrides(toy_dir, tmp_path, run_name="ds", **common), nproc=2)
     m = metrics(tmp_path / "ds")
     assert [r["step"] for r in m] == [1, 2, 3]

@@ -22,7 +22,7 @@ figure no code printed. Each block lives in one file (`BLOCKS`):
   (`make bench` saves it as outputs/bench/rollout-vllm.txt and rollout-hf.txt).
 - `bench-lora` in docs/benchmarks.md: what bench/bench_lora.py printed (outputs/bench/lora.txt).
 - `bench-peers` in docs/benchmarks.md: what bench/peers/run.py printed (`make bench-peers` saves it as
-  outputs/bench/peers.txt and writes the block itself).
+  outputs/bench/peers.txt and writes the block itself), and `peers-ratios` in README.md: its ratio lines.
 
 `--file PATH` writes the blocks asked for into PATH instead (tests use it).
 """
@@ -51,6 +51,7 @@ BLOCKS = {
     "bench-rollout": DOCS / "benchmarks.md",
     "bench-lora": DOCS / "benchmarks.md",
     "bench-peers": DOCS / "benchmarks.md",
+    "peers-ratios": README,
 }
 BENCH_ROLLOUT = ("rollout-vllm.txt", "rollout-hf.txt")  # bench_rollout.py's output, per backend
 BENCH_LORA = "lora.txt"  # bench_lora.py's output
@@ -160,6 +161,12 @@ def bench_peers_block(folder: Path) -> str:
     return "```\n" + (folder / BENCH_PEERS).read_text().rstrip() + "\n```"
 
 
+def peers_ratios_block(folder: Path) -> str:
+    """bench/peers/run.py's first line and its ratio lines (ours / TRL), fenced: what the README quotes."""
+    lines = (folder / BENCH_PEERS).read_text().splitlines()
+    return "```\n" + "\n".join([lines[0], *(line for line in lines if " / " in line)]) + "\n```"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
@@ -181,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             ("bench-rollout", args.bench and all((args.bench / n).is_file() for n in BENCH_ROLLOUT)),
             ("bench-lora", args.bench and (args.bench / BENCH_LORA).is_file()),
             ("bench-peers", args.bench and (args.bench / BENCH_PEERS).is_file()),
+            ("peers-ratios", args.bench and (args.bench / BENCH_PEERS).is_file()),
         )
         if on
     ]
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 body = bench_lora_block(args.bench)
             elif name == "bench-peers":
                 body = bench_peers_block(args.bench)
+            elif name == "peers-ratios":
+                body = peers_ratios_block(args.bench)
             else:
                 body = plan_block()
             text = texts[target] if target in texts else target.read_text()
