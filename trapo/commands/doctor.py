@@ -37,7 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
-from trapo import hub, runtime
+from trapo import hub, resources, runtime
 from trapo.config import ConfigError, load_config
 from trapo.engine.memory_plan import BUILTIN, GiB, Plan, memory_plan, model_arch
 
@@ -129,7 +129,7 @@ def plan_mode(args: argparse.Namespace) -> int:
         raise BadInput(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
     cfg = load_config(args.config, args.overrides)
     try:
-        ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+        ds_config = json.loads(resources.config_path(cfg.train.deepspeed_config).read_text())
     except (OSError, ValueError) as err:
         raise BadInput(f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})") from None
     arch = model_arch(plan_source(cfg))
@@ -440,7 +440,7 @@ def preflight(args: argparse.Namespace) -> int:
             traceback.print_exc()  # into the captured log
         if gpu and not cfg.toy.enabled:
             arch = model_arch(cfg.model.path)
-            ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+            ds_config = json.loads(resources.config_path(cfg.train.deepspeed_config).read_text())
             memory = torch.cuda.get_device_properties(0).total_memory
             plan = memory_plan(cfg, world, memory, arch, ds_config)
             checks.add(
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.config:
                 raise BadInput("--plan needs --config FILE")
             return plan_mode(args)
-        args.config = args.config or str(runtime.ROOT / "configs" / "toy.yaml")
+        args.config = args.config or "toy"  # the shipped configs/toy.yaml (trapo/resources.py)
         return preflight(args)
     except (BadInput, ConfigError) as err:
         print(f"trapo doctor: {err}", file=sys.stderr)

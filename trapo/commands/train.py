@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trapo import runtime
 
-DEFAULT_CONFIG = runtime.ROOT / "configs" / "toy.yaml"
+DEFAULT_CONFIG = "toy"  # the shipped configs/toy.yaml (trapo/resources.py), unless ./toy.yaml is here
 
 
 def _traceback_to_log(log: Path | None) -> None:
@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, started: _StartUp) -> int:
     runtime.configure()  # before vLLM or torch is imported: see trapo/runtime.py
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML experiment config (default: the toy task)")
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="YAML experiment config: a file, or a shipped config by name (`trapo configs`); default: the toy task",
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.clip_eps=0.28")
     args = parser.parse_args(argv)

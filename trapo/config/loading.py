@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from trapo import resources
 from trapo.config.schema import REMOVED_KEYS, Config, ConfigError, flatten
 from trapo.config.validation import validate
 
@@ -146,11 +147,15 @@ def parse_override(text: str) -> dict:
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- overrides, then type and cross-key checks."""
+    """Defaults <- YAML file <- overrides, then type and cross-key checks. `path`: a file here, else a shipped
+    config by name (trapo/resources.py: `trapo_1k_3k`, `configs/trapo_1k_3k.yaml`)."""
     cfg = Config()
     if path is not None:
+        found = resources.find_config(str(path))  # here, else the shipped config of that name
         try:
-            text = Path(path).read_text()
+            text = (found or Path(path)).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path}: {resources.NOT_FOUND}") from None
         except OSError as err:
             raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from trapo import console
+from trapo import console, resources
 from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
 from trapo.algorithm.loss import LossSpec, policy_loss
@@ -123,7 +123,7 @@ class Policy:
         if cfg.model.lora.rank > 0:  # a bad target: one line before any weight is read (the architecture alone)
             lora.check_config_targets(hf_config, cfg.model.lora.target_modules)
         try:
-            ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+            ds_config = json.loads(resources.config_path(cfg.train.deepspeed_config).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(
                 f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})"

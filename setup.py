@@ -1,0 +1,46 @@
+"""The one thing pyproject.toml cannot say: the shipped configs and evaluation sets go into the package.
+
+The repository keeps `configs/` and `data/benchmarks/` at its root, where users edit them. A regular build
+(a wheel, `pip install <clone>`) copies them into the package as `trapo/_shipped/configs/` and
+`trapo/_shipped/benchmarks/`, so an installed `trapo` finds them from any directory (trapo/resources.py).
+An editable install copies nothing: the package is the clone's `trapo/`, and the resolver reads the clone's
+own folders. (setuptools' package-dir mapping of a subpackage onto `configs/` would do the copying too, but
+it needs every package listed by hand instead of found, and it turns the editable install's one .pth line
+into an import hook.)
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+# repository folder -> its place under trapo/_shipped/ (trapo/resources.py SHIPPED names the same)
+SHIPPED = {"configs": "configs", "data/benchmarks": "benchmarks"}
+
+
+class BuildWithShipped(build_py):
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        for source, name in SHIPPED.items():
+            for path in sorted((HERE / source).rglob("*")):
+                if path.is_file() and "__pycache__" not in path.parts:
+                    target = Path(self.build_lib) / "trapo" / "_shipped" / name / path.relative_to(HERE / source)
+                    self.mkpath(str(target.parent))
+                    self.copy_file(str(path), str(target))
+
+    def get_outputs(self, include_bytecode=1):
+        outputs = super().get_outputs(include_bytecode)
+        if getattr(self, "editable_mode", False):
+            return outputs
+        return outputs + [
+            str(Path(self.build_lib) / "trapo" / "_shipped" / name / path.relative_to(HERE / source))
+            for source, name in SHIPPED.items()
+            for path in sorted((HERE / source).rglob("*"))
+            if path.is_file() and "__pycache__" not in path.parts
+        ]
+
+
+setup(cmdclass={"build_py": BuildWithShipped})
