@@ -43,7 +43,8 @@ def test_hf_backend_trains_without_vllm_and_resumes_exactly(toy_dir, tmp_path):
 
 @pytest.mark.toy_run
 def test_backend_vllm_without_vllm_is_one_line_naming_the_fix(toy_dir, tmp_path):
-    out = run([sys.executable, WITHOUT_VLLM, *overrides(toy_dir, tmp_path, run_name="novllm", max_steps=1)])
+    args = overrides(toy_dir, tmp_path, run_name="novllm", max_steps=1, **{"rollout.backend": "vllm"})
+    out = run([sys.executable, WITHOUT_VLLM, *args])
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert len(lines) == 1 and "rollout.backend" in lines[0] and "rollout.backend=hf" in lines[0], out.stderr

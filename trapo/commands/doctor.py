@@ -127,7 +127,9 @@ def plan_mode(args: argparse.Namespace) -> int:
         raise BadInput(f"--gpus must be >= 1, got {args.gpus}")
     if args.gpu_memory_gb is None or not args.gpu_memory_gb > 0:
         raise BadInput(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
-    cfg = load_config(args.config, args.overrides)
+    from trapo.training.run_record import resolve_backend
+
+    cfg = resolve_backend(load_config(args.config, args.overrides), say=print)  # auto: as a run here would
     try:
         ds_config = json.loads(resources.config_path(cfg.train.deepspeed_config).read_text())
     except (OSError, ValueError) as err:
@@ -224,7 +226,8 @@ def version_check(package: str, found: str, declared: str | None, pinned: str | 
     return ok, f"{found} (declared {declared or 'nothing'}; tested with {pinned or 'no pin'})"
 
 
-def environment(checks: Checks, gpu: bool, backend: str) -> None:
+def environment(checks: Checks, gpu: bool, backend: str, chosen: str = "") -> None:
+    """`chosen`: why rollout.backend auto became `backend` (trapo/engine/rollout.py choose_backend)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from trapo.config import ConfigError
@@ -237,7 +240,7 @@ def environment(checks: Checks, gpu: bool, backend: str) -> None:
             if backend == "vllm"
             else ("the policy's own transformers model (vLLM not needed)")
         )
-        checks.add("rollout backend", True, f"{backend}: {what}")
+        checks.add("rollout backend", True, f"{backend}: {what}" + (f"; auto: {chosen}" if chosen else ""))
     except ConfigError as err:
         checks.add("rollout backend", False, str(err), "make setup, or rollout.backend=hf")
     pins, ranges = pinned_versions(), declared_ranges()
@@ -415,7 +418,12 @@ def preflight(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     checks = Checks()
     cfg = load_config(args.config, args.overrides)
-    environment(checks, gpu, cfg.rollout.backend)
+    from trapo.engine.rollout import choose_backend
+    from trapo.training.run_record import resolve_backend
+
+    why = choose_backend(cfg.rollout.backend)[1]  # auto: the rule a run's start follows; its reason in the check
+    cfg = resolve_backend(cfg, say=lambda line: None)
+    environment(checks, gpu, cfg.rollout.backend, why)
     with tempfile.TemporaryDirectory(prefix="trapo-doctor-") as tmp:
         console.capture(Path(tmp), int(os.environ.get("RANK", "0")), debug=False)  # libraries' output: log.txt
         from trapo.engine import dist

@@ -261,14 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="discard earlier samples in --out")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument(
-        "--backend", default="vllm", choices=BACKENDS, help="who generates: vLLM, or transformers (no vLLM)"
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="who generates: vLLM, or transformers (no vLLM); auto: vLLM when it is installed, else transformers",
     )
     parser.add_argument("--hf-max-batch", type=int, default=256, help="hf backend: sequences generated at once")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (also off when not a terminal)")
     args = parser.parse_args(argv)
     try:
-        from trapo.engine.rollout import require_backend
+        from trapo.engine.rollout import choose_backend, require_backend
 
+        args.backend, why = choose_backend(args.backend)
+        if why:  # auto: which, and why, once
+            print(f"trapo eval: --backend auto: {args.backend} ({why})", file=sys.stderr, flush=True)
         require_backend(args.backend, key="--backend", fix="--backend hf", load=False)  # one that fails to import: _run
     except ConfigError as err:
         print(f"trapo eval: {err}", file=sys.stderr)

@@ -104,6 +104,11 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        from trapo.training.run_record import resolve_backend
+
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        # auto: vLLM or hf, said once; the config.yaml the run writes records the choice
+        cfg = resolve_backend(cfg, say=lambda line: rank0 and print(f"[trapo] {line}", flush=True))
         started.note(cfg)
         from trapo.engine.rollout import require_backend
 

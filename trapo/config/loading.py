@@ -155,7 +155,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
         try:
             text = (found or Path(path)).read_text()
         except FileNotFoundError:
-            raise ConfigError(f"config file {path}: {resources.NOT_FOUND}") from None
+            raise ConfigError(f"config file {path}: cannot read it: {resources.NOT_FOUND}") from None
         except OSError as err:
             raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
         try:

@@ -54,6 +54,7 @@ from trapo.training.update import update_policy
 
 class Trainer(Checkpointing):
     def __init__(self, cfg: Config):
+        cfg = run_record.resolve_backend(cfg)  # auto: chosen by the train command already, else here
         self.cfg = cfg
         require_backend(cfg.rollout.backend, load=False)  # vLLM missing: one line before any work
         self.rank, self.world, self.local_rank = dist.init_distributed(cfg.dist_timeout_minutes)
