@@ -11,6 +11,7 @@ shipped one (trapo/resources.py), so an edited copy saved as `trapo_1k_3k.yaml` 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trapo import resources
@@ -27,6 +28,16 @@ def listing() -> str:
     )
 
 
+def write(text: str) -> int:
+    """`text` to stdout; a reader that closed the pipe early (`trapo configs | head`) is not an error."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.stdout = open(os.devnull, "w")  # nothing more can reach the reader; the exit's flush must not fail
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", nargs="?", choices=["list", "show"], default="list", help="default: list")
@@ -35,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "list":
         if args.name:
             parser.error("list takes no name; to print one: trapo configs show NAME")
-        print(listing())
-        return 0
+        return write(listing() + "\n")
     if not args.name:
         print("trapo configs show: give a NAME from `trapo configs`", file=sys.stderr)
         return 2
@@ -45,5 +55,4 @@ def main(argv: list[str] | None = None) -> int:
     if path is None:
         print(f"trapo configs show: no shipped config named {args.name}; `trapo configs` lists them", file=sys.stderr)
         return 2
-    sys.stdout.write(path.read_text())
-    return 0
+    return write(path.read_text())

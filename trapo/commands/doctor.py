@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -37,8 +36,8 @@ import time
 import traceback
 from pathlib import Path
 
-from trapo import hub, resources, runtime
-from trapo.config import ConfigError, load_config
+from trapo import hub, runtime
+from trapo.config import ConfigError, load_config, read_deepspeed_config
 from trapo.engine.memory_plan import BUILTIN, GiB, Plan, memory_plan, model_arch
 
 CARDS = (80, 141)  # GiB: H100 / A100 80 GB, H200 141 GB
@@ -130,10 +129,7 @@ def plan_mode(args: argparse.Namespace) -> int:
     from trapo.training.run_record import resolve_backend
 
     cfg = resolve_backend(load_config(args.config, args.overrides), say=print)  # auto: as a run here would
-    try:
-        ds_config = json.loads(resources.config_path(cfg.train.deepspeed_config).read_text())
-    except (OSError, ValueError) as err:
-        raise BadInput(f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})") from None
+    ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
     arch = model_arch(plan_source(cfg))
     plan = memory_plan(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
     print(format_plan(plan, args.config))
@@ -448,7 +444,7 @@ def preflight(args: argparse.Namespace) -> int:
             traceback.print_exc()  # into the captured log
         if gpu and not cfg.toy.enabled:
             arch = model_arch(cfg.model.path)
-            ds_config = json.loads(resources.config_path(cfg.train.deepspeed_config).read_text())
+            ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
             memory = torch.cuda.get_device_properties(0).total_memory
             plan = memory_plan(cfg, world, memory, arch, ds_config)
             checks.add(

@@ -3,6 +3,7 @@
     deepspeed trapo_train.py --config configs/<exp>.yaml [dotted.key=value ...]
     python -m trapo train [--config FILE] [dotted.key=value ...]   # the same, one process
     python trapo_train.py                      # the embedded CPU default (configs/toy.yaml)
+    trapo train --config trapo_1k_3k           # a shipped config by name, from any directory (trapo configs)
 
 Without --config the embedded toy task runs: a tiny Qwen2 and synthetic
 arithmetic built by the project, trained with the real stack (DeepSpeed
@@ -95,15 +96,21 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
         default=DEFAULT_CONFIG,
         help="YAML experiment config: a file, or a shipped config by name (`trapo configs`); default: the toy task",
     )
+    parser.add_argument("--list-configs", action="store_true", help="list the shipped configs (as `trapo configs`)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.clip_eps=0.28")
     args = parser.parse_args(argv)
+    if args.list_configs:
+        from trapo.commands.configs import listing, write
 
-    from trapo.config import ConfigError, load_config
+        return write(listing() + "\n")
+
+    from trapo.config import ConfigError, load_config, read_deepspeed_config
     from trapo.data import DataError
 
     try:
         cfg = load_config(args.config, args.overrides)
+        read_deepspeed_config(cfg.train.deepspeed_config)  # a missing or broken JSON: now, not after the toy's build
         from trapo.training.run_record import resolve_backend
 
         rank0 = int(os.environ.get("RANK", "0")) == 0

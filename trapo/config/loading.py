@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import types
 import typing
@@ -170,6 +171,23 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
         origins.update({key: f"override {text!r}" for key in flatten(parsed)})
     validate(cfg, f"config file {path}" if path else "config", origins)
     return cfg
+
+
+def read_deepspeed_config(path: str) -> dict:
+    """train.deepspeed_config's JSON: the file here, else the shipped one of that name (`configs/deepspeed_zero3.json`
+    from any directory); a ConfigError naming the key, the file and the shipped ones otherwise."""
+    try:
+        data = json.loads(resources.config_path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"train.deepspeed_config {path}: cannot read JSON: {resources.NOT_FOUND} "
+            "(configs/deepspeed_zero3.json, configs/deepspeed_zero2.json)"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"train.deepspeed_config {path}: cannot read JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"train.deepspeed_config {path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def to_dict(cfg: Config) -> dict:
