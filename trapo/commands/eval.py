@@ -272,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from trapo.engine.rollout import choose_backend, require_backend
 
-        args.backend, why = choose_backend(args.backend)
-        if why:  # auto: which, and why, once
-            print(f"trapo eval: --backend auto: {args.backend} ({why})", file=sys.stderr, flush=True)
+        args.backend, args.backend_chosen = choose_backend(args.backend)  # auto: said once the checks pass (_run)
         require_backend(args.backend, key="--backend", fix="--backend hf", load=False)  # one that fails to import: _run
     except ConfigError as err:
         print(f"trapo eval: {err}", file=sys.stderr)
@@ -415,6 +413,8 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
         traceback.print_exc()  # into log.txt
         print(f"trapo eval: {err}", file=console.terminal())
         return 2
+    if args.backend_chosen:  # --backend auto: which engine, and why, once
+        console.say(f"--backend auto: {args.backend} ({args.backend_chosen})")
     engine = open_engine(
         engine_settings(args, model, max_model_len), str(model), tokenizer=tokenizer, stop_token_ids=stops
     )
