@@ -128,7 +128,8 @@ def plan_mode(args: argparse.Namespace) -> int:
         raise BadInput(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
     from trapo.training.run_record import resolve_backend
 
-    cfg = resolve_backend(load_config(args.config, args.overrides), say=print)  # auto: as a run here would
+    # auto: as a run here would choose; the line on stderr (stdout is the plan, which names its engine)
+    cfg = resolve_backend(load_config(args.config, args.overrides), say=lambda line: print(line, file=sys.stderr))
     ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
     arch = model_arch(plan_source(cfg))
     plan = memory_plan(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
