@@ -191,7 +191,7 @@ def test_train_eval_and_doctor_run_from_an_empty_directory(installed):
     env, work, trapo = installed
     out = trapo("train", "max_steps=2", *TOY, *BATCH)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "rollout.backend auto: hf (vLLM is not installed" in out.stdout  # said once, at start-up
+    assert (out.stdout + out.stderr).count("rollout.backend auto: hf (vLLM is not installed") == 1  # said once
     config = (work / "outputs" / "toy" / "config.yaml").read_text()
     assert "backend: hf" in config  # recorded as what ran
     model = work / "outputs" / "toy-assets" / "seed-0" / "model"

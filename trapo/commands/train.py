@@ -111,15 +111,11 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         read_deepspeed_config(cfg.train.deepspeed_config)  # a missing or broken JSON: now, not after the toy's build
-        from trapo.training.run_record import resolve_backend
-
-        rank0 = int(os.environ.get("RANK", "0")) == 0
-        # auto: vLLM or hf, said once; the config.yaml the run writes records the choice
-        cfg = resolve_backend(cfg, say=lambda line: rank0 and print(f"[trapo] {line}", flush=True))
         started.note(cfg)
         from trapo.engine.rollout import require_backend
 
-        # No vLLM for backend vllm: stop before anything is built (one that fails to import: the trainer, later)
+        # No vLLM for backend vllm: stop before anything is built (one that fails to import: the trainer, later).
+        # auto passes here (hf needs no vLLM); the trainer chooses and says which (run_record.resolve_backend).
         require_backend(cfg.rollout.backend, load=False)
         if int(os.environ.get("RANK", "0")) == 0:  # one run per directory, claimed before its log is opened
             from trapo.training.run_record import claim
