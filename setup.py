@@ -19,28 +19,33 @@ HERE = Path(__file__).resolve().parent
 SHIPPED = {"configs": "configs", "data/benchmarks": "benchmarks"}
 
 
+def shipped_files():
+    """(file in the repository, its path under the build's trapo/_shipped/) of every shipped file."""
+    for source, name in SHIPPED.items():
+        for path in sorted((HERE / source).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                yield path, Path(name) / path.relative_to(HERE / source)
+
+
 class BuildWithShipped(build_py):
+    """build_py, then the shipped files copied into the built package; nothing more in editable mode."""
+
+    def target(self, rel: Path) -> Path:
+        return Path(self.build_lib) / "trapo" / "_shipped" / rel
+
     def run(self):
         super().run()
         if getattr(self, "editable_mode", False):
             return
-        for source, name in SHIPPED.items():
-            for path in sorted((HERE / source).rglob("*")):
-                if path.is_file() and "__pycache__" not in path.parts:
-                    target = Path(self.build_lib) / "trapo" / "_shipped" / name / path.relative_to(HERE / source)
-                    self.mkpath(str(target.parent))
-                    self.copy_file(str(path), str(target))
+        for path, rel in shipped_files():
+            self.mkpath(str(self.target(rel).parent))
+            self.copy_file(str(path), str(self.target(rel)))
 
     def get_outputs(self, include_bytecode=1):
         outputs = super().get_outputs(include_bytecode)
         if getattr(self, "editable_mode", False):
             return outputs
-        return outputs + [
-            str(Path(self.build_lib) / "trapo" / "_shipped" / name / path.relative_to(HERE / source))
-            for source, name in SHIPPED.items()
-            for path in sorted((HERE / source).rglob("*"))
-            if path.is_file() and "__pycache__" not in path.parts
-        ]
+        return outputs + [str(self.target(rel)) for _, rel in shipped_files()]
 
 
 setup(cmdclass={"build_py": BuildWithShipped})
