@@ -4,9 +4,13 @@ The repository keeps `configs/` and `data/benchmarks/` at its root, where users 
 (a wheel, `pip install <clone>`) copies them into the package as `trapo/_shipped/configs/` and
 `trapo/_shipped/benchmarks/`, so an installed `trapo` finds them from any directory (trapo/resources.py).
 An editable install copies nothing: the package is the clone's `trapo/`, and the resolver reads the clone's
-own folders. (setuptools' package-dir mapping of a subpackage onto `configs/` would do the copying too, but
-it needs every package listed by hand instead of found, and it turns the editable install's one .pth line
-into an import hook.)
+own folders.
+
+Why not pyproject.toml's package-dir mapping (`"trapo._shipped.configs" = "configs"` plus package-data), as
+tried with setuptools 78.1: `packages.find` does not see mapped packages (the wheel had none of the files);
+with every package listed by hand the wheel has them, but each data subfolder (slurm/, studies/toy/, ...)
+draws a warning that it is "absent from the `packages` configuration", and the editable install becomes an
+import hook (a generated finder mapping the packages) instead of the one .pth line of the simple layout.
 """
 
 from pathlib import Path
