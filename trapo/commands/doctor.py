@@ -224,7 +224,7 @@ def version_check(package: str, found: str, declared: str | None, pinned: str | 
 
 
 def environment(checks: Checks, gpu: bool, backend: str, chosen: str = "") -> None:
-    """`chosen`: why rollout.backend auto became `backend` (trapo/engine/rollout.py choose_backend)."""
+    """`chosen`: the line saying why rollout.backend auto became `backend` (run_record.resolve_backend)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from trapo.config import ConfigError
@@ -237,7 +237,7 @@ def environment(checks: Checks, gpu: bool, backend: str, chosen: str = "") -> No
             if backend == "vllm"
             else ("the policy's own transformers model (vLLM not needed)")
         )
-        checks.add("rollout backend", True, f"{backend}: {what}" + (f"; auto: {chosen}" if chosen else ""))
+        checks.add("rollout backend", True, f"{backend}: {what}" + (f"; {chosen}" if chosen else ""))
     except ConfigError as err:
         checks.add("rollout backend", False, str(err), "make setup, or rollout.backend=hf")
     pins, ranges = pinned_versions(), declared_ranges()
@@ -415,12 +415,11 @@ def preflight(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     checks = Checks()
     cfg = load_config(args.config, args.overrides)
-    from trapo.engine.rollout import choose_backend
     from trapo.training.run_record import resolve_backend
 
-    why = choose_backend(cfg.rollout.backend)[1]  # auto: the rule a run's start follows; its reason in the check
-    cfg = resolve_backend(cfg, say=lambda line: None)
-    environment(checks, gpu, cfg.rollout.backend, why)
+    chosen: list[str] = []  # auto: the rule a run's start follows; its line goes into the backend check
+    cfg = resolve_backend(cfg, say=chosen.append)
+    environment(checks, gpu, cfg.rollout.backend, chosen[0] if chosen else "")
     with tempfile.TemporaryDirectory(prefix="trapo-doctor-") as tmp:
         console.capture(Path(tmp), int(os.environ.get("RANK", "0")), debug=False)  # libraries' output: log.txt
         from trapo.engine import dist
