@@ -107,7 +107,7 @@ def detokenizer_cost(model_dir, tokenizer, prompts) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=BACKENDS, default="vllm")
+    parser.add_argument("--backend", choices=[b for b in BACKENDS if b != "auto"], default="vllm")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

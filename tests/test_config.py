@@ -95,7 +95,7 @@ def test_overrides_are_typed_and_dotted():
         ("loss.clip_epsilon=0.2", "key 'loss.clip_epsilon' is not a known setting; did you mean 'loss.clip_eps'"),
         ("rollout.n=eight", "key 'rollout.n': got 'eight' (str); expected an integer"),
         ("mode=semi", "expected one of 'supervised', 'unsupervised', 'naive_semi', 'trapo'"),
-        ("rollout.backend=tpu", "key 'rollout.backend': got 'tpu' (str); expected one of 'vllm', 'hf'"),
+        ("rollout.backend=tpu", "key 'rollout.backend': got 'tpu' (str); expected one of 'auto', 'vllm', 'hf'"),
         ("train.lr=true", "key 'train.lr': got True (bool); expected a number"),
         ("rollout.n=1", "key 'rollout.n': GRPO needs at least 2 rollouts"),
         ("train.update_batch_size=24", "must divide train.rollout_batch_size (64)"),
@@ -216,7 +216,7 @@ def test_each_set_of_choices_has_one_source(capsys):
     assert config.MODES == choices(config.Config, "mode")
     assert config.DTYPES == choices(config.ModelConfig, "dtype")
     assert config.PROMPT_TEMPLATES == choices(config.DataConfig, "prompt_template")
-    assert config.BACKENDS == choices(config.RolloutConfig, "backend") == ("vllm", "hf")
+    assert config.BACKENDS == choices(config.RolloutConfig, "backend") == ("auto", "vllm", "hf")
     assert config.AGGREGATIONS == choices(config.LossConfig, "agg")
     assert config.ADVANTAGE_SCALES == choices(config.LossConfig, "advantage_scale")
     assert config.OBJECTIVES == choices(config.LossConfig, "objective")

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trapo"
 # Lowest first: a module may import its own layer and the ones before it.
 LAYERS = ["vocabulary", "algorithm", "engine", "training", "commands", "entry"]
-SHARED_FLAT = {"config", "data", "console", "runtime", "hub", "faults"}
+SHARED_FLAT = {"config", "data", "console", "runtime", "hub", "faults", "resources"}
 MAX_LINES = 500
 
 

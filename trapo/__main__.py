@@ -16,6 +16,7 @@ import sys
 COMMANDS = {
     "train": ("trapo.commands.train", "train on a YAML config (default: the embedded CPU toy task)"),
     "eval": ("trapo.commands.eval", "evaluate a model on benchmarks (the paper's Table 1 protocol)"),
+    "configs": ("trapo.commands.configs", "the shipped configs, one line each; `configs show NAME` prints one"),
     "prepare": ("trapo.commands.prepare", "build training files from the public datasets (local copies or hub ids)"),
     "doctor": ("trapo.commands.doctor", "preflight: versions, devices, a two-step trial run, the memory plan"),
     "report": ("trapo.commands.report", "plots and report.md of a run directory"),

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from trapo import resources
+
 # The paper's system prompt for Qwen-family models (appendix "System Prompt").
 THINK_SYSTEM = (
     "Your task is to follow a systematic, thorough reasoning process before providing the final solution. "
@@ -44,9 +46,10 @@ class DataError(ValueError):
     pass
 
 
-# The evaluation sets shipped in the repository (data/benchmarks/README.md); `TRAPO_BENCHMARKS`
-# points elsewhere. Evaluation, decontamination (trapo.commands.prepare), tests and benches all read this.
-REPO_BENCHMARKS = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+# The evaluation sets shipped with the project (data/benchmarks/README.md; installed, inside the package:
+# trapo/resources.py); `TRAPO_BENCHMARKS` points elsewhere. Evaluation, decontamination
+# (trapo.commands.prepare), tests and benches all read this.
+REPO_BENCHMARKS = resources.shipped("benchmarks")
 
 
 def benchmarks_dir() -> Path:

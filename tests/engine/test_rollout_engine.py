@@ -82,6 +82,7 @@ def test_the_factory_sizes_vllm_by_the_run_or_leaves_evals_defaults(monkeypatch)
     cfg = Config(seed=7)
     cfg.model.dtype, cfg.data.max_prompt_tokens, cfg.train.rollout_batch_size = "bfloat16", 100, 8
     r = cfg.rollout
+    r.backend = "vllm"  # named: the default, auto, is chosen by the trainer before an engine opens
     r.max_tokens, r.n, r.tensor_parallel_size, r.gpu_memory_utilization = 50, 4, 2, 0.5
     policy = SimpleNamespace(model=None, engine=None, overrides={"rope_theta": 40000.0})
     settings = EngineSettings.for_run(cfg, rank=3, world=4, overrides=policy.overrides)

@@ -1,13 +1,14 @@
 """rollout.backend=hf end to end on the toy, in processes where vLLM cannot be imported (tests/scripts/without_vllm.py):
 it trains, its rollouts agree with the policy, a kill-free stop at step 6 and a resume equal 12 straight steps;
-and backend vllm there stops with one line naming the key."""
+backend vllm there stops with one line naming the key; auto there runs hf, and a resume keeps it."""
 
 import json
 import os
 import sys
 
 import pytest
-from toyrun import ROOT, metrics, overrides, run
+import yaml
+from toyrun import ROOT, metrics, overrides, run, train
 
 WITHOUT_VLLM = os.path.join(ROOT, "tests", "scripts", "without_vllm.py")
 HF = {"rollout.backend": "hf", "mode": "trapo", "save_steps": 6}
@@ -39,6 +40,26 @@ def test_hf_backend_trains_without_vllm_and_resumes_exactly(toy_dir, tmp_path):
     for a, b in zip(straight, resumed):  # CPU fp32: the same rollouts, rewards, pass rates and losses
         for key in SAME:
             assert a.get(key) == b.get(key), (a["step"], key)
+
+
+@pytest.mark.toy_run
+def test_auto_runs_hf_without_vllm_and_a_resume_where_vllm_is_keeps_the_engine_it_started_with(toy_dir, tmp_path):
+    """rollout.backend auto (the default) where vLLM cannot be imported: the hf backend, said once and written into
+    config.yaml; resumed where vLLM is installed, the run keeps hf (auto alone would pick vLLM there)."""
+    from trapo.engine.rollout import installed
+
+    first = without_vllm(overrides(toy_dir, tmp_path, run_name="auto", max_steps=2, save_steps=2))
+    assert first.stderr.count("rollout.backend auto: hf (vLLM is not installed") == 1, first.stderr[-3000:]
+    config = tmp_path / "auto" / "config.yaml"
+    assert yaml.safe_load(config.read_text())["rollout"]["backend"] == "hf"  # what ran, not "auto"
+    if not installed("vllm"):
+        pytest.skip("the resume half needs vLLM installed (make setup installs it)")
+    out = train(overrides(toy_dir, tmp_path, run_name="auto", max_steps=3, save_steps=2, resume_from="latest"))
+    assert "rollout.backend auto: hf (as this run started" in out.stderr and "step-2 at step 2" in out.stderr
+    assert yaml.safe_load(config.read_text())["rollout"]["backend"] == "hf"
+    starts = [json.loads(line) for line in (tmp_path / "auto" / "starts.jsonl").read_text().splitlines()]
+    assert set(starts[-1]["changes"]) == {"max_steps", "resume_from"}  # the engine did not change
+    assert [r["step"] for r in metrics(tmp_path / "auto")] == [1, 2, 3]
 
 
 @pytest.mark.toy_run

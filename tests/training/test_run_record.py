@@ -134,6 +134,58 @@ def test_the_first_config_stays_and_every_start_is_recorded(tmp_path):
     assert {"time", "host", "pid"} <= set(starts[0])
 
 
+def toy_config(tmp_path, *overrides):
+    return load_config(os.path.join(ROOT, "configs", "toy.yaml"), [f"output_dir={tmp_path}", *overrides])
+
+
+def test_backend_auto_is_vllm_where_it_is_installed_else_hf_said_once_and_recorded(tmp_path, monkeypatch):
+    from trapo.engine.rollout import installed
+
+    lines = []
+    fresh = toy_config(tmp_path)
+    assert fresh.rollout.backend == "auto"  # the default: a machine without vLLM runs too
+    chosen = run_record.resolve_backend(fresh, say=lines.append)
+    expected = "vllm" if installed("vllm") else "hf"
+    assert (
+        chosen.rollout.backend == expected
+        and len(lines) == 1
+        and lines[0].startswith(f"rollout.backend auto: {expected}")
+    )
+    assert yaml.safe_load(dump_config(chosen))["rollout"]["backend"] == expected  # config.yaml: what ran
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as on a machine without vLLM: `import vllm` fails
+    lines.clear()
+    assert run_record.resolve_backend(fresh, say=lines.append).rollout.backend == "hf"
+    assert "vLLM is not installed" in lines[0]
+    named = toy_config(tmp_path)
+    named.rollout.backend = "vllm"
+    assert run_record.resolve_backend(named, say=lines.append) is named and len(lines) == 1  # named: no choice
+    tp = toy_config(tmp_path, "rollout.tensor_parallel_size=2")
+    with pytest.raises(ConfigError, match="rollout.backend auto \\(hf\\): key 'rollout.tensor_parallel_size'"):
+        run_record.resolve_backend(tp, say=lines.append)
+
+
+@pytest.mark.parametrize("vllm_here", [True, False], ids=["vllm-here", "no-vllm-here"])
+def test_a_resume_keeps_the_backend_it_started_with_unless_resume_changes_names_it(tmp_path, monkeypatch, vllm_here):
+    """A run that started with one engine resumes with it on a machine where auto would pick the other."""
+    if not vllm_here:
+        monkeypatch.setitem(sys.modules, "vllm", None)
+    started_with = "hf" if vllm_here else "vllm"  # the other one than auto picks here
+    first = toy_config(tmp_path)
+    first.rollout.backend = started_with
+    run_dir = first.run_dir
+    run_dir.mkdir(parents=True)
+    run_record.record_start(run_dir, dump_config(first), {"step": 0, "resumed_from": None})
+    lines = []
+    resume = toy_config(tmp_path, "resume_from=latest")
+    kept = run_record.resolve_backend(resume, say=lines.append)
+    assert kept.rollout.backend == started_with and "as this run started" in lines[0]
+    assert "rollout.backend" not in run_record.resume_changes(run_dir, to_dict(kept), allowed=[])  # it resumes
+    again = toy_config(tmp_path, "resume_from=latest", "resume_changes=[rollout.backend]")
+    switched = run_record.resolve_backend(again, say=lines.append).rollout.backend
+    assert switched == ("vllm" if vllm_here else "hf")
+    assert run_record.resolve_backend(toy_config(tmp_path), say=lines.append).rollout.backend == switched
+
+
 def test_run_name_is_a_plain_name_and_resume_changes_names_real_keys():
     toy = os.path.join(ROOT, "configs", "toy.yaml")
     for bad in ("..", ".", "a/b", " "):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import traceback
 from pathlib import Path
 
 from trapo import hub, runtime
-from trapo.config import ConfigError, load_config
+from trapo.config import ConfigError, load_config, read_deepspeed_config
 from trapo.engine.memory_plan import BUILTIN, GiB, Plan, memory_plan, model_arch
 
 CARDS = (80, 141)  # GiB: H100 / A100 80 GB, H200 141 GB
@@ -127,11 +126,11 @@ def plan_mode(args: argparse.Namespace) -> int:
         raise BadInput(f"--gpus must be >= 1, got {args.gpus}")
     if args.gpu_memory_gb is None or not args.gpu_memory_gb > 0:
         raise BadInput(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
-    cfg = load_config(args.config, args.overrides)
-    try:
-        ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
-    except (OSError, ValueError) as err:
-        raise BadInput(f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})") from None
+    from trapo.training.run_record import resolve_backend
+
+    # auto: as a run here would choose; the line on stderr (stdout is the plan, which names its engine)
+    cfg = resolve_backend(load_config(args.config, args.overrides), say=lambda line: print(line, file=sys.stderr))
+    ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
     arch = model_arch(plan_source(cfg))
     plan = memory_plan(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
     print(format_plan(plan, args.config))
@@ -224,7 +223,8 @@ def version_check(package: str, found: str, declared: str | None, pinned: str | 
     return ok, f"{found} (declared {declared or 'nothing'}; tested with {pinned or 'no pin'})"
 
 
-def environment(checks: Checks, gpu: bool, backend: str) -> None:
+def environment(checks: Checks, gpu: bool, backend: str, chosen: str = "") -> None:
+    """`chosen`: the line saying why rollout.backend auto became `backend` (run_record.resolve_backend)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from trapo.config import ConfigError
@@ -237,7 +237,7 @@ def environment(checks: Checks, gpu: bool, backend: str) -> None:
             if backend == "vllm"
             else ("the policy's own transformers model (vLLM not needed)")
         )
-        checks.add("rollout backend", True, f"{backend}: {what}")
+        checks.add("rollout backend", True, f"{backend}: {what}" + (f"; {chosen}" if chosen else ""))
     except ConfigError as err:
         checks.add("rollout backend", False, str(err), "make setup, or rollout.backend=hf")
     pins, ranges = pinned_versions(), declared_ranges()
@@ -415,7 +415,11 @@ def preflight(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     checks = Checks()
     cfg = load_config(args.config, args.overrides)
-    environment(checks, gpu, cfg.rollout.backend)
+    from trapo.training.run_record import resolve_backend
+
+    chosen: list[str] = []  # auto: the rule a run's start follows; its line goes into the backend check
+    cfg = resolve_backend(cfg, say=chosen.append)
+    environment(checks, gpu, cfg.rollout.backend, chosen[0] if chosen else "")
     with tempfile.TemporaryDirectory(prefix="trapo-doctor-") as tmp:
         console.capture(Path(tmp), int(os.environ.get("RANK", "0")), debug=False)  # libraries' output: log.txt
         from trapo.engine import dist
@@ -440,7 +444,7 @@ def preflight(args: argparse.Namespace) -> int:
             traceback.print_exc()  # into the captured log
         if gpu and not cfg.toy.enabled:
             arch = model_arch(cfg.model.path)
-            ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+            ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
             memory = torch.cuda.get_device_properties(0).total_memory
             plan = memory_plan(cfg, world, memory, arch, ds_config)
             checks.add(
@@ -473,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.config:
                 raise BadInput("--plan needs --config FILE")
             return plan_mode(args)
-        args.config = args.config or str(runtime.ROOT / "configs" / "toy.yaml")
+        args.config = args.config or "toy"  # the shipped configs/toy.yaml (trapo/resources.py)
         return preflight(args)
     except (BadInput, ConfigError) as err:
         print(f"trapo doctor: {err}", file=sys.stderr)

@@ -261,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="discard earlier samples in --out")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument(
-        "--backend", default="vllm", choices=BACKENDS, help="who generates: vLLM, or transformers (no vLLM)"
+        "--backend",
+        default="auto",
+        choices=BACKENDS,
+        help="who generates: vLLM, or transformers (no vLLM); auto: vLLM when it is installed, else transformers",
     )
     parser.add_argument("--hf-max-batch", type=int, default=256, help="hf backend: sequences generated at once")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (also off when not a terminal)")
@@ -273,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         from trapo.algorithm.rewards.verifiers import require_verifier
-        from trapo.engine.rollout import require_backend
+        from trapo.engine.rollout import choose_backend, require_backend
 
+        args.backend, args.backend_chosen = choose_backend(args.backend)  # auto: said once the checks pass (_run)
         require_backend(args.backend, key="--backend", fix="--backend hf", load=False)  # one that fails to import: _run
         require_verifier(args.verifier, where="--verifier")  # before the model is fetched
     except ConfigError as err:
@@ -418,6 +422,8 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
         traceback.print_exc()  # into log.txt
         print(f"trapo eval: {err}", file=console.terminal())
         return 2
+    if args.backend_chosen:  # --backend auto: which engine, and why, once
+        console.say(f"--backend auto: {args.backend} ({args.backend_chosen})")
     engine = open_engine(
         engine_settings(args, model, max_model_len), str(model), tokenizer=tokenizer, stop_token_ids=stops
     )

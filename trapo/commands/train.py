@@ -3,6 +3,7 @@
     deepspeed trapo_train.py --config configs/<exp>.yaml [dotted.key=value ...]
     python -m trapo train [--config FILE] [dotted.key=value ...]   # the same, one process
     python trapo_train.py                      # the embedded CPU default (configs/toy.yaml)
+    trapo train --config trapo_1k_3k           # a shipped config by name, from any directory (trapo configs)
 
 Without --config the embedded toy task runs: a tiny Qwen2 and synthetic
 arithmetic built by the project, trained with the real stack (DeepSpeed
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from trapo import runtime
 
-DEFAULT_CONFIG = runtime.ROOT / "configs" / "toy.yaml"
+DEFAULT_CONFIG = "toy"  # the shipped configs/toy.yaml (trapo/resources.py), unless ./toy.yaml is here
 
 
 def _traceback_to_log(log: Path | None) -> None:
@@ -90,20 +91,31 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None, started: _StartUp) -> int:
     runtime.configure()  # before vLLM or torch is imported: see trapo/runtime.py
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML experiment config (default: the toy task)")
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        help="YAML experiment config: a file, or a shipped config by name (`trapo configs`); default: the toy task",
+    )
+    parser.add_argument("--list-configs", action="store_true", help="list the shipped configs (as `trapo configs`)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. loss.clip_eps=0.28")
     args = parser.parse_args(argv)
+    if args.list_configs:
+        from trapo.commands.configs import listing, write
 
-    from trapo.config import ConfigError, load_config
+        return write(listing() + "\n")
+
+    from trapo.config import ConfigError, load_config, read_deepspeed_config
     from trapo.data import DataError
 
     try:
         cfg = load_config(args.config, args.overrides)
+        read_deepspeed_config(cfg.train.deepspeed_config)  # a missing or broken JSON: now, not after the toy's build
         started.note(cfg)
         from trapo.engine.rollout import require_backend
 
-        # No vLLM for backend vllm: stop before anything is built (one that fails to import: the trainer, later)
+        # No vLLM for backend vllm: stop before anything is built (one that fails to import: the trainer, later).
+        # auto passes here (hf needs no vLLM); the trainer chooses and says which (run_record.resolve_backend).
         require_backend(cfg.rollout.backend, load=False)
         from trapo.algorithm.rewards.verifiers import require_verifier
 

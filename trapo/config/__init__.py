@@ -16,7 +16,7 @@ modules. Import from the package (`from trapo.config import Config`), not
 from its modules.
 """
 
-from trapo.config.loading import check_key, dump_config, load_config, parse_override, to_dict
+from trapo.config.loading import check_key, dump_config, load_config, parse_override, read_deepspeed_config, to_dict
 from trapo.config.schema import (
     ADVANTAGE_SCALES,
     AGGREGATIONS,
@@ -84,6 +84,7 @@ __all__ = [
     "dump_config",
     "load_config",
     "parse_override",
+    "read_deepspeed_config",
     "to_dict",
     "validate",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import types
 import typing
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from trapo import resources
 from trapo.config.schema import REMOVED_KEYS, Config, ConfigError, flatten
 from trapo.config.validation import validate
 
@@ -146,11 +148,15 @@ def parse_override(text: str) -> dict:
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- overrides, then type and cross-key checks."""
+    """Defaults <- YAML file <- overrides, then type and cross-key checks. `path`: a file here, else a shipped
+    config by name (trapo/resources.py: `trapo_1k_3k`, `configs/trapo_1k_3k.yaml`)."""
     cfg = Config()
     if path is not None:
+        found = resources.find_config(str(path))  # here, else the shipped config of that name
         try:
-            text = Path(path).read_text()
+            text = (found or Path(path)).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path}: cannot read it: {resources.NOT_FOUND}") from None
         except OSError as err:
             raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
         try:
@@ -165,6 +171,23 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
         origins.update({key: f"override {text!r}" for key in flatten(parsed)})
     validate(cfg, f"config file {path}" if path else "config", origins)
     return cfg
+
+
+def read_deepspeed_config(path: str) -> dict:
+    """train.deepspeed_config's JSON: the file here, else the shipped one of that name (`configs/deepspeed_zero3.json`
+    from any directory); a ConfigError naming the key, the file and the shipped ones otherwise."""
+    try:
+        data = json.loads(resources.config_path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"train.deepspeed_config {path}: cannot read JSON: {resources.NOT_FOUND} "
+            "(configs/deepspeed_zero3.json, configs/deepspeed_zero2.json)"
+        ) from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"train.deepspeed_config {path}: cannot read JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"train.deepspeed_config {path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def to_dict(cfg: Config) -> dict:

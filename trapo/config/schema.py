@@ -17,7 +17,7 @@ from typing import Literal, get_args
 Mode = Literal["supervised", "unsupervised", "naive_semi", "trapo"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 PromptTemplate = Literal["think", "cot", "chat", "dataset", "plain"]
-Backend = Literal["vllm", "hf"]
+Backend = Literal["auto", "vllm", "hf"]
 Aggregation = Literal["dr_grpo", "token_mean", "seq_mean"]
 AdvantageScale = Literal["none", "std"]
 Objective = Literal["grpo", "gspo", "cispo"]
@@ -120,8 +120,11 @@ class HealthConfig:
 class RolloutConfig:
     # Who generates: "vllm", a colocated vLLM engine per rank (weights pushed after each update), or "hf",
     # the policy's own transformers model (no vLLM needed, nothing to push; slower at scale: no paged
-    # attention, no CUDA graphs). trapo/engine/rollout.py.
-    backend: Backend = "vllm"
+    # attention, no CUDA graphs). "auto": vllm when it is installed, else hf, chosen once at start-up (one line
+    # says which and why) and recorded in the run's config.yaml as what ran; a resume keeps the recorded one
+    # unless resume_changes names rollout.backend (trapo/engine/rollout.py choose_backend).
+    # trapo/engine/rollout.py.
+    backend: Backend = "auto"
     # hf backend: sequences generated at once per rank (questions' G samples together). Its KV cache is
     # batch x (prompt + max_tokens) x layers x 2 x kv_heads x head_dim x dtype bytes: lower it when it
     # does not fit beside the policy.

@@ -11,12 +11,10 @@ the work out first).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -24,7 +22,7 @@ from trapo import console
 from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
 from trapo.algorithm.loss import LossSpec, policy_loss
-from trapo.config import Config, ConfigError, ModelConfig
+from trapo.config import Config, ConfigError, ModelConfig, read_deepspeed_config
 from trapo.engine import attention, dist, lora, packing
 from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.memory_plan import check_stage
@@ -122,12 +120,7 @@ class Policy:
         hf_config = AutoConfig.from_pretrained(model_dir)
         if cfg.model.lora.rank > 0:  # a bad target: one line before any weight is read (the architecture alone)
             lora.check_config_targets(hf_config, cfg.model.lora.target_modules)
-        try:
-            ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(
-                f"train.deepspeed_config {cfg.train.deepspeed_config}: cannot read JSON ({err})"
-            ) from None
+        ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
         check_stage((ds_config.get("zero_optimization") or {}).get("stage", 3), cfg.model.lora.rank)
         # We micro-batch by tokens ourselves and call step() once per update batch:
         # unmanaged gradient accumulation makes step() the boundary however many backward() calls came first.

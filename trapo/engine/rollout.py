@@ -3,6 +3,7 @@ choice of backend (`rollout.backend`).
 
 - vllm: a colocated `vllm.LLM` per rank (trapo/engine/vllm_rollout.py); weights pushed after each update.
 - hf:   the policy's own transformers model generates (trapo/engine/hf_rollout.py); nothing to push.
+- auto: vllm where it is installed, else hf (`choose_backend`), decided once at start-up.
 
 Both take prompts as token ids and return token ids; the text grading reads is decoded here, once for all
 of a `generate` call's responses (`decode_responses`), not token by token inside the engine.
@@ -101,6 +102,19 @@ def installed(package: str) -> bool:
         return False
 
 
+def choose_backend(requested: str, recorded: str | None = None) -> tuple[str, str]:
+    """(backend, why) for `requested`: itself unless it is "auto"; for auto the run's `recorded` backend (a
+    resume keeps the engine it started with), else vllm when it is installed, else hf. `why` is the start-up
+    line's reason (empty for a backend named outright)."""
+    if requested != "auto":
+        return requested, ""
+    if recorded in BACKENDS and recorded != "auto":
+        return recorded, "as this run started (its config.yaml); resume_changes=[rollout.backend] chooses again"
+    if installed("vllm"):
+        return "vllm", "vLLM is installed"
+    return "hf", "vLLM is not installed: the policy's own transformers model generates (pip install trapo[gpu])"
+
+
 def require_backend(
     backend: str, key: str = "rollout.backend", fix: str = "rollout.backend=hf", *, load: bool = True
 ) -> None:
@@ -115,6 +129,7 @@ def require_backend(
     """
     if backend not in BACKENDS:
         raise ConfigError(f"{key}: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    backend = choose_backend(backend)[0]
     if backend != "vllm":
         return
     instead = f"{fix} to generate with the policy's own transformers model"

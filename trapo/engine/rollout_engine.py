@@ -114,6 +114,8 @@ def open_engine(
     The vLLM engine always loads its own copy of `model_dir`, the policy's weights pushed into it later.
     """
     s = settings
+    if s.backend not in ("vllm", "hf"):  # auto is chosen before an engine opens (run_record.resolve_backend, eval)
+        raise ValueError(f"open_engine: backend {s.backend!r} is not an engine; choose it first (choose_backend)")
     if s.backend == "hf":
         from trapo.engine.hf_rollout import HfEngine
 

@@ -4,6 +4,7 @@
     changes = resume_changes(run_dir, as_run, allowed, checkpoint)   # a resume: refused keys raise
     record_start(run_dir, {...})          # one line of starts.jsonl per start
     as_run(cfg, snapshot)                 # the config as recorded: a hub model's revision pinned to its commit
+    cfg = resolve_backend(cfg)            # rollout.backend auto -> what runs (a resume: what it started with)
 
 The lock is `run_dir/.lock` under `fcntl.flock`, held by rank 0 for the life of its process: the kernel drops
 it when the process ends, however it ends (kill -9 included), so no stale lock is left to clean up. A run
@@ -34,8 +35,9 @@ from pathlib import Path
 import yaml
 
 from trapo import console, hub
-from trapo.config import Config, ConfigError, ModelConfig, flatten
+from trapo.config import Config, ConfigError, ModelConfig, flatten, validate
 from trapo.engine import lora
+from trapo.engine.rollout import choose_backend
 
 LOCK = ".lock"
 STARTS = "starts.jsonl"
@@ -229,3 +231,29 @@ def as_run(cfg: Config, source: hub.Snapshot | None) -> Config:
     if source is None or source.commit is None:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, revision=source.commit))
+
+
+def recorded(run_dir: Path, key: str):
+    """The value of dotted `key` in the run's config.yaml, or None (no file, an unreadable one: the resume's
+    own comparison reports that)."""
+    try:
+        return flatten(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}).get(key)
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+
+
+def resolve_backend(cfg: Config, say=console.say) -> Config:
+    """`cfg` with rollout.backend "auto" made the engine that runs, said in one line (`say`): a resume
+    (resume_from set) keeps the backend its config.yaml records unless resume_changes names rollout.backend;
+    otherwise vLLM when it is installed, else hf. The result is what config.yaml records, so the next resume
+    compares like with like. The backend's cross-key checks run again on the choice. A named backend: `cfg`."""
+    if cfg.rollout.backend != "auto":
+        return cfg
+    before = None
+    if cfg.resume_from and "rollout.backend" not in cfg.resume_changes:
+        before = recorded(cfg.run_dir, "rollout.backend")
+    backend, why = choose_backend("auto", before)
+    say(f"rollout.backend auto: {backend} ({why})")
+    chosen = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend=backend))
+    validate(chosen, f"rollout.backend auto ({backend})")
+    return chosen

@@ -55,6 +55,9 @@ from trapo.training.update import update_policy
 
 class Trainer(Checkpointing):
     def __init__(self, cfg: Config):
+        # auto: vLLM or hf, chosen here (a resume: the engine it started with); config.yaml records the choice
+        self.backend_chosen: list[str] = []  # its line, said with the run's first lines (train)
+        cfg = run_record.resolve_backend(cfg, say=self.backend_chosen.append)
         self.cfg = cfg
         require_backend(cfg.rollout.backend, load=False)  # vLLM missing: one line before any work
         require_verifier(cfg.reward.verifier)  # reward.verifier that cannot be imported: the same
@@ -327,6 +330,8 @@ class Trainer(Checkpointing):
             run_record.record_start(self.run_dir, dump_config(run_record.as_run(cfg, self.model_source)), start)
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
         self.loggers = Loggers.open_everywhere(cfg, self.is_main, self.tracker_ids)
+        for line in self.backend_chosen:
+            console.say(line)
         n_labeled = sum(q.labeled for q in self.questions)
         refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
         console.say(
