@@ -48,13 +48,14 @@ def test_auto_runs_hf_without_vllm_and_a_resume_where_vllm_is_keeps_the_engine_i
     config.yaml; resumed where vLLM is installed, the run keeps hf (auto alone would pick vLLM there)."""
     from trapo.engine.rollout import installed
 
-    first = without_vllm(overrides(toy_dir, tmp_path, run_name="auto", max_steps=2, save_steps=2))
+    auto = {"rollout.backend": "auto"}  # the default; toyrun's runs name hf
+    first = without_vllm(overrides(toy_dir, tmp_path, run_name="auto", max_steps=2, save_steps=2, **auto))
     assert first.stderr.count("rollout.backend auto: hf (vLLM is not installed") == 1, first.stderr[-3000:]
     config = tmp_path / "auto" / "config.yaml"
     assert yaml.safe_load(config.read_text())["rollout"]["backend"] == "hf"  # what ran, not "auto"
     if not installed("vllm"):
         pytest.skip("the resume half needs vLLM installed (make setup installs it)")
-    out = train(overrides(toy_dir, tmp_path, run_name="auto", max_steps=3, save_steps=2, resume_from="latest"))
+    out = train(overrides(toy_dir, tmp_path, run_name="auto", max_steps=3, save_steps=2, resume_from="latest", **auto))
     assert "rollout.backend auto: hf (as this run started" in out.stderr and "step-2 at step 2" in out.stderr
     assert yaml.safe_load(config.read_text())["rollout"]["backend"] == "hf"
     starts = [json.loads(line) for line in (tmp_path / "auto" / "starts.jsonl").read_text().splitlines()]

@@ -126,10 +126,9 @@ def plan_mode(args: argparse.Namespace) -> int:
         raise BadInput(f"--gpus must be >= 1, got {args.gpus}")
     if args.gpu_memory_gb is None or not args.gpu_memory_gb > 0:
         raise BadInput(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
-    from trapo.training.run_record import resolve_backend
-
-    # auto: as a run here would choose; the line on stderr (stdout is the plan, which names its engine)
-    cfg = resolve_backend(load_config(args.config, args.overrides), say=lambda line: print(line, file=sys.stderr))
+    # rollout.backend auto is planned as vLLM, what it chooses on a GPU node with `make setup`'s packages: the
+    # plan is for the machine named by --gpus, not this one (the plan's lines name the engine they assume)
+    cfg = load_config(args.config, args.overrides)
     ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
     arch = model_arch(plan_source(cfg))
     plan = memory_plan(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
