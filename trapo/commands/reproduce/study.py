@@ -61,6 +61,7 @@ class Study:
     quick_seeds: list[int] = field(default_factory=list)
     steps: int = 0
     eval_every: int = 0
+    report: str | None = None  # long_runs: the long-run report's claims and page (long_runs.py)
     path: str = ""
 
     def seeds_for(self, quick: bool) -> list[int]:
@@ -172,7 +173,7 @@ def analyse(study: Study, curves: dict[tuple[str, int], list[dict]], seeds: list
         per_seed = {split: [picked[(name, s)][split] for s in seeds] for split in SPLITS}
         conditions[name] = {split: {"per_seed": v, "mean": sum(v) / len(v)} for split, v in per_seed.items()}
     claims = []
-    for claim in study.claims:
+    for claim in (c for c in study.claims if "metric" not in c):  # metric claims: the study's report reads them
         split = claim["split"]
         diffs = [picked[(claim["better"], s)][split] - picked[(claim["worse"], s)][split] for s in seeds]
         interval = paired_interval(diffs)
@@ -247,4 +248,10 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     res = run_study(study, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
     print(markdown(res))
+    if study.report == "long_runs":
+        from trapo.commands.reproduce.long_runs import write_report
+
+        print(
+            write_report(study, {(n, s): d for n, s, d, _ in launches(study, out, seeds, args.tiny)}, args.docs or out)
+        )
     return 0
