@@ -19,13 +19,16 @@ from trapo.config import ConfigError, check_key
 
 SPLITS = ("validation", "test", "test_ood")
 REQUIRED = ("name", "title", "scale", "base", "conditions", "seeds", "claims")
-OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every", "report")
+OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every", "report", "toy_assets")
 CLAIM_KEYS = ("name", "better", "worse", "split", "means", "metric")
 # A claim's metric (absent: test accuracy at the best validation step); the others are read by the long-run
 # report (long_runs.py): truncated and entropy over the last steps (lower is better), held-out accuracy after
 # the run and the selected pseudo-labels' precision at the last epoch end.
 METRICS = ("truncated", "entropy", "accuracy", "precision")
 REPORTS = ("long_runs",)
+# toy scale: "trap", the reproduction's base model and splits (validation, ID and OOD test); "base", the base
+# config's own toy section (e.g. configs/toy.yaml's additions: the trainer's greedy held-out check only).
+TOY_ASSETS = ("trap", "base")
 CLAIM_REQUIRED = ("name", "better", "worse", "split")
 
 
@@ -74,6 +77,10 @@ def check_fields(raw: Any, path: Path, root: Path) -> None:
         value = raw.get(key, [])
         if not _int_list(value) or len(set(value)) != len(value) or (key == "seeds" and not value):
             raise bad(key, f"got {value!r}; expected a list of distinct integer seeds, e.g. [0, 1, 2]")
+    if raw.get("toy_assets", "trap") not in TOY_ASSETS:
+        raise bad("toy_assets", f"got {raw['toy_assets']!r}; {_hint(raw['toy_assets'], TOY_ASSETS)}")
+    if raw.get("toy_assets") == "base" and any("metric" not in c for c in raw["claims"] if isinstance(c, dict)):
+        raise bad("toy_assets", "base has no validation split: every claim needs a metric (and report: long_runs)")
     if raw.get("report") is not None and raw["report"] not in REPORTS:
         raise bad("report", f"got {raw['report']!r}; {_hint(raw['report'], REPORTS)}")
     if not _overrides(raw.get("common", [])):
