@@ -22,6 +22,9 @@ def test_the_long_run_study_loads_with_five_conditions_three_seeds_and_metric_cl
     assert {c["metric"] for c in study.claims} == {"truncated", "accuracy", "precision"}
     runs = launches(study, tmp_path / "long_runs", study.seeds)
     assert len(runs) == 15 and all("rollout.rambling.stop_steps=null" in argv for *_, argv in runs)
+    # toy_assets: base: configs/toy.yaml's own toy, built once beside the runs; no reproduction model or splits
+    argv = runs[0][3]
+    assert f"toy.dir={tmp_path / 'base-assets'}" in argv and not any(a.startswith("model.path") for a in argv)
 
 
 def test_a_metric_claim_needs_a_report_and_a_known_metric(tmp_path):
@@ -30,6 +33,8 @@ def test_a_metric_claim_needs_a_report_and_a_known_metric(tmp_path):
         (lambda r: r.pop("report"), "only a study with report: long_runs reads it"),
         (lambda r: r["claims"][0].update(metric="truncation"), "did you mean 'truncated'?"),
         (lambda r: r.update(report="long_run"), "did you mean 'long_runs'?"),
+        (lambda r: r.update(toy_assets="bases"), "did you mean .base.?"),
+        (lambda r: r["claims"][0].pop("metric"), "every claim needs a metric"),
     ):
         bad = yaml.safe_load(STUDY.read_text())
         change(bad)
