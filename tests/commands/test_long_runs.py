@@ -80,7 +80,39 @@ def test_the_report_reads_each_run_and_each_claim_by_hand(tmp_path):
     assert claims["token_mean_keeps_accuracy"]["interval"]["mean"] == pytest.approx(0.05)
     assert claims["token_mean_selects_better"]["interval"]["mean"] == pytest.approx(0.6)
     text = page(res)
-    assert "| default | 1.000 |" in text and "| 12, 12, 12 | 11, 11, 11 |" in text
+    assert "| default | 0, 1, 2 | 1.000 |" in text and "| 12, 12, 12 | 11, 11, 11 |" in text
     docs = tmp_path / "docs"
     assert write_report(study, dirs, docs) == (docs / "long-runs.md").read_text()
     assert (docs / "long-runs.png").stat().st_size > 0 and json.loads((docs / "long-runs.json").read_text())["runs"]
+
+
+def test_a_report_of_some_runs_pairs_the_seeds_both_conditions_ran(tmp_path):
+    """Seed 0 of every condition, seed 1 of default and token_mean only: each claim over the seeds both ran."""
+    study = load_study(STUDY)
+    dirs = {}
+    for name in study.conditions:
+        dirs[(name, 0)] = fake_run(tmp_path / f"{name}0", [0.2] * 60, [0.1] * 60, 0.45, 0.45, 0.5)
+    dirs[("default", 1)] = fake_run(tmp_path / "default1", [0.9] * 60, [1.0] * 60, 0.45, 0.40, 0.5)
+    dirs[("token_mean", 1)] = fake_run(tmp_path / "token_mean1", [0.1] * 60, [0.1] * 60, 0.45, 0.45, 0.5)
+    res = analyse(study, {k: run_values(d) for k, d in dirs.items()}, [0, 1, 2])
+    assert res["conditions"]["default"]["seeds"] == [0, 1] and res["conditions"]["adaptive"]["seeds"] == [0]
+    claims = {c["name"]: c for c in res["claims"]}
+    assert claims["token_mean_truncates_less"]["seeds"] == [0, 1]
+    assert claims["token_mean_truncates_less"]["interval"]["mean"] == pytest.approx((0.0 + 0.8) / 2)
+    assert claims["adaptive_truncates_less"]["seeds"] == [0]  # one pair: an unbounded interval
+    assert claims["adaptive_truncates_less"]["verdict"] == "inconclusive"
+
+
+def test_conditions_narrow_a_study_run_to_some_arms(tmp_path):
+    from trapo.commands.reproduce.study import subset
+
+    study = load_study(STUDY)
+    two = subset(study, "default,token_mean")
+    assert list(two.conditions) == ["default", "token_mean"]
+    assert {c["name"] for c in two.claims} == {
+        "token_mean_truncates_less",
+        "token_mean_keeps_accuracy",
+        "token_mean_selects_better",
+    }
+    with pytest.raises(ConfigError, match="'tokenmean' is not a condition"):
+        subset(study, "default,tokenmean")

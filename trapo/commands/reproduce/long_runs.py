@@ -53,22 +53,31 @@ def run_values(run_dir: Path, tail: int = TAIL) -> dict:
 
 
 def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dict:
-    """Per condition each read-out per seed and its mean; per metric claim the paired interval and verdict."""
+    """Per condition each read-out per seed that ran and its mean; per metric claim the paired interval over the
+    seeds both conditions ran, and its verdict ("not run" without one)."""
     keys = ("truncated", "entropy", "accuracy_before", "accuracy", "precision", "precision_rejected")
     conditions = {}
     for name in study.conditions:
-        per = {k: [values[(name, s)][k] for s in seeds] for k in keys}
+        ran = [s for s in seeds if (name, s) in values]
+        if not ran:
+            continue
+        per = {k: [values[(name, s)][k] for s in ran] for k in keys}
         conditions[name] = {
+            "seeds": ran,
             **{k: {"per_seed": v, "mean": statistics.mean(v) if None not in v else None} for k, v in per.items()},
-            "first_truncated_half": [values[(name, s)]["first_truncated_half"] for s in seeds],
-            "guard_warning_step": [values[(name, s)]["guard_warning_step"] for s in seeds],
+            "first_truncated_half": [values[(name, s)]["first_truncated_half"] for s in ran],
+            "guard_warning_step": [values[(name, s)]["guard_warning_step"] for s in ran],
         }
     claims = []
     for claim in (c for c in study.claims if "metric" in c):
         m, sign = claim["metric"], -1.0 if claim["metric"] in LOWER_IS_BETTER else 1.0
-        diffs = [sign * (values[(claim["better"], s)][m] - values[(claim["worse"], s)][m]) for s in seeds]
+        both = [s for s in seeds if (claim["better"], s) in values and (claim["worse"], s) in values]
+        if not both:
+            claims.append({**claim, "interval": None, "verdict": "not run"})
+            continue
+        diffs = [sign * (values[(claim["better"], s)][m] - values[(claim["worse"], s)][m]) for s in both]
         interval = paired_interval(diffs)
-        claims.append({**claim, "interval": interval, "verdict": verdict(interval)})
+        claims.append({**claim, "seeds": both, "interval": interval, "verdict": verdict(interval)})
     return {
         "study": study.name,
         "title": study.title,
@@ -95,7 +104,8 @@ def page(res: dict) -> str:
         "Written by `python -m trapo reproduce --study configs/studies/long_runs.yaml --docs docs/reproduce-toy`"
         f" ({res['date']}); the conditions, seeds, budget and claims were fixed in that file before any run.",
         "",
-        f"- {len(res['seeds'])} paired seeds ({', '.join(map(str, res['seeds']))}), {res['steps']} steps each "
+        f"- Seeds {', '.join(map(str, res['seeds']))} (paired: a seed sets the labeled split and the RL randomness; "
+        f"the seeds each condition ran are in the table), {res['steps']} steps each "
         "(64 questions x 8 rollouts per step, rollout.max_tokens 12), on the studies' toy base model "
         "(`trapo.commands.toy`) with configs/toy.yaml's settings; every condition also sets "
         f"`{' '.join(res['common'])}`.",
@@ -106,25 +116,27 @@ def page(res: dict) -> str:
         "pseudo-labels TCS selected (rejected) at the last epoch end; the first step whose truncated share "
         "passed 0.5, and the step of the rambling guard's warning.",
         "",
-        "| condition | truncated (median, last steps) | entropy (nats) | held-out before | after "
+        "| condition | seeds | truncated (median, last steps) | entropy (nats) | held-out before | after "
         "| precision selected | rejected | truncated > 0.5 at step | guard warned at step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in res["conditions"].items():
         steps = ", ".join("-" if s is None else str(s) for s in c["first_truncated_half"])
         warned = ", ".join("-" if s is None else str(s) for s in c["guard_warning_step"])
         lines.append(
-            f"| {name} | {_fmt(c['truncated']['mean'])} | {_fmt(c['entropy']['mean'])} "
+            f"| {name} | {', '.join(map(str, c['seeds']))} | {_fmt(c['truncated']['mean'])} "
+            f"| {_fmt(c['entropy']['mean'])} "
             f"| {_fmt(c['accuracy_before']['mean'])} | {_fmt(c['accuracy']['mean'])} | {_fmt(c['precision']['mean'])} "
             f"| {_fmt(c['precision_rejected']['mean'])} | {steps} | {warned} |"
         )
     lines += ["", "Means over seeds; the step columns list each seed's.", ""]
-    lines += ["| claim | what it means here | difference, in the claim's favour [95% interval] | verdict |"]
-    lines += ["|---|---|---|---|"]
+    lines += ["| claim | what it means here | seeds | difference, in the claim's favour [95% interval] | verdict |"]
+    lines += ["|---|---|---|---|---|"]
     for c in res["claims"]:
         i = c["interval"]
+        shown = "-" if i is None else f"{i['mean']:+.3f} [{i['low']:+.3f}, {i['high']:+.3f}]"
         lines.append(
-            f"| {c['name']} | {c.get('means', '')} | {i['mean']:+.3f} [{i['low']:+.3f}, {i['high']:+.3f}] "
+            f"| {c['name']} | {c.get('means', '')} | {', '.join(map(str, c.get('seeds', []))) or '-'} | {shown} "
             f"| {c['verdict']} |"
         )
     lines += ["", "![truncated share and entropy over steps](long-runs.png)", ""]
@@ -132,7 +144,8 @@ def page(res: dict) -> str:
 
 
 def plot(values: dict[tuple[str, int], dict], seeds: list[int], dest: Path) -> None:
-    """Truncated share and mean token entropy against the step, mean over seeds, one line per condition."""
+    """Truncated share and mean token entropy against the step, mean over the seeds that ran, one line per
+    condition."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,7 +154,7 @@ def plot(values: dict[tuple[str, int], dict], seeds: list[int], dest: Path) -> N
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.4))
     for name in dict.fromkeys(n for n, _ in values):
         for ax, key in zip(axes, ("truncated_series", "entropy_series")):
-            runs = [values[(name, s)][key] for s in seeds]
+            runs = [values[(name, s)][key] for s in seeds if (name, s) in values]
             n = min(len(r) for r in runs)
             ax.plot(range(1, n + 1), [statistics.mean(r[i] for r in runs) for i in range(n)], label=name)
     axes[0].set_ylabel("share of responses cut at max_tokens")

@@ -265,18 +265,38 @@ def main(args) -> int:
         return 2
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else study.seeds_for(args.quick)
     out = args.out or Path("outputs/studies") / study.name
+    try:
+        chosen = subset(study, getattr(args, "conditions", None))
+    except ConfigError as err:
+        print(f"reproduce: {err}", file=sys.stderr)
+        return 2
     if args.print:
-        for _, _, _, argv in launches(study, out, seeds, args.tiny):
+        for _, _, _, argv in launches(chosen, out, seeds, args.tiny):
             print(shlex.join(argv))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    res = run_study(study, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
+    res = run_study(chosen, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
     if res:
         print(markdown(res))
-    if study.report == "long_runs":
+    if study.report == "long_runs":  # every finished run of the study, these seeds and conditions or earlier ones
         from trapo.commands.reproduce.long_runs import write_report
 
+        runs = launches(study, out, sorted(set(study.seeds) | set(seeds)), args.tiny)
         print(
-            write_report(study, {(n, s): d for n, s, d, _ in launches(study, out, seeds, args.tiny)}, args.docs or out)
+            write_report(study, {(n, s): d for n, s, d, _ in runs if (d / "summary.json").is_file()}, args.docs or out)
         )
     return 0
+
+
+def subset(study: Study, names: str | None) -> Study:
+    """The study with only the named conditions (a comma list) and the claims between them; None: all."""
+    if not names:
+        return study
+    wanted = [n.strip() for n in names.split(",")]
+    for name in wanted:
+        if name not in study.conditions:
+            raise ConfigError(
+                f"--conditions: {name!r} is not a condition of {study.path}; it has {', '.join(study.conditions)}"
+            )
+    claims = [c for c in study.claims if c["better"] in wanted and c["worse"] in wanted]
+    return dataclasses.replace(study, conditions={n: study.conditions[n] for n in wanted}, claims=claims)
