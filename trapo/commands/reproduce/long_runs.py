@@ -80,6 +80,7 @@ def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dic
         claims.append({**claim, "seeds": both, "interval": interval, "verdict": verdict(interval)})
     return {
         "study": study.name,
+        "base": study.base,
         "title": study.title,
         "seeds": seeds,
         "steps": study.steps,
@@ -106,13 +107,13 @@ def page(res: dict) -> str:
         "",
         f"- Seeds {', '.join(map(str, res['seeds']))} (paired: a seed sets the labeled split and the RL randomness; "
         f"the seeds each condition ran are in the table), {res['steps']} steps each "
-        "(64 questions x 8 rollouts per step, rollout.max_tokens 12), on the studies' toy base model "
-        "(`trapo.commands.toy`) with configs/toy.yaml's settings; every condition also sets "
+        f"(64 questions x 8 rollouts per step, rollout.max_tokens 12) of {res['base']} on its own toy "
+        "(`trapo.commands.toy`, built once beside the runs); every condition also sets "
         f"`{' '.join(res['common'])}`.",
         "- Conditions: "
-        + "; ".join(f"**{n}** `{' '.join(o) or '(configs/toy.yaml as it is)'}`" for n, o in res["overrides"].items()),
+        + "; ".join(f"**{n}** `{' '.join(o) or '(the base config as it is)'}`" for n, o in res["overrides"].items()),
         f"- Read-outs per run: median truncated share and mean token entropy over the last {res['tail']} steps; "
-        "greedy held-out ID test accuracy before and after (the trainer's summary); precision of the "
+        "greedy held-out accuracy before and after (the trainer's summary, its test split); precision of the "
         "pseudo-labels TCS selected (rejected) at the last epoch end; the first step whose truncated share "
         "passed 0.5, and the step of the rambling guard's warning.",
         "",
