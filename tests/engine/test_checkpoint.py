@@ -42,10 +42,12 @@ def test_trainer_state_round_trip(tmp_path):
     """Trainer.state_dict -> trainer_state.pt -> Trainer.load_state_dict restores the loop's state exactly."""
     import torch
 
+    from trapo.algorithm.entropy_control import EntropyControl
     from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
     from trapo.algorithm.rewards.verifier import MathVerifier
     from trapo.config import Config
     from trapo.training.loggers import Loggers
+    from trapo.training.rambling import RamblingGuard
     from trapo.training.sampling import Cursor
     from trapo.training.trainer import Trainer
 
@@ -59,6 +61,11 @@ def test_trainer_state_round_trip(tmp_path):
         t.model_source = None  # a local model directory: no hub commit to compare
         t.policy = type("FullFineTuning", (), {"base": None})()  # no LoRA base identity to compare
         t.cfg = Config()
+        t.cfg.loss.entropy_target = 0.3  # adaptive entropy control: its coefficient is trainer state
+        t.rambling, t.entropy_control = (
+            RamblingGuard(t.cfg.rollout.rambling, t.cfg.loss),
+            EntropyControl.from_config(t.cfg.loss),
+        )
         t.verifier = MathVerifier(num_workers=1)  # started only if a request comes: none here
         return t
 
@@ -69,6 +76,8 @@ def test_trainer_state_round_trip(tmp_path):
     a.cursor = Cursor(3, 1)  # dynamic sampling: refills consumed batches, the cursor ran ahead of the step
     a.heldout_before = {"test": 0.25, "mean": 0.25}
     a.tracker_ids = {"wandb": "w1d", "mlflow": "0a1b"}  # the wandb / MLflow runs the run continues
+    a.entropy_control.update(0.1)  # 0.01 -> 0.012: below the target
+    a.rambling.check(6, 0.0, 0.2, lambda: None), a.rambling.check(7, 0.5, 0.9, lambda: None)  # baseline 0.2, streak 1
     slow = {"answers": {"2^{2^{40}}": 5.0}, "pairs": [["1", "x^{99}", 5.0]]}  # what exhausted the timeout
     a.verifier.load_memory(slow)
     assert a.state_dict()["grader_memory"] == [slow]  # gathered from every rank (one here: no process group)
@@ -83,6 +92,8 @@ def test_trainer_state_round_trip(tmp_path):
     assert b.verifier.memory() == slow
     assert b.heldout_before == a.heldout_before and b.cursor == Cursor(3, 1)
     assert b.tracker_ids == {"wandb": "w1d", "mlflow": "0a1b"}
+    assert b.entropy_control.coef == a.entropy_control.coef == 0.012
+    assert (b.rambling.baseline, b.rambling.streak) == (0.2, 1)
     assert torch.equal(b.tracker.trajectories, a.tracker.trajectories)
     assert torch.equal(b.tracker.selected, a.tracker.selected) and torch.equal(b.tracker.scores, a.tracker.scores)
     one = skeleton(world=1)  # saved on 2 ranks, resumed on 1 (trapo/engine/reshard.py moves the DeepSpeed state)

@@ -2,6 +2,7 @@
 
 - loss.py         group advantages (GRPO / Dr.GRPO), DAPO's overlong shaping, the clipped surrogate
                   (paper eq. "grpo"), GSPO and CISPO; `LossSpec`, the run's loss rules decided once
+- entropy_control.py  the adaptive entropy coefficient (loss.entropy_target)
 - importance.py   rollout importance weights (vLLM's sampler vs the trainer's pi_old)
 - logits.py       per-token log-probs, entropy and the LM head's chunked statistics
 - passrate.py     pass rates, trajectories, TCS and the reliable database (paper "Progressive Trajectory

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trapo.config import ADVANTAGE_SCALES, AGGREGATIONS, OBJECTIVES, Config
+from trapo.config import ADVANTAGE_SCALES, AGGREGATIONS, ENTROPY_AGGS, OBJECTIVES, Config
 
 
 def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
@@ -100,6 +100,18 @@ def _aggregate(terms: Tensor, mask: Tensor, weights: Tensor, agg: str, denom: fl
     return per_seq.sum() / (denom if denom is not None else max(n, 1))
 
 
+def entropy_bonus(
+    entropy: Tensor, mask: Tensor, weights: Tensor, agg: str, denom: float | None, entropy_agg: str, entropy_denom
+) -> Tensor:
+    """The bonus's reduction of token entropies [N, L]: like the loss (entropy_agg "loss": `agg`, `denom`) or
+    their mean over the response tokens ("token_mean": / `entropy_denom`, else this batch's token count).
+    Under dr_grpo "loss" is sum(H) / (N * L_max): every extra token adds its entropy, so the bonus grows with
+    response length; the token mean is length-free (docs/policy-update.md)."""
+    if entropy_agg == "token_mean":
+        return _aggregate(entropy, mask, weights, "token_mean", entropy_denom)
+    return _aggregate(entropy, mask, weights, agg, denom)
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -115,6 +127,8 @@ def policy_loss(
     beta: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.01,
+    entropy_agg: str = "loss",
+    entropy_denom: float | None = None,
     token_weights: Tensor | None = None,
     objective: str = "grpo",
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -143,7 +157,10 @@ def policy_loss(
     ref_logprobs: [N, L], used when beta > 0 for the k3 KL estimator
     exp(ref - lp) - (ref - lp) - 1;
     entropy: [N, L] token entropies (`trapo.algorithm.logits.token_entropy`), used for
-    the bonus -entropy_coef * H when given.
+    the bonus -entropy_coef * H when given (and measured: the `entropy` metric, also when entropy_coef is 0).
+    entropy_agg: how the bonus reduces H: "loss", like the loss (`agg`, `denom`; under dr_grpo a sum over
+    tokens / (N * L_max): it grows with response length), or "token_mean", over the response tokens
+    (`entropy_denom`: the full batch's token count, else this batch's): the mean does not grow with length.
     token_weights: [N, L] or None, per-token constants multiplying the
     policy-gradient term only (not the KL or entropy terms), e.g. the rollout
     importance weights of `trapo.algorithm.importance.rollout_is_weights`; treated as detached.
@@ -161,6 +178,8 @@ def policy_loss(
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"policy_loss: agg must be one of {AGGREGATIONS}, got {agg!r}")
+    if entropy_agg not in ENTROPY_AGGS:
+        raise ValueError(f"policy_loss: entropy_agg must be one of {ENTROPY_AGGS}, got {entropy_agg!r}")
     if objective not in OBJECTIVES:
         raise ValueError(f"policy_loss: objective must be one of {OBJECTIVES}, got {objective!r}")
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape or logprobs.dim() != 2:
@@ -220,10 +239,11 @@ def policy_loss(
         kl_terms = ref_diff.exp() - ref_diff - 1.0  # k3 >= 0
         loss = loss + beta * _aggregate(kl_terms, maskf, weights, agg, denom)
         metrics["kl_ref"] = kl_terms
-    if entropy is not None and entropy_coef != 0.0:
+    if entropy is not None:
         ent = torch.where(mask, entropy.float(), 0.0)
-        loss = loss - entropy_coef * _aggregate(ent, maskf, weights, agg, denom)
         metrics["entropy"] = ent
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * entropy_bonus(ent, maskf, weights, agg, denom, entropy_agg, entropy_denom)
 
     with torch.no_grad():
         active = mask & (weights[:, None] != 0)  # [N, L]
@@ -252,7 +272,7 @@ class LossSpec:
     clip_eps_high: float | None  # and above 1 (None: clip_eps)
     agg: str  # AGGREGATIONS
     max_tokens: int  # L_max, rollout.max_tokens: dr_grpo's constant denominator and the overlong rules' cut
-    entropy_coef: float
+    entropy_coef: float  # the bonus's weight; with entropy_target, the adaptive coefficient's start
     beta: float  # the k3 KL term's weight
     advantage_scale: str  # ADVANTAGE_SCALES
     overlong: str  # "none", "mask" (drop responses cut at L_max) or "soft_penalty" (DAPO's R_len)
@@ -262,6 +282,8 @@ class LossSpec:
     rollout_is_cap: float
     rollout_is_lower: float | None
     skip_zero_advantage: bool | None = None  # train.skip_zero_advantage; None: skip when exact
+    entropy_agg: str = "loss"  # ENTROPY_AGGS: the bonus reduced like the loss, or a per-token mean
+    entropy_target: float | None = None  # loss.entropy_target: the coefficient is adapted (entropy_control)
 
     @classmethod
     def from_config(cls, cfg: Config) -> LossSpec:
@@ -283,13 +305,15 @@ class LossSpec:
             rollout_is_cap=lo.rollout_is_cap,
             rollout_is_lower=lo.rollout_is_lower,
             skip_zero_advantage=cfg.train.skip_zero_advantage,
+            entropy_agg=lo.entropy_agg,
+            entropy_target=lo.entropy_target,
         )
 
     @property
     def zero_advantage_no_gradient(self) -> bool:
         """Whether a sequence with advantage 0 has exactly zero gradient: every objective's policy-gradient
         term is a multiple of A, the entropy bonus and the KL term are not."""
-        return self.entropy_coef == 0.0 and self.beta == 0.0
+        return self.entropy_coef == 0.0 and self.entropy_target is None and self.beta == 0.0
 
     @property
     def skips_zero_advantage(self) -> bool:
@@ -326,6 +350,12 @@ class LossSpec:
     def denominator(self, sequences: int, tokens: int) -> float:
         """`loss_denominator` of an update batch of `sequences` counted sequences and `tokens` response tokens."""
         return loss_denominator(self.agg, sequences, tokens, self.max_tokens)
+
+    def entropy_denominator(self, sequences: int, tokens: int) -> float:
+        """The bonus's denominator for the update batch: the loss's, or its token count under token_mean."""
+        if self.entropy_agg == "token_mean":
+            return loss_denominator("token_mean", sequences, tokens, self.max_tokens)
+        return self.denominator(sequences, tokens)
 
     def length_penalty(self, lengths: Tensor) -> Tensor:
         """[b, G] response token counts -> R_len [b, G] (DAPO eq. 13) under soft_penalty, else zeros."""

@@ -24,6 +24,7 @@ Objective = Literal["grpo", "gspo", "cispo"]
 RolloutIsMode = Literal["truncate", "token_mask", "sequence_mask", "off"]
 Reference = Literal["mean_trajectory", "mean_cosine", "max_cosine"]
 Strategy = Literal["tcs", "random", "entropy", "self_certainty"]
+EntropyAgg = Literal["loss", "token_mean"]
 
 # `reward.verifier`: one of these, or "module:name" (trapo/algorithm/rewards/verifiers.py)
 VERIFIERS = ("math", "mcq", "exact")
@@ -47,6 +48,7 @@ OBJECTIVES = get_args(Objective)
 ROLLOUT_IS_MODES = get_args(RolloutIsMode)
 REFERENCES = get_args(Reference)
 STRATEGIES = get_args(Strategy)
+ENTROPY_AGGS = get_args(EntropyAgg)
 
 
 class ConfigError(ValueError):
@@ -117,6 +119,18 @@ class HealthConfig:
 
 
 @dataclass
+class RamblingConfig:
+    # The rambling guard (trapo/training/rambling.py): the entropy bonus can teach the policy to write
+    # high-entropy tokens until rollout.max_tokens (docs/policy-update.md). A step shows the signature when
+    # its truncated share is at least `truncated` and its mean token entropy at least `entropy_factor` x the
+    # lowest step entropy of the run so far: one warning line names the cause and the knobs; such a step is
+    # never checkpointed, and `stop_steps` of them in a row stop the run (null: warn only).
+    truncated: float | None = 0.2  # null: the guard is off
+    entropy_factor: float = 2.0
+    stop_steps: int | None = 5
+
+
+@dataclass
 class RolloutConfig:
     # Who generates: "vllm", a colocated vLLM engine per rank (weights pushed after each update), or "hf",
     # the policy's own transformers model (no vLLM needed, nothing to push; slower at scale: no paged
@@ -162,6 +176,7 @@ class RolloutConfig:
     # on those it has (veRL stops the run instead).
     dynamic_sampling_max_rounds: int = 10
     health: HealthConfig = field(default_factory=HealthConfig)
+    rambling: RamblingConfig = field(default_factory=RamblingConfig)
 
 
 @dataclass
@@ -203,7 +218,18 @@ class LossConfig:
     # KL(pi_theta || pi_ref) to the initial weights, k3 ("low-variance") estimator; the paper uses 0 (then
     # no reference model is loaded), the authors' public veRL script 0.001 (configs/trapo_1k_3k_verl.yaml)
     beta: float = 0.0
-    entropy_coef: float = 0.01
+    entropy_coef: float = 0.01  # the entropy bonus's weight (with entropy_target: its starting value)
+    # How the bonus's token entropies are reduced: "loss", the loss's own `agg` (the paper's; under dr_grpo
+    # a sum over tokens with a constant denominator, so it grows with response length), or "token_mean",
+    # the mean over the batch's response tokens (does not grow with length).
+    entropy_agg: EntropyAgg = "loss"
+    # Adaptive entropy control (trapo/algorithm/entropy_control.py): null, a fixed entropy_coef; a number,
+    # the target mean token entropy (nats): after each step the coefficient moves by entropy_coef_step
+    # towards raising (entropy below target) or lowering (above) the entropy, clamped to
+    # [0, entropy_coef_max]; logged as entropy_coef.
+    entropy_target: float | None = None
+    entropy_coef_step: float = 0.002
+    entropy_coef_max: float = 0.05
     # The policy loss (trapo/algorithm/loss.py policy_loss): GRPO's clipped token surrogate; GSPO's sequence-level
     # ratio (geometric mean) clipped to its own small range; CISPO's REINFORCE term weighted by the
     # detached IS ratio clipped at 1 + (clip_eps_high or clip_eps), no lower bound. GSPO's paper

@@ -75,6 +75,11 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         f"must not exceed rollout.health.stop ({h.stop}), got {h.warn}",
     )
     need(h.steps >= 1, "rollout.health.steps", f"must be >= 1, got {h.steps}")
+    g = r.rambling
+    key = "rollout.rambling."
+    need(g.truncated is None or 0 < g.truncated <= 1, key + "truncated", f"must be in (0, 1] or null: {g.truncated}")
+    need(g.entropy_factor > 1, key + "entropy_factor", f"must be > 1, got {g.entropy_factor}")
+    need(g.stop_steps is None or g.stop_steps >= 1, key + "stop_steps", f"must be >= 1 or null, got {g.stop_steps}")
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
     need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
     need(
@@ -98,6 +103,15 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
             0 <= lo.rollout_is_lower < lo.rollout_is_cap,
             "loss.rollout_is_lower",
             f"must be in [0, loss.rollout_is_cap={lo.rollout_is_cap}), got {lo.rollout_is_lower}",
+        )
+    need(lo.entropy_coef >= 0, "loss.entropy_coef", f"must be >= 0, got {lo.entropy_coef}")
+    if lo.entropy_target is not None:
+        need(lo.entropy_target > 0, "loss.entropy_target", f"must be > 0 (nats) or null, got {lo.entropy_target}")
+        need(lo.entropy_coef_step > 0, "loss.entropy_coef_step", f"must be > 0, got {lo.entropy_coef_step}")
+        need(
+            lo.entropy_coef <= lo.entropy_coef_max,
+            "loss.entropy_coef",
+            f"the adaptive coefficient starts there: must be <= loss.entropy_coef_max ({lo.entropy_coef_max})",
         )
     need(lo.gspo_clip_eps > 0, "loss.gspo_clip_eps", f"must be > 0, got {lo.gspo_clip_eps}")
     need(lo.gspo_clip_eps_high > 0, "loss.gspo_clip_eps_high", f"must be > 0, got {lo.gspo_clip_eps_high}")

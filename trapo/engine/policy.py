@@ -389,19 +389,22 @@ class Policy:
         return [gathered[r][i] for r, i in plan[dist.rank()]]
 
     def update(
-        self, seqs: list[TrainSequence], step: int, batch: dict[str, float]
+        self, seqs: list[TrainSequence], step: int, batch: dict[str, float], entropy_coef: float | None = None
     ) -> tuple[bool, dict[str, float], dict[str, int]]:
         """One optimizer step on this rank's trainable sequences of an update batch.
 
         batch: the whole update batch's "sequences" and response "tokens" on all ranks (gated and
         skipped sequences included), for the loss denominators. Returns (applied, this rank's
         UPDATE_SUMS, the update's work counts over all ranks, `packing.work_counts`); applied is False
-        when a non-finite loss on any rank made the step be skipped. The sums stay on the device until
+        when a non-finite loss on any rank made the step be skipped. entropy_coef: the bonus's weight this
+        step (loss.entropy_target's adaptive coefficient); None: the LossSpec's. The sums stay on the device until
         the end of the update: one host synchronisation.
         """
         lo = self.loss
         # Divided by the world size because DeepSpeed averages gradients over ranks.
         denom = lo.denominator(int(batch["sequences"]), int(batch["tokens"])) / self.world
+        entropy_denom = lo.entropy_denominator(int(batch["sequences"]), int(batch["tokens"])) / self.world
+        coef = lo.entropy_coef if entropy_coef is None else entropy_coef
         groups = self._groups(seqs)
         # The work done, for update_efficiency: every rank's micro-batch layout and its tokens with signal.
         signal = sum(len(s.ids) for s in seqs if lo.carries_signal(s.advantage))
@@ -410,7 +413,8 @@ class Policy:
         sums = torch.zeros(len(UPDATE_SUMS) + 1, dtype=torch.float64, device=self.device)  # + non-finite count
         self.engine.train()
         for group, batch in self._microbatches(seqs, groups):
-            stats = self._token_stats(batch, entropy=lo.entropy_coef != 0.0)  # [b, T-1] each
+            # the entropy is always measured: the bonus, its controller and the rambling guard read it
+            stats = self._token_stats(batch, entropy=True)  # [b, T-1] each
             mask = batch["response_mask"].to(self.device)  # [b, T-1]
             # One update per rollout batch (the paper's setting) is on-policy: pi_old = pi_theta.
             old = batch["old_logprobs"].to(self.device) if "old_logprobs" in batch else stats.logprobs.detach()
@@ -433,7 +437,9 @@ class Policy:
                 agg=lo.agg,
                 denom=denom,
                 entropy=stats.entropy,
-                entropy_coef=lo.entropy_coef,
+                entropy_coef=coef,
+                entropy_agg=lo.entropy_agg,
+                entropy_denom=entropy_denom,
                 token_weights=is_weights,
                 ref_logprobs=ref_lp,
                 beta=lo.beta,

@@ -2,8 +2,8 @@
 pruned, and the resume from one (DeepSpeed's files, RNGs and atomic directories: trapo/engine/checkpoint.py).
 
 A mixin of `trapo.training.trainer.Trainer`, whose attributes it reads and restores: the step and data
-cursor, the pass-rate tracker, the best validation score, the held-out score before training, the
-experiment trackers' ids and the grader's memory.
+cursor, the pass-rate tracker, the rambling guard and the adaptive entropy coefficient, the best validation
+score, the held-out score before training, the experiment trackers' ids and the grader's memory.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class Checkpointing:
             "cursor": [self.cursor.epoch, self.cursor.batch],
             "tracker": self.tracker.state_dict(),
             "bad_steps": self.bad_steps,
+            "rambling": self.rambling.state_dict(),  # the guard's entropy baseline and streak
+            "entropy_coef": self.entropy_control and self.entropy_control.state_dict(),  # loss.entropy_target
             "last_selection": self.last_selection,
             "best": self.best,
             "heldout_before": self.heldout_before,
@@ -47,6 +49,9 @@ class Checkpointing:
         self.step = state["step"]
         self.cursor = sampling.Cursor(*state["cursor"])
         self.bad_steps = state["bad_steps"]
+        self.rambling.load_state_dict(state["rambling"])
+        if self.entropy_control is not None and state["entropy_coef"] is not None:
+            self.entropy_control.load_state_dict(state["entropy_coef"])
         self.last_selection = state["last_selection"]
         self.best = state["best"]
         self.heldout_before = state["heldout_before"]

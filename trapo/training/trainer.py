@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from trapo import console, runtime
+from trapo.algorithm.entropy_control import EntropyControl
 from trapo.algorithm.loss import LossSpec
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifier import MathVerifier
@@ -50,6 +51,7 @@ from trapo.training.health import METRIC, RolloutHealth
 from trapo.training.inputs import fetch_model, prepare_inputs
 from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
+from trapo.training.rambling import RamblingGuard
 from trapo.training.update import update_policy
 
 
@@ -117,6 +119,8 @@ class Trainer(Checkpointing):
         self.cursor = sampling.Cursor(0, 0)  # the next step's epoch and batch (refills consume batches)
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
         self.health = RolloutHealth(cfg.rollout.health)  # stops a run whose engine drifts from the policy
+        self.rambling = RamblingGuard(cfg.rollout.rambling, cfg.loss)  # and one the entropy bonus makes ramble
+        self.entropy_control = EntropyControl.from_config(cfg.loss)  # loss.entropy_target's coefficient, or None
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
         self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
@@ -145,7 +149,10 @@ class Trainer(Checkpointing):
             groups = sampling.take(rounds, plan, self.rank, self.world)
             prompts = [self.prompts[i] for i in groups.question_ids]
             labeled = [self.questions[i].labeled for i in groups.question_ids]
-            update = update_policy(self.policy, cfg, groups, prompts, labeled, step=self.step, n_updates=n_updates)
+            coef = self.entropy_control and self.entropy_control.coef  # None: the LossSpec's fixed coefficient
+            update = update_policy(
+                self.policy, cfg, groups, prompts, labeled, step=self.step, n_updates=n_updates, entropy_coef=coef
+            )
 
         # 5. the weights into vLLM (also after a skipped update: a sleeping engine released its copy)
         with timer.time("weight_push"):
@@ -164,6 +171,9 @@ class Trainer(Checkpointing):
             "pushed_gb": pushed_bytes / 2**30,
             **update_efficiency(update.work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
+        if self.entropy_control is not None:  # the coefficient this step trained with; then the next step's
+            step_log["entropy_coef"] = coef
+            self.entropy_control.update(step_log["entropy"] if totals["trained_tokens"] else None)
         if cfg.rollout.dynamic_sampling:
             rolled = sum(len(order[first + i]) for i in range(len(rounds)))
             step_log["dynamic_sampling"] = metrics.dynamic_sampling_values(rolled, informative, len(kept), len(rounds))
@@ -381,6 +391,10 @@ class Trainer(Checkpointing):
         save = (cfg.save_steps and self.step % cfg.save_steps == 0) or last
         # a step trained on samples of an engine that drifted from the policy is never checkpointed
         savable, unhealthy = self.health.check(self.step, step_log[METRIC], self._last_checkpoint)
+        # a step with the rambling signature (truncation and entropy jumped together) is not checkpointed either
+        entropy = step_log["entropy"] if step_log["trained_sequences"] else None
+        calm, rambling = self.rambling.check(self.step, step_log["truncated_frac"], entropy, self._last_checkpoint)
+        savable, unhealthy = savable and calm, unhealthy or rambling
         if cfg.eval.steps and (self.step % cfg.eval.steps == 0 or last):
             step_log["eval"] = self.evaluator.validation()
             score = step_log["eval"][cfg.eval.select_on or "mean"]

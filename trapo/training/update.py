@@ -60,9 +60,11 @@ def update_policy(
     *,
     step: int,
     n_updates: int,
+    entropy_coef: float | None = None,
 ) -> UpdateResult:
     """Optimizer steps over this rank's kept groups, in the `n_updates` update batches that `kept.update_of`
-    indexes (as many on every rank). prompts, labeled: [k], one per kept group."""
+    indexes (as many on every rank). prompts, labeled: [k], one per kept group. entropy_coef: the adaptive
+    coefficient (loss.entropy_target), else None."""
     loss, g = policy.loss, cfg.rollout.n
     lengths = [[len(r.token_ids) for r in group] for group in kept.rollouts]
     advantages, penalty = shaped_advantages(kept.rewards, lengths, loss, g)
@@ -91,7 +93,7 @@ def update_policy(
     if loss.penalizes_length:
         result.sums.update(overlong_penalty=float(penalty.sum()), overlong_responses=float(penalty.numel()))
     for part, batch in zip(parts, batches):
-        ok, part_sums, part_work = policy.update(part, step, batch)
+        ok, part_sums, part_work = policy.update(part, step, batch, entropy_coef)
         result.applied &= ok
         result.sums = {name: result.sums[name] + part_sums[name] for name in UPDATE_SUMS}
         result.work = {name: result.work.get(name, 0) + n for name, n in part_work.items()}

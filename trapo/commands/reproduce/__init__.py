@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a few questions only (the test suite's smoke run)")
     parser.add_argument("--study", help="a study file (configs/studies/): its conditions x seeds, then its claims")
     parser.add_argument("--print", action="store_true", help="with --study: list the launch commands, run nothing")
+    parser.add_argument("--conditions", help="with --study: run only these (comma list); a report reads every run")
     parser.add_argument("--studies", type=Path, help="a directory of study files: run them all, results to --docs")
     parser.add_argument("--render", type=Path, help="a --docs directory: its page and plots from its results file")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")

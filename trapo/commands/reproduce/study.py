@@ -29,6 +29,7 @@ Claims are read as in `make reproduce-toy`: per seed, the test accuracy at the b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import shutil
@@ -61,6 +62,8 @@ class Study:
     quick_seeds: list[int] = field(default_factory=list)
     steps: int = 0
     eval_every: int = 0
+    report: str | None = None  # long_runs: the long-run report's claims and page (long_runs.py)
+    toy_assets: str = "trap"  # toy scale: the reproduction's trap model and splits, or the base config's own toy
     path: str = ""
 
     def seeds_for(self, quick: bool) -> list[int]:
@@ -90,12 +93,26 @@ def load_study(path: str | Path) -> Study:
     return study
 
 
-def toy_root(out: Path, tiny: bool = False) -> Path:
-    """Where the toy-scale base model and splits are built (as `make reproduce-toy` builds them), shared by
-    the studies beside `out`."""
+def toy_config(out: Path, tiny: bool = False, study: Study | None = None):
+    """The toy-scale base model and splits (as `make reproduce-toy` builds them), shared by the studies beside
+    `out`; with toy_assets: base, the base config's own toy section instead."""
     from trapo.config import ToyConfig
 
-    return ToyConfig(**toy_settings(tiny), dir=str(out.parent / "base-assets")).asset_dir
+    if study is not None and study.toy_assets == "base":
+        toy = load_config(str(ROOT / study.base), [*study.common, *_tiny_base(tiny)]).toy
+        return dataclasses.replace(toy, dir=str(out.parent / "base-assets"))
+    return ToyConfig(**toy_settings(tiny), dir=str(out.parent / "base-assets"))
+
+
+def _tiny_base(tiny: bool) -> list[str]:
+    """The test suite's tiny toy as overrides of a base config's own toy (an addition toy has no OOD split)."""
+    skip = ("unlabeled_ood", "validation")
+    return [f"toy.{k}={v}" for k, v in TINY_TOY.items() if k not in skip] if tiny else []
+
+
+def toy_root(out: Path, tiny: bool = False) -> Path:
+    """Where the trap base model and splits are built, shared by the studies beside `out`."""
+    return toy_config(out, tiny).asset_dir
 
 
 def toy_settings(tiny: bool) -> dict:
@@ -117,7 +134,8 @@ def run_key(study: Study, overrides: list[str]) -> str:
 def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> list[tuple[str, int, Path, list[str]]]:
     """(condition, seed, run directory, argv) of every run, in condition-major order."""
     runs = []
-    root = toy_root(out, tiny) if study.scale == "toy" else None
+    root = toy_root(out, tiny) if study.scale == "toy" and study.toy_assets == "trap" else None
+    own = study.scale == "toy" and study.toy_assets == "base"  # the base config's own toy, built beside the runs
     for name, overrides in study.conditions.items():
         for seed in seeds:
             run_dir = out.parent / "runs" / f"{run_key(study, overrides)}-seed{seed}"
@@ -138,6 +156,12 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
                 ]
                 if tiny:  # the test suite's study: a few questions per batch
                     args += ["train.rollout_batch_size=16", "train.update_batch_size=16"]
+                cmd = [sys.executable, str(ROOT / "trapo_train.py")]
+            elif own:
+                args += [f"max_steps={study.steps}", "progress_bar=false", f"toy.dir={out.parent / 'base-assets'}"]
+                args += [f"save_steps={study.eval_every}"]
+                if tiny:
+                    args += [*_tiny_base(tiny), "train.rollout_batch_size=16", "train.update_batch_size=16"]
                 cmd = [sys.executable, str(ROOT / "trapo_train.py")]
             else:
                 cmd = ["deepspeed", str(ROOT / "trapo_train.py")]
@@ -172,7 +196,7 @@ def analyse(study: Study, curves: dict[tuple[str, int], list[dict]], seeds: list
         per_seed = {split: [picked[(name, s)][split] for s in seeds] for split in SPLITS}
         conditions[name] = {split: {"per_seed": v, "mean": sum(v) / len(v)} for split, v in per_seed.items()}
     claims = []
-    for claim in study.claims:
+    for claim in (c for c in study.claims if "metric" not in c):  # metric claims: the study's report reads them
         split = claim["split"]
         diffs = [picked[(claim["better"], s)][split] - picked[(claim["worse"], s)][split] for s in seeds]
         interval = paired_interval(diffs)
@@ -218,13 +242,14 @@ def run_study(study: Study, out: Path, seeds: list[int], jobs: int, tiny: bool, 
     if study.scale != "toy":
         raise ConfigError(f"study {study.path}: a gpu study runs on a cluster; print its launches with --print")
     from trapo.commands.toy import build_assets
-    from trapo.config import ToyConfig
 
-    build_assets(ToyConfig(**toy_settings(tiny), dir=str(out.parent / "base-assets")), log=log)
+    build_assets(toy_config(out, tiny, study), log=log)
     runs = launches(study, out, seeds, tiny)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {(n, s): pool.submit(run_one, d, argv, study.steps, log) for n, s, d, argv in runs}
         dirs = {key: f.result() for key, f in futures.items()}
+    if study.toy_assets == "base":  # no validation curve: the study's report reads the runs (every claim a metric)
+        return {}
     res = analyse(study, {key: read_run(d)["curve"] for key, d in dirs.items()}, seeds)
     (out / "results.json").write_text(json.dumps(res, indent=1))
     (out / "results.md").write_text(markdown(res))
@@ -240,11 +265,38 @@ def main(args) -> int:
         return 2
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else study.seeds_for(args.quick)
     out = args.out or Path("outputs/studies") / study.name
+    try:
+        chosen = subset(study, getattr(args, "conditions", None))
+    except ConfigError as err:
+        print(f"reproduce: {err}", file=sys.stderr)
+        return 2
     if args.print:
-        for _, _, _, argv in launches(study, out, seeds, args.tiny):
+        for _, _, _, argv in launches(chosen, out, seeds, args.tiny):
             print(shlex.join(argv))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    res = run_study(study, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
-    print(markdown(res))
+    res = run_study(chosen, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
+    if res:
+        print(markdown(res))
+    if study.report == "long_runs":  # every finished run of the study, these seeds and conditions or earlier ones
+        from trapo.commands.reproduce.long_runs import write_report
+
+        runs = launches(study, out, sorted(set(study.seeds) | set(seeds)), args.tiny)
+        print(
+            write_report(study, {(n, s): d for n, s, d, _ in runs if (d / "summary.json").is_file()}, args.docs or out)
+        )
     return 0
+
+
+def subset(study: Study, names: str | None) -> Study:
+    """The study with only the named conditions (a comma list) and the claims between them; None: all."""
+    if not names:
+        return study
+    wanted = [n.strip() for n in names.split(",")]
+    for name in wanted:
+        if name not in study.conditions:
+            raise ConfigError(
+                f"--conditions: {name!r} is not a condition of {study.path}; it has {', '.join(study.conditions)}"
+            )
+    claims = [c for c in study.claims if c["better"] in wanted and c["worse"] in wanted]
+    return dataclasses.replace(study, conditions={n: study.conditions[n] for n in wanted}, claims=claims)

@@ -19,8 +19,16 @@ from trapo.config import ConfigError, check_key
 
 SPLITS = ("validation", "test", "test_ood")
 REQUIRED = ("name", "title", "scale", "base", "conditions", "seeds", "claims")
-OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every")
-CLAIM_KEYS = ("name", "better", "worse", "split", "means")
+OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every", "report", "toy_assets")
+CLAIM_KEYS = ("name", "better", "worse", "split", "means", "metric")
+# A claim's metric (absent: test accuracy at the best validation step); the others are read by the long-run
+# report (long_runs.py): truncated and entropy over the last steps (lower is better), held-out accuracy after
+# the run and the selected pseudo-labels' precision at the last epoch end.
+METRICS = ("truncated", "entropy", "accuracy", "precision")
+REPORTS = ("long_runs",)
+# toy scale: "trap", the reproduction's base model and splits (validation, ID and OOD test); "base", the base
+# config's own toy section (e.g. configs/toy.yaml's additions: the trainer's greedy held-out check only).
+TOY_ASSETS = ("trap", "base")
 CLAIM_REQUIRED = ("name", "better", "worse", "split")
 
 
@@ -69,6 +77,12 @@ def check_fields(raw: Any, path: Path, root: Path) -> None:
         value = raw.get(key, [])
         if not _int_list(value) or len(set(value)) != len(value) or (key == "seeds" and not value):
             raise bad(key, f"got {value!r}; expected a list of distinct integer seeds, e.g. [0, 1, 2]")
+    if raw.get("toy_assets", "trap") not in TOY_ASSETS:
+        raise bad("toy_assets", f"got {raw['toy_assets']!r}; {_hint(raw['toy_assets'], TOY_ASSETS)}")
+    if raw.get("toy_assets") == "base" and any("metric" not in c for c in raw["claims"] if isinstance(c, dict)):
+        raise bad("toy_assets", "base has no validation split: every claim needs a metric (and report: long_runs)")
+    if raw.get("report") is not None and raw["report"] not in REPORTS:
+        raise bad("report", f"got {raw['report']!r}; {_hint(raw['report'], REPORTS)}")
     if not _overrides(raw.get("common", [])):
         raise bad("common", f"got {raw.get('common')!r}; expected a list of overrides (key=value strings)")
     conditions = raw["conditions"]
@@ -84,7 +98,7 @@ def check_fields(raw: Any, path: Path, root: Path) -> None:
         raise bad("knob", f"got {knob!r}; expected a dotted config key or null")
     if knob is not None:
         check_key(knob, f"study {path}: knob")
-    check_claims(raw["claims"], conditions, path)
+    check_claims(raw["claims"], conditions, path, report=raw.get("report"))
 
 
 def knob_setting(overrides: list[str], knob: str) -> str | None:
@@ -114,8 +128,9 @@ def check_knob(knob: str | None, conditions: dict, path: Path) -> None:
             ) from None
 
 
-def check_claims(claims: Any, conditions: dict, path: Path) -> None:
-    """Every claim: a mapping of CLAIM_KEYS with a name, two distinct conditions and one of SPLITS."""
+def check_claims(claims: Any, conditions: dict, path: Path, report: str | None = None) -> None:
+    """Every claim: a mapping of CLAIM_KEYS with a name, two distinct conditions and one of SPLITS; a metric
+    (one of METRICS) only in a study with a report that reads it."""
     if not isinstance(claims, list):
         raise ConfigError(f"study {path}: claims: got {claims!r}; expected a list of claims ({', '.join(CLAIM_KEYS)})")
     seen = set()
@@ -142,5 +157,9 @@ def check_claims(claims: Any, conditions: dict, path: Path) -> None:
                 raise ConfigError(f"{where}: {key}: {claim[key]!r} is not a condition of this study; {hint}")
         if claim["better"] == claim["worse"]:
             raise ConfigError(f"{where}: better and worse are both {claim['better']}; name two conditions")
+        if "metric" in claim and claim["metric"] not in METRICS:
+            raise ConfigError(f"{where}: metric: got {claim['metric']!r}; {_hint(claim['metric'], METRICS)}")
+        if "metric" in claim and report is None:
+            raise ConfigError(f"{where}: metric: only a study with report: long_runs reads it")
         if claim["split"] not in SPLITS:
             raise ConfigError(f"{where}: split: got {claim['split']!r}; {_hint(claim['split'], SPLITS)}")
