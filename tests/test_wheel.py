@@ -115,12 +115,25 @@ def scratch_venv(tmp: Path, wheel: Path) -> Path:
     (site / "_trapo_wheel_test_guard.py").write_text(GUARD)
     (site / "zz_trapo_wheel_test.pth").write_text("import _trapo_wheel_test_guard\n" + "\n".join(ours) + "\n")
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        # --ignore-installed: the borrowed site-packages hold this checkout's editable trapo of the same version,
+        # which pip would otherwise take as the wheel already installed
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            str(wheel),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 0 and (env / "bin" / "trapo").is_file(), out.stdout + out.stderr  # pip says what it did
     return env
 
 
@@ -171,7 +184,7 @@ def test_the_installed_package_and_its_resources_are_the_wheels(installed):
     where = subprocess.run(
         [env / "bin" / "python", "-c", "import trapo, trapo.resources as r; print(trapo.__file__); "
          "print(r.shipped('configs')); print(r.shipped('benchmarks'))"],
-        cwd=work, env={**os.environ, "PYTHONPATH": ""}, capture_output=True, text=True,
+        cwd=work, env=trapo.environ, capture_output=True, text=True,
     )  # fmt: skip
     assert where.returncode == 0, where.stderr
     for line in where.stdout.split():

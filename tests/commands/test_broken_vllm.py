@@ -12,7 +12,7 @@ import sys
 import types
 
 import pytest
-from toyrun import overrides
+from toyrun import VLLM, overrides
 
 from trapo import runtime
 from trapo.config import ConfigError
@@ -72,7 +72,8 @@ def test_any_error_importing_the_engines_names_is_one_line_with_its_message(monk
 
 @pytest.mark.toy_run
 def test_train_stops_in_one_line_before_the_model_loads(broken_vllm, toy_dir, tmp_path):
-    out = trapo(["trapo_train.py", *overrides(toy_dir, tmp_path, run_name="broken", max_steps=1)], broken_vllm)
+    args = overrides(toy_dir, tmp_path, run_name="broken", max_steps=1, **VLLM)
+    out = trapo(["trapo_train.py", *args], broken_vllm)
     line = one_line(out)  # no start-up line before it: the policy and the engine never started
     assert out.returncode == 2 and CAUSE in line and "rollout.backend=hf" in line, line
     log = (tmp_path / "broken" / "log.txt").read_text()
