@@ -254,6 +254,7 @@ class HfEngine:
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt's own positions from 0, as in training
         stops = torch.tensor(self.stop_token_ids or [-1], device=device)
+        held_back = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)  # before min_tokens
         keys_t = torch.tensor(keys, dtype=torch.int64, device=device)
         tokens = torch.full((b, max_tokens), -1, dtype=torch.long, device=device)  # -1 after a row's end
         logprobs = torch.zeros((b, max_tokens), dtype=torch.float32, device=device)
@@ -267,7 +268,7 @@ class HfEngine:
         for t in range(max_tokens):
             logits = logits.float()
             if t < min_tokens:  # stop tokens get probability 0 (vLLM's min_tokens does the same)
-                logits = logits.index_fill(-1, stops[stops >= 0], float("-inf"))
+                logits = logits.index_fill(-1, held_back, float("-inf"))
             token, lp = sample_tokens(logits, temperature=temperature, top_p=top_p, keys=keys_t[rows], step=t)
             tokens[rows, t] = torch.where(done, -1, token)  # no boolean indexing: no host sync per step
             logprobs[rows, t] = torch.where(done, 0.0, lp)

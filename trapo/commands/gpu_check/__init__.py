@@ -380,14 +380,7 @@ def _check_names(text: str) -> list[str]:
 # ----------------------------------------------------------------------------- report
 
 
-def _make_args(title: str) -> str:
-    """The make variables that ran this report: ' PART=3', ' ONLY=kill_resume' or ''."""
-    if title.startswith("only-"):
-        return " ONLY=" + ",".join(n for n in CHECKS if n in title[5:].split("-"))
-    return f" PART={title[4:]}" if title else ""
-
-
-def report(check: Check, env_lines: list[str], title: str, dry_run: bool, seconds: float) -> Path:
+def report(check: Check, env_lines: list[str], title: str, make_args: str, dry_run: bool, seconds: float) -> Path:
     gpu = next((line for line in env_lines if line.startswith("nvidia-smi:")), "")
     name = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", gpu.split(":", 1)[-1].split(",")[0].lower())
     name = name.strip("-") or "unknown-gpu"
@@ -396,7 +389,7 @@ def report(check: Check, env_lines: list[str], title: str, dry_run: bool, second
     lines = [
         f"# GPU check {stem}",
         "",
-        f"`make gpu-check{_make_args(title)}`{note}, {seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
+        f"`make gpu-check{make_args}`{note}, {seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
         "",
         "## Environment",
         "",
@@ -471,12 +464,13 @@ def main(argv: list[str] | None = None) -> int:
     names = [fn.__name__ for fn in ORDER]
     planned, planned_s = plan.one_call(["kit", *names])
     if args.only:
-        fns, title, budget = [CHECKS[n] for n in args.only], "only-" + "-".join(args.only), PART_BUDGET
+        fns, budget = [CHECKS[n] for n in args.only], PART_BUDGET
+        title, make_args = "only-" + "-".join(args.only), " ONLY=" + ",".join(args.only)
     elif args.part:
-        fns, title, budget = PARTS[args.part], f"part{args.part}", PART_BUDGET
+        fns, title, make_args, budget = PARTS[args.part], f"part{args.part}", f" PART={args.part}", PART_BUDGET
     else:  # the dry run runs every check, so CI keeps each one working; the GPU runs the plan
         fns = ORDER if args.dry_run else [fn for fn in ORDER if fn.__name__ in planned]
-        title, budget = "", CALL_BUDGET
+        title, make_args, budget = "", "", CALL_BUDGET
     print(f"gpu-check{' (dry run on CPU)' if args.dry_run else ''}: environment", flush=True)
     env_lines = environment(args.dry_run, env)
     check = Check()
@@ -485,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     check.seconds["kit"], check.estimates["kit"] = time.perf_counter() - kit_started, plan.ESTIMATES["kit"]
 
     def write() -> Path:
-        return report(check, env_lines, title, args.dry_run, time.perf_counter() - started)
+        return report(check, env_lines, title, make_args, args.dry_run, time.perf_counter() - started)
 
     run_checks(check, fns, env, args.dry_run, began + budget, write)
     path = write()

@@ -19,31 +19,26 @@ import shutil
 import time
 from pathlib import Path
 
-R1_DISTILL_1P5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=16384,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-)
+from trapo.engine.memory_plan import BUILTIN, Arch
 
 
-# Qwen2.5-Math-7B's widths (memory_plan.BUILTIN), for the LoRA step: the paper's model on one GPU.
-QWEN_MATH_7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    max_position_embeddings=16384,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-)
+def hf_shape(arch: Arch) -> dict:
+    """A Qwen2Config's widths for a built-in architecture of the memory plan (one table of widths for both)."""
+    return dict(
+        hidden_size=arch.hidden,
+        intermediate_size=arch.intermediate,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        vocab_size=arch.vocab,
+        max_position_embeddings=16384,
+        tie_word_embeddings=arch.tied,
+        rope_theta=10000.0,
+    )
+
+
+R1_DISTILL_1P5B = hf_shape(BUILTIN["DeepSeek-R1-Distill-Qwen-1.5B"])
+QWEN_MATH_7B = hf_shape(BUILTIN["Qwen2.5-Math-7B"])  # the LoRA step: the paper's model on one GPU
 LORA_CONFIG = "configs/trapo_1k_3k_lora_1gpu.yaml"  # the one-GPU LoRA recipe whose adapters and ZeRO stage --lora runs
 
 
