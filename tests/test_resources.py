@@ -51,8 +51,14 @@ def test_a_name_that_is_neither_here_nor_shipped_is_one_line_naming_it(tmp_path,
 
 
 def run(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "trapo", *args], cwd=cwd, env=runtime.subprocess_env(),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trapo", *args],
+        cwd=cwd,
+        env=runtime.subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_trapo_configs_lists_every_shipped_config_in_one_line_and_shows_one(tmp_path):

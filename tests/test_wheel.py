@@ -154,8 +154,9 @@ def installed(tmp_path_factory):
     )
 
     def trapo(*args, timeout=600):
-        out = subprocess.run([env / "bin" / "trapo", *args], cwd=work, env=environ, capture_output=True,
-                             text=True, timeout=timeout)  # fmt: skip
+        out = subprocess.run(
+            [env / "bin" / "trapo", *args], cwd=work, env=environ, capture_output=True, text=True, timeout=timeout
+        )
         reads = guard_log.read_text() if guard_log.is_file() else ""
         assert not reads, f"trapo {' '.join(args)} read from the clone:\n{reads}"
         return out
@@ -170,11 +171,17 @@ def test_the_guard_sees_a_read_from_the_clone(installed, tmp_path):
     env, work, trapo = installed
     environ = {**trapo.environ, "TRAPO_GUARD_LOG": str(tmp_path / "log")}
     python = env / "bin" / "python"
-    read = subprocess.run([python, "-c", f"open({str(ROOT / 'pyproject.toml')!r})"], cwd=work, env=environ,
-                          capture_output=True, text=True)  # fmt: skip
+    read = subprocess.run(
+        [python, "-c", f"open({str(ROOT / 'pyproject.toml')!r})"], cwd=work, env=environ, capture_output=True, text=True
+    )
     assert read.returncode != 0 and "read from the clone" in read.stderr
-    imported = subprocess.run([python, "-c", "import trapo.resources"], cwd=work, capture_output=True, text=True,
-                              env={**environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    imported = subprocess.run(
+        [python, "-c", "import trapo.resources"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env={**environ, "PYTHONPATH": str(ROOT)},
+    )
     assert imported.returncode != 0 and "read from the clone" in imported.stderr
     assert str(ROOT / "pyproject.toml") in (tmp_path / "log").read_text()
 
@@ -182,10 +189,17 @@ def test_the_guard_sees_a_read_from_the_clone(installed, tmp_path):
 def test_the_installed_package_and_its_resources_are_the_wheels(installed):
     env, work, trapo = installed
     where = subprocess.run(
-        [env / "bin" / "python", "-c", "import trapo, trapo.resources as r; print(trapo.__file__); "
-         "print(r.shipped('configs')); print(r.shipped('benchmarks'))"],
-        cwd=work, env=trapo.environ, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            env / "bin" / "python",
+            "-c",
+            "import trapo, trapo.resources as r; print(trapo.__file__); "
+            "print(r.shipped('configs')); print(r.shipped('benchmarks'))",
+        ],
+        cwd=work,
+        env=trapo.environ,
+        capture_output=True,
+        text=True,
+    )
     assert where.returncode == 0, where.stderr
     for line in where.stdout.split():
         assert Path(line).is_relative_to(env), line  # the package and its shipped files: inside the scratch venv
@@ -208,8 +222,22 @@ def test_train_eval_and_doctor_run_from_an_empty_directory(installed):
     config = (work / "outputs" / "toy" / "config.yaml").read_text()
     assert "backend: hf" in config  # recorded as what ran
     model = work / "outputs" / "toy-assets" / "seed-0" / "model"
-    out = trapo("eval", "--model", str(model), "--benchmarks", "math", "--limit", "2", "--n", "1", "--max-tokens", "8",
-                "--out", str(work / "eval"), "--no-progress")  # fmt: skip
+    out = trapo(
+        "eval",
+        "--model",
+        str(model),
+        "--benchmarks",
+        "math",
+        "--limit",
+        "2",
+        "--n",
+        "1",
+        "--max-tokens",
+        "8",
+        "--out",
+        str(work / "eval"),
+        "--no-progress",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (work / "eval" / "samples.jsonl").is_file()
     out = trapo("doctor", *TOY)

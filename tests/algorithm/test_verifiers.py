@@ -158,7 +158,7 @@ def test_the_key_wins_over_equal_and_each_distinct_pair_is_compared_once(user_mo
         answers, keys = extract_answers(texts, v)
         assert keys == ["a", "a", "a", "b", "b", "c", "a", None]
         user_module.write_text("")
-        (label, agree), = majority_votes([answers], 5.0, v, None, None, [keys])  # fmt: skip
+        ((label, agree),) = majority_votes([answers], 5.0, v, None, None, [keys])
         # key a (ab, ax, AB, ab): one answer although equal("ax", "ab") is False -- the key wins; its label is
         # its first spelling; b and B (key b) and c are compared with it once each, and c with b once
         assert label == "ab" and agree == [True, True, True, False, False, False, True, False]
@@ -168,7 +168,7 @@ def test_the_key_wins_over_equal_and_each_distinct_pair_is_compared_once(user_mo
         plain = MathVerifier(num_workers=1, timeout=5.0, spec="user_verifiers:Letters")
         try:
             answers, keys = extract_answers(["ans: ax", "ans: ab", "ans: AB", "ans: ax", "ans: ax"], plain)
-            (label, agree), = majority_votes([answers], 5.0, plain, None, None, [keys])  # fmt: skip
+            ((label, agree),) = majority_votes([answers], 5.0, plain, None, None, [keys])
             assert (label, agree) == ("ax", [True, False, False, True, True])
             answers, keys = extract_answers(["ans: ax", "ans: ab", "ans: AB", "ans: ax"], plain)
             assert majority_votes([answers], 5.0, plain, None, None, [keys]) == [(None, [False] * 4)]  # 2 vs 2
