@@ -147,3 +147,16 @@ def test_bench_blocks_take_each_benchs_own_lines_and_need_some_output(tmp_path):
     assert "INFO" not in body and "WARNING" not in body
     assert "full  476,288" in body and "lora-z3" in body and "  adapter  push" in body and body.count("```") == 2
     assert readme.main(["--bench", str(tmp_path / "empty"), "--file", str(target)]) == 2
+
+
+def test_bench_vote_block_is_the_benchs_saved_output(tmp_path):
+    out = tmp_path / "bench"
+    out.mkdir()
+    printed = "vote over 64 mixed degenerate answers\n  set 0: vote 6.20 s, grading 5.30 s: 1.17x\n  worst 1.17x\n"
+    (out / "vote.txt").write_text(printed)
+    target = tmp_path / "benchmarks.md"
+    target.write_text("before\n<!-- generated:bench-vote -->\nold\n<!-- /generated:bench-vote -->\nafter\n")
+    assert readme.main(["--bench", str(out), "--file", str(target)]) == 0
+    assert target.read_text() == (
+        "before\n<!-- generated:bench-vote -->\n```\n" + printed + "```\n<!-- /generated:bench-vote -->\nafter\n"
+    )

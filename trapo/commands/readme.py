@@ -23,6 +23,8 @@ figure no code printed. Each block lives in one file (`BLOCKS`):
 - `bench-lora` in docs/benchmarks.md: what bench/bench_lora.py printed (outputs/bench/lora.txt).
 - `bench-peers` in docs/benchmarks.md: what bench/peers/run.py printed (`make bench-peers` saves it as
   outputs/bench/peers.txt and writes the block itself), and `peers-ratios` in README.md: its ratio lines.
+- `bench-vote` in docs/benchmarks.md: what bench/bench_vote.py printed (it saves outputs/bench/vote.txt
+  and writes the block itself).
 
 `--file PATH` writes the blocks asked for into PATH instead (tests use it).
 """
@@ -51,11 +53,13 @@ BLOCKS = {
     "bench-rollout": DOCS / "benchmarks.md",
     "bench-lora": DOCS / "benchmarks.md",
     "bench-peers": DOCS / "benchmarks.md",
+    "bench-vote": DOCS / "benchmarks.md",
     "peers-ratios": README,
 }
 BENCH_ROLLOUT = ("rollout-vllm.txt", "rollout-hf.txt")  # bench_rollout.py's output, per backend
 BENCH_LORA = "lora.txt"  # bench_lora.py's output
 BENCH_PEERS = "peers.txt"  # bench/peers/run.py's output
+BENCH_VOTE = "vote.txt"  # bench_vote.py's output
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -161,6 +165,11 @@ def bench_peers_block(folder: Path) -> str:
     return "```\n" + (folder / BENCH_PEERS).read_text().rstrip() + "\n```"
 
 
+def bench_vote_block(folder: Path) -> str:
+    """bench_vote.py's lines, fenced."""
+    return "```\n" + (folder / BENCH_VOTE).read_text().rstrip() + "\n```"
+
+
 def peers_ratios_block(folder: Path) -> str:
     """bench/peers/run.py's first line and its ratio lines (ours / TRL), fenced: what the README quotes."""
     lines = (folder / BENCH_PEERS).read_text().splitlines()
@@ -189,12 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             ("bench-lora", args.bench and (args.bench / BENCH_LORA).is_file()),
             ("bench-peers", args.bench and (args.bench / BENCH_PEERS).is_file()),
             ("peers-ratios", args.bench and (args.bench / BENCH_PEERS).is_file()),
+            ("bench-vote", args.bench and (args.bench / BENCH_VOTE).is_file()),
         )
         if on
     ]
     if args.bench and not any(name.startswith("bench-") for name in wanted):
         print(
-            f"trapo readme: {args.bench}: no benchmark output ({', '.join(BENCH_ROLLOUT)}, {BENCH_LORA})",
+            f"trapo readme: {args.bench}: no benchmark output ({', '.join(BENCH_ROLLOUT)}, {BENCH_LORA}, "
+            f"{BENCH_PEERS}, {BENCH_VOTE})",
             file=sys.stderr,
         )
         return 2
@@ -220,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 body = bench_peers_block(args.bench)
             elif name == "peers-ratios":
                 body = peers_ratios_block(args.bench)
+            elif name == "bench-vote":
+                body = bench_vote_block(args.bench)
             else:
                 body = plan_block()
             text = texts[target] if target in texts else target.read_text()
