@@ -50,7 +50,8 @@ from trapo.commands.gpu_check import plan
 ROOT = runtime.ROOT
 WORK = ROOT / ".gpucheck"
 KIT = ROOT / ".gpukit"
-SMALL_TOY = [
+SMALL_TOY = [  # the dry run's toy: the test suite's sizes and its shorter warm start (what it checks is the resume)
+    "toy.sft_steps=150",
     "toy.labeled=16",
     "toy.unlabeled=48",
     "toy.test=16",
