@@ -131,6 +131,17 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(cfg.loss.beta >= 0.0, "loss.beta", f"must be >= 0, got {cfg.loss.beta}")
     for key, problem in s.problems():
         need(False, key, problem)
+    c = cfg.sampling
+    need(
+        c.curriculum_window >= 1,
+        "sampling.curriculum_window",
+        f"must be >= 1 (recorded pass rates that must all be 1 or all 0), got {c.curriculum_window}",
+    )
+    need(
+        c.curriculum_readmit_every >= 2,
+        "sampling.curriculum_readmit_every",
+        f"must be >= 2 (1 would never skip: every epoch would re-admit), got {c.curriculum_readmit_every}",
+    )
     need(
         cfg.data.labeled_ratio is None or 0 <= cfg.data.labeled_ratio <= 1,
         "data.labeled_ratio",
