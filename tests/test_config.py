@@ -117,6 +117,12 @@ def test_overrides_are_typed_and_dotted():
         ("selection.strategy=entropie", "key 'selection.strategy': got 'entropie' (str); expected one of 'tcs'"),
         ("selection.fixed_ratio=1.5", "key 'selection.fixed_ratio': must be in [0, 1] or null, got 1.5"),
         ("rollout.dynamic_sampling_max_rounds=-1", "key 'rollout.dynamic_sampling_max_rounds': must be >= 0"),
+        (
+            "sampling.curriculum=trajectories",
+            "key 'sampling.curriculum': got 'trajectories' (str); expected one of 'none', 'trajectory'",
+        ),
+        ("sampling.curriculum_window=0", "key 'sampling.curriculum_window': must be >= 1"),
+        ("sampling.curriculum_readmit_every=1", "key 'sampling.curriculum_readmit_every': must be >= 2"),
         # what a library would reject minutes later (vLLM's SamplingParams, torch's AdamW), refused now
         ("eval.temperature=-0.5", "override 'eval.temperature=-0.5': key 'eval.temperature': must be in [0, 2]"),
         ("rollout.temperature=2.5", "key 'rollout.temperature': must be in (0, 2]"),
