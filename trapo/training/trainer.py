@@ -353,6 +353,8 @@ class Trainer(Checkpointing):
             console.say(line)
         n_labeled = sum(q.labeled for q in self.questions)
         refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
+        if cfg.sampling.curriculum != "none":  # skipped questions shorten epochs too
+            refills = " at most (sampling.curriculum: skipped questions shorten epochs)"
         console.say(
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
             f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps{refills}, world size {self.world}"
