@@ -6,8 +6,12 @@ import dataclasses
 import json
 import os
 
+import pytest
+import yaml
+
 from trapo.commands.reproduce import efficiency
 from trapo.commands.reproduce.study import load_study
+from trapo.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,9 +44,11 @@ def test_tokens_to_reach_the_baselines_best_and_the_other_read_outs(tmp_path):
             tmp_path / f"none{seed}", [100] * 4, [0.5, 0.5, 0.5, 0.5], {2: (0.4, 0.3), 4: (0.5 + shift, 0.35)}
         )
         dirs[("trajectory", seed)] = write_run(
-            tmp_path / f"traj{seed}", [100, 90 + seed, 100, 100], [0.5, 0.3, 0.3, 0.3],
+            tmp_path / f"traj{seed}",
+            [100, 90 + seed, 100, 100],
+            [0.5, 0.3, 0.3, 0.3],
             {2: (0.5 + shift, 0.4), 4: (0.45, 0.2)},
-        )  # fmt: skip
+        )
     text = efficiency.write_report(study(), dirs, tmp_path / "docs")
     res = json.loads((tmp_path / "docs" / "curriculum.json").read_text())
     claims = {c["name"]: c for c in res["claims"]}
@@ -74,3 +80,12 @@ def test_a_seed_that_never_reaches_the_target_keeps_the_claim_from_being_held(tm
     assert tokens["interval"]["low"] > 0 and tokens["verdict"] == "inconclusive"
     assert "(never reached by seed 2)" in text
     assert efficiency.tokens_to_reach(efficiency.run_values(dirs[("trajectory", 2)]), 0.6) is None
+
+
+def test_an_efficiency_metric_needs_the_efficiency_report(tmp_path):
+    raw = yaml.safe_load(open(os.path.join(ROOT, "configs", "studies", "toy", "curriculum.yaml")))
+    raw["report"] = "long_runs"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    wanted = r"claims\[0\] \(fewer_tokens_to_baseline_best\): metric: only a study with report: efficiency reads it"
+    with pytest.raises(ConfigError, match=wanted):
+        load_study(tmp_path / "bad.yaml")

@@ -38,9 +38,13 @@ def same_rows(a: list[dict], b: list[dict]) -> None:
 def killed_after(args: list[str], run_dir, rows: int) -> None:
     """Start a training run and SIGKILL its whole process group once metrics.jsonl has `rows` rows."""
     proc = subprocess.Popen(
-        [sys.executable, "trapo_train.py", *args], cwd=ROOT, env=runtime.subprocess_env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "trapo_train.py", *args],
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     path = run_dir / "metrics.jsonl"
     try:
         while proc.poll() is None:
