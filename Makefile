@@ -101,13 +101,17 @@ else
 endif
 
 # The five sensitivity and selection studies on the toy (configs/studies/toy/, paper Figure 5 and its tables):
-# every run, then docs/reproduce-toy/sensitivity.json, sensitivity.md and its plots. QUICK=1: 2 seeds, half the
-# steps, into outputs/studies-quick/.
+# every run, then docs/reproduce-toy/sensitivity.json, sensitivity.md and its plots; then the curriculum study
+# (curriculum.yaml, issue 44) and its page, curriculum.md. QUICK=1: 2 seeds, half the steps, into
+# outputs/studies-quick/ (the curriculum: one seed, into outputs/studies-quick/curriculum).
 studies-toy: $(STAMP)
 ifeq ($(QUICK),)
 	$(PY) -m trapo reproduce --studies configs/studies/toy --docs docs/reproduce-toy
+	$(PY) -m trapo reproduce --study configs/studies/toy/curriculum.yaml --jobs 1 --docs docs/reproduce-toy
 else
 	$(PY) -m trapo reproduce --studies configs/studies/toy --quick
+	$(PY) -m trapo reproduce --study configs/studies/toy/curriculum.yaml --quick --jobs 1 \
+		--out outputs/studies-quick/curriculum
 endif
 
 lint: $(STAMP)

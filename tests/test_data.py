@@ -150,3 +150,19 @@ def test_epoch_batches_cover_each_question_once_per_epoch():
     assert [len(b) for b in batches] == [16, 16, 16, 16, 4]  # last: 6 left, rounded down to 4 ranks
     assert len(set(flat)) == 68
     assert epoch_batches(70, 16, 4, 0, 0) == batches and epoch_batches(70, 16, 4, 0, 1) != batches
+
+
+def test_epoch_batches_under_a_curriculum_keep_the_order_and_top_the_last_batch_up():
+    """sampling.curriculum: the (seed, epoch) permutation without the skipped questions, except the first skipped
+    ones in it, which fill the last batch; everyone admitted still comes once, and every batch is full."""
+    full = [q for batch in epoch_batches(64, 16, 16, seed=3, epoch=2) for q in batch]
+    assert epoch_batches(64, 16, 16, 3, 2, admitted=[True] * 64) == epoch_batches(64, 16, 16, 3, 2)
+    skipped = set(range(0, 40, 2))  # 20 skipped: 44 admitted, 4 short of 3 full batches
+    batches = epoch_batches(64, 16, 16, 3, 2, admitted=[q not in skipped for q in range(64)])
+    flat = [q for batch in batches for q in batch]
+    assert [len(b) for b in batches] == [16, 16, 16]
+    fill = [q for q in full if q in skipped][:4]  # the first skipped ones in the permutation
+    assert flat == [q for q in full if q not in skipped or q in fill]
+    # 16 skipped: 48 admitted fill 3 batches exactly, nothing topped up
+    exact = epoch_batches(64, 16, 16, 3, 2, admitted=[q >= 16 for q in range(64)])
+    assert [q for b in exact for q in b] == [q for q in full if q >= 16]

@@ -336,7 +336,9 @@ def tokenize_prompts(
     return out
 
 
-def epoch_batches(num_questions: int, batch_size: int, multiple: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_batches(
+    num_questions: int, batch_size: int, multiple: int, seed: int, epoch: int, admitted: list[bool] | None = None
+) -> list[list[int]]:
     """The question indices of each step of one epoch.
 
     A fixed permutation per (seed, epoch), cut into batches of `batch_size`;
@@ -345,12 +347,20 @@ def epoch_batches(num_questions: int, batch_size: int, multiple: int, seed: int,
     the batch settings allow: each rank gets the same number of questions, and
     the order does not depend on the world size, so a run may resume on another
     number of ranks. Questions left out of an epoch keep their previous pass
-    rate (see PassRateTracker).
+    rate (see PassRateTracker). `admitted` [num_questions] (sampling.curriculum):
+    the same permutation with the other questions taken out, except the first
+    of them in it that top the last batch up to `batch_size`: the epoch's
+    batches are fewer and full, and no admitted question is dropped that
+    would not be dropped without a curriculum. None: every question.
     """
     order = list(range(num_questions))
     random.Random(f"{seed}-{epoch}").shuffle(order)
+    if admitted is not None:
+        short = -sum(map(bool, admitted)) % batch_size  # questions the last batch lacks
+        fill = set([q for q in order if not admitted[q]][:short])
+        order = [q for q in order if admitted[q] or q in fill]
     batches = []
-    for start in range(0, num_questions, batch_size):
+    for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         chunk = chunk[: len(chunk) - len(chunk) % multiple]
         if chunk:

@@ -20,7 +20,9 @@ def test_knob_values_are_read_from_the_conditions():
         "p0.1": 0.1, "p0.3": 0.3, "p0.5": 0.5, "p0.7": 0.7, "p1.0": 1.0}  # fmt: skip
     assert sensitivity.knob_values(load_study(os.path.join(TOY, "warmup.yaml")))["w12"] == 6.0  # the toy's halving
     assert sensitivity.knob_values(load_study(os.path.join(TOY, "select_method.yaml"))) is None
-    assert [f.removesuffix(".yaml") for f in sorted(os.listdir(TOY))] == sorted(sensitivity.ORDER)
+    # the set is ORDER; the directory also holds the curriculum study, which writes its own report
+    assert [f.removesuffix(".yaml") for f in sorted(os.listdir(TOY))] == sorted([*sensitivity.ORDER, "curriculum"])
+    assert load_study(os.path.join(TOY, "curriculum.yaml")).report == "efficiency"
 
 
 def test_run_times_come_from_each_runs_start_and_summary(tmp_path):

@@ -153,10 +153,12 @@ class PassRateTracker:
     trajectory and recomputes the selection; `gate(indices)` then gives the
     loss weight M for each question (1 for labeled ones).
 
-    A question not recorded in an epoch (a dropped last batch, say) keeps its
-    previous pass rate for that epoch (0 in the first), so every trajectory
-    has one entry per epoch; `end_epoch` reports how many were filled so.
-    Confidence scores carry over the same way (NaN before the first).
+    A question not recorded in an epoch (a dropped last batch, or one the
+    curriculum skipped) keeps its previous pass rate for that epoch (0 in the
+    first), so every trajectory has one entry per epoch; `observed` [Q, t]
+    marks the recorded entries (False: carried), and `end_epoch` reports how
+    many were filled so. Confidence scores carry over the same way (NaN before
+    the first).
     """
 
     def __init__(self, labeled: Tensor, config: SelectionConfig | None = None):
@@ -166,6 +168,7 @@ class PassRateTracker:
         self.labeled = labeled.bool().clone()  # [Q]
         q = self.num_questions
         self.trajectories = torch.zeros(q, 0)  # [Q, t]
+        self.observed = torch.zeros(q, 0, dtype=torch.bool)  # [Q, t]; False: the entry was carried forward
         self.in_database = self.labeled.clone()  # [Q]; eq. "db_init"
         self.selected = torch.zeros(q, dtype=torch.bool)  # [Q]; gate for the current epoch
         self.scores = torch.zeros(q)  # [Q]; latest TCS (0 for labeled)
@@ -238,6 +241,7 @@ class PassRateTracker:
         """
         unseen = torch.isnan(self._current)
         self.trajectories = _extended(self.trajectories, self._current, first=0.0)  # [Q, t]
+        self.observed = torch.cat([self.observed, ~unseen[:, None]], dim=1)  # [Q, t]
         self.confidence = _extended(self.confidence, self._current_confidence, first=float("nan"))  # [Q, t]
         conf = self.confidence[:, -1]  # [Q]
         self._current_confidence = torch.full_like(conf, float("nan"))
@@ -330,6 +334,7 @@ class PassRateTracker:
             "config": asdict(self.config),
             "labeled": self.labeled.clone(),
             "trajectories": self.trajectories.clone(),
+            "observed": self.observed.clone(),
             "in_database": self.in_database.clone(),
             "selected": self.selected.clone(),
             "scores": self.scores.clone(),
@@ -350,6 +355,11 @@ class PassRateTracker:
                 f"({int(self.labeled.sum())} of {self.num_questions}); resume with the same data"
             )
         self.trajectories = state["trajectories"].float().clone()
+        # a checkpoint from before the mask existed: every entry counts as recorded (it carried only dropped ones)
+        observed = state.get("observed")
+        self.observed = (
+            torch.ones_like(self.trajectories, dtype=torch.bool) if observed is None else observed.bool().clone()
+        )
         self.in_database = state["in_database"].bool().clone()
         self.selected = state["selected"].bool().clone()
         self.scores = state["scores"].float().clone()

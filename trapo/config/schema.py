@@ -25,6 +25,7 @@ RolloutIsMode = Literal["truncate", "token_mask", "sequence_mask", "off"]
 Reference = Literal["mean_trajectory", "mean_cosine", "max_cosine"]
 Strategy = Literal["tcs", "random", "entropy", "self_certainty"]
 EntropyAgg = Literal["loss", "token_mean"]
+Curriculum = Literal["none", "trajectory"]
 
 # `reward.verifier`: one of these, or "module:name" (trapo/algorithm/rewards/verifiers.py)
 VERIFIERS = ("math", "mcq", "exact")
@@ -49,6 +50,7 @@ ROLLOUT_IS_MODES = get_args(RolloutIsMode)
 REFERENCES = get_args(Reference)
 STRATEGIES = get_args(Strategy)
 ENTROPY_AGGS = get_args(EntropyAgg)
+CURRICULA = get_args(Curriculum)
 
 
 class ConfigError(ValueError):
@@ -320,6 +322,19 @@ class SelectionConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """Which questions an epoch rolls out (trapo/algorithm/curriculum.py, trapo/training/curriculum.py)."""
+
+    # "none": every question every epoch. "trajectory": a labeled question whose last `curriculum_window`
+    # observed pass rates are all 1 (or all 0) gives zero-advantage groups, so it leaves the next epochs'
+    # batches, except once every `curriculum_readmit_every` epochs (to notice a forgotten one); the epoch
+    # then draws its full batches from the questions left. Unlabeled questions are never skipped.
+    curriculum: Curriculum = "none"
+    curriculum_window: int = 3  # k: recorded pass rates that must all be 1 (or all 0)
+    curriculum_readmit_every: int = 4  # m: a skipped question is rolled out again every m-th epoch
+
+
+@dataclass
 class EvalConfig:
     # Validation benchmarks (parquet / JSONL), see trapo/commands/eval.py.
     files: list[str] = field(default_factory=list)
@@ -384,6 +399,10 @@ class ToyConfig:
     # model wherever its last loss spike put it, which differs from one CPU's rounding to another's
     # (measured: docs/upstream-notes.md).
     sft_schedule: Literal["constant", "decay"] = "constant"
+    # Addition task: share of the warm start's drawn examples whose answer is a near miss (a+b +-1 or +-10,
+    # drawn afresh each time). With "decay" the fit then converges to the teacher's answer distribution, the
+    # same on any CPU: greedy answers right, sampled ones right about 1 - sft_noise of the time (configs/toy.yaml).
+    sft_noise: float = 0.0
 
     @property
     def asset_dir(self) -> Path:
@@ -417,6 +436,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     toy: ToyConfig = field(default_factory=ToyConfig)

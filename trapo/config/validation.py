@@ -131,6 +131,17 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(cfg.loss.beta >= 0.0, "loss.beta", f"must be >= 0, got {cfg.loss.beta}")
     for key, problem in s.problems():
         need(False, key, problem)
+    c = cfg.sampling
+    need(
+        c.curriculum_window >= 1,
+        "sampling.curriculum_window",
+        f"must be >= 1 (recorded pass rates that must all be 1 or all 0), got {c.curriculum_window}",
+    )
+    need(
+        c.curriculum_readmit_every >= 2,
+        "sampling.curriculum_readmit_every",
+        f"must be >= 2 (1 would never skip: every epoch would re-admit), got {c.curriculum_readmit_every}",
+    )
     need(
         cfg.data.labeled_ratio is None or 0 <= cfg.data.labeled_ratio <= 1,
         "data.labeled_ratio",
@@ -194,6 +205,13 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         need(
             uri is None or bool(uri.strip()), "logging.mlflow.tracking_uri", "must be a URI, or null for run_dir/mlruns"
         )
+    noise = cfg.toy.sft_noise
+    need(0 <= noise < 1, "toy.sft_noise", f"must be in [0, 1) (a share of the warm start's answers), got {noise}")
+    need(
+        noise == 0 or cfg.toy.task == "addition",
+        "toy.sft_noise",
+        f"near misses of a number need task 'addition', got task '{cfg.toy.task}': set toy.sft_noise=0",
+    )
     if cfg.toy.enabled:
         need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
         need(not cfg.data.train_files, "data.train_files", "must be empty when toy.enabled")

@@ -36,14 +36,14 @@ from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.algorithm.rewards.verifiers import require_verifier
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config, dump_config, to_dict
-from trapo.data import epoch_batches, stop_token_ids
+from trapo.data import stop_token_ids
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, request_seed, require_backend
 from trapo.engine.rollout_engine import EngineSettings, open_engine
-from trapo.training import metrics, rollout_dump, run_record, sampling
+from trapo.training import curriculum, metrics, rollout_dump, run_record, sampling
 from trapo.training.checkpointing import Checkpointing
 from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
@@ -134,9 +134,8 @@ class Trainer(Checkpointing):
         cfg, timer = self.cfg, metrics.StepTimer()
         step_start = time.perf_counter()
         epoch, first = self.cursor.epoch, self.cursor.batch
-        order = epoch_batches(
-            len(self.questions), cfg.train.rollout_batch_size, cfg.train.update_batch_size, cfg.seed, epoch
-        )
+        # sampling.curriculum: the epoch's batches without the questions it skips (the tracker's plan)
+        order, skips = curriculum.epoch_order(cfg, self.tracker, epoch)
 
         # 1-3. rollouts, grading, pass rates into the tracker and rewards, one round per batch: one batch,
         #      with rollout.dynamic_sampling more of the epoch's until enough groups carry a signal
@@ -169,6 +168,8 @@ class Trainer(Checkpointing):
             ),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
             "pushed_gb": pushed_bytes / 2**30,
+            # groups rolled out whose G rewards are all equal (advantage 0), before any dynamic-sampling filter
+            "zero_advantage_frac": totals["zero_advantage_groups"] / max(totals["groups"], 1),
             **update_efficiency(update.work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
         if self.entropy_control is not None:  # the coefficient this step trained with; then the next step's
@@ -177,9 +178,13 @@ class Trainer(Checkpointing):
         if cfg.rollout.dynamic_sampling:
             rolled = sum(len(order[first + i]) for i in range(len(rounds)))
             step_log["dynamic_sampling"] = metrics.dynamic_sampling_values(rolled, informative, len(kept), len(rounds))
-        self.cursor = self.cursor.advance(len(rounds), self.steps_per_epoch)
+        if skips is not None:
+            step_log["curriculum"] = curriculum.step_values(skips, order, self.tracker.labeled)
+        self.cursor = self.cursor.advance(len(rounds), len(order))
         if self.cursor.epoch > epoch:  # the epoch's batches are used up
             step_log["selection"] = self._end_epoch()
+            if skips is not None:  # what the epoch's re-admitted questions showed
+                step_log["curriculum"].update(curriculum.epoch_end_values(cfg, self.tracker))
         self.step += 1
         timer.seconds["step"] = time.perf_counter() - step_start
         step_log["timing"] = {name: round(sec, 4) for name, sec in timer.seconds.items()}
@@ -240,6 +245,10 @@ class Trainer(Checkpointing):
             questions = [self.questions[q] for q in rnd.question_ids]
             for name, value in metrics.step_sums(questions, rnd.grades, gate, rnd.rollouts).items():
                 sums[name] = sums.get(name, 0) + value
+            sums["groups"] = sums.get("groups", 0) + len(questions)  # for zero_advantage_frac
+            sums["zero_advantage_groups"] = sums.get("zero_advantage_groups", 0) + sampling.informative(
+                rnd.rewards
+            ).count(False)
         return sums
 
     def _dump_rollouts(self, rounds: list[sampling.Round], plan: dict) -> None:
@@ -344,6 +353,8 @@ class Trainer(Checkpointing):
             console.say(line)
         n_labeled = sum(q.labeled for q in self.questions)
         refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""
+        if cfg.sampling.curriculum != "none":  # skipped questions shorten epochs too
+            refills = " at most (sampling.curriculum: skipped questions shorten epochs)"
         console.say(
             f"mode {cfg.mode}: {n_labeled} labeled + {len(self.questions) - n_labeled} unlabeled questions, "
             f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps{refills}, world size {self.world}"

@@ -62,7 +62,7 @@ class Study:
     quick_seeds: list[int] = field(default_factory=list)
     steps: int = 0
     eval_every: int = 0
-    report: str | None = None  # long_runs: the long-run report's claims and page (long_runs.py)
+    report: str | None = None  # long_runs (long_runs.py) or efficiency (efficiency.py): a report's claims and page
     toy_assets: str = "trap"  # toy scale: the reproduction's trap model and splits, or the base config's own toy
     path: str = ""
 
@@ -278,8 +278,11 @@ def main(args) -> int:
     res = run_study(chosen, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
     if res:
         print(markdown(res))
-    if study.report == "long_runs":  # every finished run of the study, these seeds and conditions or earlier ones
-        from trapo.commands.reproduce.long_runs import write_report
+    if study.report is not None:  # every finished run of the study, these seeds and conditions or earlier ones
+        if study.report == "long_runs":
+            from trapo.commands.reproduce.long_runs import write_report
+        else:
+            from trapo.commands.reproduce.efficiency import write_report
 
         runs = launches(study, out, sorted(set(study.seeds) | set(seeds)), args.tiny)
         print(

@@ -24,8 +24,14 @@ CLAIM_KEYS = ("name", "better", "worse", "split", "means", "metric")
 # A claim's metric (absent: test accuracy at the best validation step); the others are read by the long-run
 # report (long_runs.py): truncated and entropy over the last steps (lower is better), held-out accuracy after
 # the run and the selected pseudo-labels' precision at the last epoch end.
-METRICS = ("truncated", "entropy", "accuracy", "precision")
-REPORTS = ("long_runs",)
+# The efficiency report (efficiency.py) reads tokens_to_reference_best (generated tokens until validation reaches
+# the worse condition's best) and zero_advantage (the mean share of zero-advantage groups per step).
+REPORT_METRICS = {
+    "long_runs": ("truncated", "entropy", "accuracy", "precision"),
+    "efficiency": ("tokens_to_reference_best", "zero_advantage"),
+}
+METRICS = tuple(m for names in REPORT_METRICS.values() for m in names)
+REPORTS = tuple(REPORT_METRICS)
 # toy scale: "trap", the reproduction's base model and splits (validation, ID and OOD test); "base", the base
 # config's own toy section (e.g. configs/toy.yaml's additions: the trainer's greedy held-out check only).
 TOY_ASSETS = ("trap", "base")
@@ -159,7 +165,8 @@ def check_claims(claims: Any, conditions: dict, path: Path, report: str | None =
             raise ConfigError(f"{where}: better and worse are both {claim['better']}; name two conditions")
         if "metric" in claim and claim["metric"] not in METRICS:
             raise ConfigError(f"{where}: metric: got {claim['metric']!r}; {_hint(claim['metric'], METRICS)}")
-        if "metric" in claim and report is None:
-            raise ConfigError(f"{where}: metric: only a study with report: long_runs reads it")
+        if "metric" in claim and claim["metric"] not in REPORT_METRICS.get(report, ()):
+            readers = [r for r, names in REPORT_METRICS.items() if claim["metric"] in names]
+            raise ConfigError(f"{where}: metric: only a study with report: {readers[0]} reads it")
         if claim["split"] not in SPLITS:
             raise ConfigError(f"{where}: split: got {claim['split']!r}; {_hint(claim['split'], SPLITS)}")
