@@ -39,7 +39,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup --junitxml=outputs/make-test.xml
 
-# The edit loop: every test that starts no trainer and no evaluation engine (marker toy_run), in about a minute.
+# The edit loop: every test that starts no trainer, no DeepSpeed ranks and no evaluation engine (marker toy_run).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not toy_run"
 

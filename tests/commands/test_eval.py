@@ -196,6 +196,7 @@ def sums_benchmark(path: Path, n: int = 3) -> Path:
     return path
 
 
+@pytest.mark.toy_run
 def test_a_2048_token_model_is_evaluated_with_a_short_response_budget(tmp_path):
     """The prompt budget is the longest prompt, not a 2,048-token default: --max-tokens 8 fits a 2,048-token
     model; a budget past it is refused in one line naming the longest prompt, before the engine loads."""

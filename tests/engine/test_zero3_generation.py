@@ -97,6 +97,7 @@ def launch(mode: str) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in ended]
 
 
+@pytest.mark.toy_run
 @pytest.mark.two_cores
 def test_validation_with_an_empty_shard_finishes_and_training_after_it_is_unchanged():
     evaluated, plain = launch("with"), launch("without")
