@@ -11,7 +11,15 @@ from trapo import runtime
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
 STRAIGHT = dict(mode="trapo", max_steps=4, save_steps=2)  # the uninterrupted reference of the resume tests
-TOY = ["toy.labeled=16", "toy.unlabeled=48", "toy.test=16", "toy.sft_steps=150"]  # as conftest's toy_dir
+# as conftest's toy_dir: the schema's warm start (constant rate, no noise), not configs/toy.yaml's longer one
+TOY = [
+    "toy.labeled=16",
+    "toy.unlabeled=48",
+    "toy.test=16",
+    "toy.sft_steps=150",
+    "toy.sft_schedule=constant",
+    "toy.sft_noise=0",
+]
 VLLM = {"rollout.backend": "vllm"}  # for the tests of what vLLM does (the push, sleep, its engines, its resume)
 
 

@@ -1,6 +1,7 @@
 """The toy tasks: the trap family's arithmetic and splits; the reverse task and its verifier."""
 
 import dataclasses
+import math
 
 from trapo.commands import toy
 from trapo.config import ToyConfig
@@ -119,3 +120,28 @@ def test_the_reverse_task_is_graded_by_its_example_verifier():
     assert not v.equal(word, answer) or word == answer
     tok = toy._tokenizer([q + toy.response_text(a, "reverse") for q, a in pairs[:200]], letters=True)
     assert tok.tokenize(" ABCD") == ["Ġ", "A", "B", "C", "D"]  # one token per letter
+
+
+def test_a_noisy_teacher_warm_start_learns_the_answer_distribution():
+    """toy.sft_noise 0.5 with the decayed rate: the fit converges to the teacher's distribution, the right
+    answer about half the probability and each near miss about an eighth, so greedy decoding answers right."""
+    import torch
+
+    problems = [("12+34=", "46"), ("57+21=", "78"), ("33+44=", "77"), ("61+15=", "76")]
+    tokenizer = toy._tokenizer([q + toy.response_text(a) for q, a in problems] + ["0123456789"])
+    model = toy._model(tokenizer, 0)
+    with torch.random.fork_rng():
+        toy._warm_start(model, tokenizer, problems, 150, 0, "decay", noise=0.5)
+
+    def chance(q, a):  # the model's probability of the whole response `\boxed{a}` then EOS
+        p = tokenizer(q)["input_ids"]
+        r = tokenizer(toy.response_text(a))["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            logp = model(input_ids=torch.tensor([p + r])).logits[0].log_softmax(-1)  # [T, V]
+        return math.exp(sum(logp[len(p) - 1 + i, t].item() for i, t in enumerate(r)))
+
+    for q, a in problems:
+        right = chance(q, a)
+        misses = [chance(q, str(int(a) + d)) for d in toy.NEAR_MISSES]
+        assert 0.4 < right < 0.65 and all(0.06 < m < 0.18 for m in misses), (q, right, misses)
+        assert right > max(misses)  # greedy answers right

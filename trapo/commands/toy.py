@@ -12,7 +12,11 @@
 
 Two task families (`cfg.task`):
 - `addition` (the `make train` default): "a+b=" with two-digit a, b, answer
-  `\\boxed{a+b}`; the warm start sees a disjoint pool of questions.
+  `\\boxed{a+b}`; the warm start sees a disjoint pool of questions. configs/toy.yaml's
+  teacher answers half of its draws with a near miss (`sft_noise`) and the fit runs to
+  convergence (`sft_schedule: decay`): greedy answers are right, sampled ones right
+  about half the time, the same model on any CPU's kernels (a fit stopped mid-way at
+  a fixed step is not: where it stands then differs between AVX2 and AVX-512 rounding).
 - `trap` (`make reproduce-toy`): "a-b=" with two-digit a > b, where self-consistency
   can be wrong. When a column needs a borrow (a's units digit < b's), the warm
   start's teacher is buggy for `trap_rate` of such questions: it subtracts the
@@ -44,7 +48,7 @@ from trapo import console
 from trapo.config import Config, ToyConfig
 
 EOS = "<|endoftext|>"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the addition task's converged, noisy-teacher warm start (configs/toy.yaml)
 
 
 def _problems(seed: int) -> list[tuple[str, str]]:
@@ -128,14 +132,29 @@ def _model(tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
+NEAR_MISSES = (-10, -1, 1, 10)  # what a noisy teacher answers instead of a+b (toy.sft_noise), equally often
+
+
 def _warm_start(
-    model, tokenizer, problems: list[tuple[str, str]], steps: int, seed: int, schedule: str, task: str = "addition"
+    model,
+    tokenizer,
+    problems: list[tuple[str, str]],
+    steps: int,
+    seed: int,
+    schedule: str,
+    task: str = "addition",
+    noise: float = 0.0,
 ) -> None:
-    """Supervised fit on (prompt, response) pairs; loss on response tokens only. schedule: ToyConfig.sft_schedule."""
+    """Supervised fit on (prompt, response) pairs; loss on response tokens only. schedule: ToyConfig.sft_schedule.
+
+    noise > 0 (numeric answers): each drawn example's answer is, with that probability, a near miss
+    (NEAR_MISSES) instead, drawn afresh at every draw; the fit then learns the answer distribution itself
+    (ToyConfig.sft_noise)."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     decay = schedule == "decay"
     rate = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps if decay else 1.0)
+    eos = tokenizer.eos_token_id
     encoded = []
     for q, a in problems:
         p = tokenizer(q)["input_ids"]
@@ -144,13 +163,20 @@ def _warm_start(
     model.train()
     for _ in range(steps):
         idx = torch.randint(len(encoded), (64,), generator=gen).tolist()
-        seqs = [encoded[i][0] + encoded[i][1] for i in idx]
+        batch = [encoded[i] for i in idx]
+        if noise:  # drawn only with noise, so a noise-free fit draws exactly what it drew before the setting
+            missed = (torch.rand(len(idx), generator=gen) < noise).tolist()
+            offsets = torch.randint(len(NEAR_MISSES), (len(idx),), generator=gen).tolist()
+            for row, i in enumerate(idx):
+                if missed[row]:
+                    wrong = str(int(problems[i][1]) + NEAR_MISSES[offsets[row]])
+                    batch[row] = (encoded[i][0], tokenizer(response_text(wrong, task))["input_ids"] + [eos])
+        seqs = [p + r for p, r in batch]
         length = max(map(len, seqs))
         ids = torch.full((len(seqs), length), tokenizer.eos_token_id)  # [b, T]
         labels = torch.full((len(seqs), length), -100)  # [b, T]
         attn = torch.zeros(len(seqs), length, dtype=torch.long)  # [b, T]
-        for row, i in enumerate(idx):
-            p, r = encoded[i]
+        for row, (p, r) in enumerate(batch):
             ids[row, : len(p) + len(r)] = torch.tensor(p + r)
             labels[row, len(p) : len(p) + len(r)] = torch.tensor(r)
             attn[row, : len(p) + len(r)] = 1
@@ -208,6 +234,8 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
         return root
     started = time.perf_counter()
     n_task = cfg.labeled + cfg.unlabeled + cfg.validation + cfg.test
+    if cfg.task != "addition" and cfg.sft_noise:
+        raise ValueError(f"toy: sft_noise needs task 'addition' (near misses of a number; the task is {cfg.task})")
     if cfg.task != "trap" and cfg.unlabeled_ood:
         raise ValueError(f"toy: unlabeled_ood needs task 'trap' (the {cfg.task} task has no OOD family)")
     if cfg.task == "reverse":
@@ -227,7 +255,7 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     tokenizer = _tokenizer(corpus, letters=cfg.task == "reverse")
     model = _model(tokenizer, cfg.seed)
     with torch.random.fork_rng():
-        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed, cfg.sft_schedule, cfg.task)
+        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed, cfg.sft_schedule, cfg.task, cfg.sft_noise)
 
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -194,6 +194,13 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         need(
             uri is None or bool(uri.strip()), "logging.mlflow.tracking_uri", "must be a URI, or null for run_dir/mlruns"
         )
+    noise = cfg.toy.sft_noise
+    need(0 <= noise < 1, "toy.sft_noise", f"must be in [0, 1) (a share of the warm start's answers), got {noise}")
+    need(
+        noise == 0 or cfg.toy.task == "addition",
+        "toy.sft_noise",
+        f"near misses of a number need task 'addition', got task '{cfg.toy.task}': set toy.sft_noise=0",
+    )
     if cfg.toy.enabled:
         need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
         need(not cfg.data.train_files, "data.train_files", "must be empty when toy.enabled")
