@@ -123,7 +123,7 @@ def test_overrides_are_typed_and_dotted():
         ("rollout.eval_temperature=-1", "key 'rollout.eval_temperature': must be in [0, 2]"),
         ("eval.max_tokens=0", "key 'eval.max_tokens': must be in [1, rollout.max_tokens=12]"),
         ("toy.sft_noise=1", "key 'toy.sft_noise': must be in [0, 1) (a share of the warm start's answers), got 1"),
-        ("toy.task=trap", "key 'toy.sft_noise': near misses of a number need task 'addition', got task 'trap'"),
+        ("toy.task=trap", "key 'toy.sft_noise': the teacher's slips (a+b+10) need task 'addition', got task 'trap'"),
         ("train.weight_decay=-0.1", "key 'train.weight_decay': must be >= 0"),
         ("train.adam_betas=[0.9,1.0]", "key 'train.adam_betas': each must be in [0, 1)"),
         ("model.rope_theta=0", "key 'model.rope_theta': must be > 0 or null"),

@@ -384,9 +384,9 @@ class ToyConfig:
     # model wherever its last loss spike put it, which differs from one CPU's rounding to another's
     # (measured: docs/upstream-notes.md).
     sft_schedule: Literal["constant", "decay"] = "constant"
-    # Addition task: share of the warm start's drawn examples whose answer is a near miss (a+b +-1 or +-10,
-    # drawn afresh each time). With "decay" the fit then converges to the teacher's answer distribution, the
-    # same on any CPU: greedy answers right, sampled ones right about 1 - sft_noise of the time (configs/toy.yaml).
+    # Addition task: share of the warm start's drawn examples the teacher answers with a slip (a+b+10, drawn
+    # afresh each time). With "decay" the fit then converges to the teacher's answer distribution, the same on
+    # any CPU: greedy answers right, sampled ones right about 1 - sft_noise of the time (configs/toy.yaml).
     sft_noise: float = 0.0
 
     @property

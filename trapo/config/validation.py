@@ -199,7 +199,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(
         noise == 0 or cfg.toy.task == "addition",
         "toy.sft_noise",
-        f"near misses of a number need task 'addition', got task '{cfg.toy.task}': set toy.sft_noise=0",
+        f"the teacher's slips (a+b+10) need task 'addition', got task '{cfg.toy.task}': set toy.sft_noise=0",
     )
     if cfg.toy.enabled:
         need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")
