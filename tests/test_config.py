@@ -122,6 +122,8 @@ def test_overrides_are_typed_and_dotted():
         ("rollout.temperature=2.5", "key 'rollout.temperature': must be in (0, 2]"),
         ("rollout.eval_temperature=-1", "key 'rollout.eval_temperature': must be in [0, 2]"),
         ("eval.max_tokens=0", "key 'eval.max_tokens': must be in [1, rollout.max_tokens=12]"),
+        ("eval.heldout_k=-1", "key 'eval.heldout_k': must be >= 0 (0: greedy held-out accuracy only), got -1"),
+        ("eval.temperature=0", "key 'eval.heldout_k': avg@8 samples at eval.temperature, which is 0 (greedy)"),
         ("toy.sft_noise=1", "key 'toy.sft_noise': must be in [0, 1) (a share of the warm start's answers), got 1"),
         ("toy.task=trap", "key 'toy.sft_noise': the teacher's slips (a+b+10) need task 'addition', got task 'trap'"),
         ("train.weight_decay=-0.1", "key 'train.weight_decay': must be >= 0"),

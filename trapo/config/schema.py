@@ -327,6 +327,9 @@ class EvalConfig:
     n: int = 1  # samples per question (avg@n)
     temperature: float = 0.6  # the paper's evaluation temperature
     max_tokens: int | None = None  # None: rollout.max_tokens
+    # The trainer's held-out check (data.test_files) also scores avg@k at eval.temperature beside its greedy
+    # pass@1, before and after training: k samples per question; 0: greedy only. The paper reports avg@k.
+    heldout_k: int = 0
     # The benchmark (a file's name without extension) whose score picks the best checkpoint; None: the
     # mean over eval.files. Lets test splits be scored along the way without choosing the checkpoint.
     select_on: str | None = None

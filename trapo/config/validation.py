@@ -150,6 +150,12 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(e.n >= 1, "eval.n", f"must be >= 1, got {e.n}")
     need(0 <= e.temperature <= 2, "eval.temperature", f"must be in [0, 2], got {e.temperature}")
     need(e.temperature > 0 or e.n == 1, "eval.n", f"greedy decoding (eval.temperature 0) draws one sample, got {e.n}")
+    need(e.heldout_k >= 0, "eval.heldout_k", f"must be >= 0 (0: greedy held-out accuracy only), got {e.heldout_k}")
+    need(
+        e.temperature > 0 or e.heldout_k == 0,
+        "eval.heldout_k",
+        f"avg@{e.heldout_k} samples at eval.temperature, which is 0 (greedy): set eval.temperature > 0 or heldout_k 0",
+    )
     need(
         e.max_tokens is None or 1 <= e.max_tokens <= r.max_tokens,
         "eval.max_tokens",
