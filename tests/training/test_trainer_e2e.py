@@ -112,7 +112,8 @@ def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     # the held-out avg@2 after training is step 6's validation: the same questions, n, temperature, seeds, weights
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["heldout_avg"]["k"] == 2 and summary["heldout_avg_after"] == scores[1]
-    assert 0 <= summary["heldout_avg_before"] <= 1 and "held-out avg@2 (temperature 0.6) before training" in out.stdout
+    assert 0 <= summary["heldout_avg_before"] <= 1 and "held-out avg@2 (temperature 0.6) before training" in out.stderr
+    assert f"held-out avg@2 (temperature 0.6): {summary['heldout_avg_before']:.3f} before" in out.stdout
     assert os.path.isdir(best["checkpoint"]) and os.path.isdir(tmp_path / "two" / "checkpoints" / "step-6")
 
 
