@@ -14,8 +14,8 @@ Two task families (`cfg.task`):
 - `addition` (the `make train` default): "a+b=" with two-digit a, b, answer
   `\\boxed{a+b}`; the warm start sees a disjoint pool of questions. configs/toy.yaml's
   teacher slips on 30% of its draws (a+b+10, `sft_noise`) and the fit runs to
-  convergence (`sft_schedule: decay`): greedy answers are right, sampled ones right
-  about 70% of the time, the same model on any CPU's kernels (a fit stopped mid-way at
+  convergence (`sft_schedule: decay`): greedy answers mostly right, sampled ones right
+  about 70% of the time, much the same model on any CPU's kernels (a fit stopped mid-way at
   a fixed step is not: where it stands then differs between AVX2 and AVX-512 rounding).
 - `trap` (`make reproduce-toy`): "a-b=" with two-digit a > b, where self-consistency
   can be wrong. When a column needs a borrow (a's units digit < b's), the warm

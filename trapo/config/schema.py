@@ -389,7 +389,7 @@ class ToyConfig:
     sft_schedule: Literal["constant", "decay"] = "constant"
     # Addition task: share of the warm start's drawn examples the teacher answers with a slip (a+b+10, drawn
     # afresh each time). With "decay" the fit then converges to the teacher's answer distribution, the same on
-    # any CPU: greedy answers right, sampled ones right about 1 - sft_noise of the time (configs/toy.yaml).
+    # any CPU: greedy answers mostly right, sampled ones right about 1 - sft_noise of the time (configs/toy.yaml).
     sft_noise: float = 0.0
 
     @property
