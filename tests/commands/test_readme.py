@@ -25,6 +25,13 @@ def test_make_train_block_from_a_run(tmp_path):
     assert readme.main(["--train", str(run), "--readme", str(target)]) == 0
     assert "trained 3 steps\nheld-out accuracy after: 0.500" in target.read_text()
     assert readme.main(["--train", str(tmp_path / "none"), "--readme", str(target)]) == 2  # no summary.json
+    # a run that recorded its CPU kernel set: the block says which one produced it
+    (run / "summary.json").write_text(json.dumps({"steps": 3, "heldout_accuracy_after": 0.5, "cpu_kernels": "AVX2"}))
+    assert readme.main(["--train", str(run), "--readme", str(target)]) == 0
+    assert target.read_text() == (
+        "<!-- generated:make-train -->\nWith torch's AVX2 CPU kernels (`torch.backends.cpu.get_cpu_capability()`):\n\n"
+        "```\ntrained 3 steps\nheld-out accuracy after: 0.500\n```\n<!-- /generated:make-train -->\n"
+    )
 
 
 def test_make_test_block_from_pytests_junit_report(tmp_path):

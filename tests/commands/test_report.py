@@ -111,7 +111,9 @@ def skipped_sections(text):
 
 def test_full_run_writes_every_plot_and_embeds_it(tmp_path):
     run = make_run(tmp_path, selection=selection_rows())
-    (run / "summary.json").write_text(json.dumps({"heldout_accuracy_before": 0.4, "heldout_accuracy_after": 0.5}))
+    avg = {"k": 8, "temperature": 0.6, "before": {"mean": 0.25}, "after": {"mean": 0.75}}
+    summary = {"heldout_accuracy_before": 0.4, "heldout_accuracy_after": 0.5, "heldout_avg": avg}
+    (run / "summary.json").write_text(json.dumps({**summary, "heldout_avg_before": 0.25, "heldout_avg_after": 0.75}))
     (run / "config.yaml").write_text("mode: trapo\nseed: 0\n")
 
     assert report.main([str(run)]) == 0
@@ -124,6 +126,7 @@ def test_full_run_writes_every_plot_and_embeds_it(tmp_path):
     for plot in report.PLOTS:
         assert f"]({plot.file})" in text and plot.guidance in text
     assert "mode `trapo`" in text and "0.400 before, 0.500 after" in text
+    assert "- held-out avg@8 at temperature 0.6: 0.250 before, 0.750 after training" in text
     assert "last selection (epoch 4): 3 of 12 unlabeled" in text
 
 

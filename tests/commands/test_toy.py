@@ -123,15 +123,15 @@ def test_the_reverse_task_is_graded_by_its_example_verifier():
 
 
 def test_a_noisy_teacher_warm_start_learns_the_answer_distribution():
-    """toy.sft_noise 0.5 with the decayed rate: the fit converges to the teacher's distribution, the right
-    answer about half the probability and each near miss about an eighth, so greedy decoding answers right."""
+    """toy.sft_noise 0.4 with the decayed rate: the fit converges to the teacher's distribution, the right
+    answer about 0.6 of the probability and the slip (a+b+10) about 0.4, so greedy decoding answers right."""
     import torch
 
     problems = [("12+34=", "46"), ("57+21=", "78"), ("33+44=", "77"), ("61+15=", "76")]
     tokenizer = toy._tokenizer([q + toy.response_text(a) for q, a in problems] + ["0123456789"])
     model = toy._model(tokenizer, 0)
     with torch.random.fork_rng():
-        toy._warm_start(model, tokenizer, problems, 150, 0, "decay", noise=0.5)
+        toy._warm_start(model, tokenizer, problems, 150, 0, "decay", noise=0.4)
 
     def chance(q, a):  # the model's probability of the whole response `\boxed{a}` then EOS
         p = tokenizer(q)["input_ids"]
@@ -141,7 +141,5 @@ def test_a_noisy_teacher_warm_start_learns_the_answer_distribution():
         return math.exp(sum(logp[len(p) - 1 + i, t].item() for i, t in enumerate(r)))
 
     for q, a in problems:
-        right = chance(q, a)
-        misses = [chance(q, str(int(a) + d)) for d in toy.NEAR_MISSES]
-        assert 0.4 < right < 0.65 and all(0.06 < m < 0.18 for m in misses), (q, right, misses)
-        assert right > max(misses)  # greedy answers right
+        right, slip = chance(q, a), chance(q, str(int(a) + toy.SLIP))
+        assert 0.5 < right < 0.7 and 0.3 < slip < 0.5, (q, right, slip)  # greedy answers right

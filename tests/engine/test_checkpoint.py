@@ -55,7 +55,7 @@ def test_trainer_state_round_trip(tmp_path):
         t = Trainer.__new__(Trainer)
         t.world, t.step, t.bad_steps, t.last_selection, t.best = world, 0, 0, None, None
         t.rank = 1  # the second of `world` ranks: it takes the second rank's grader memory
-        t.heldout_before, t.cursor, t.steps_per_epoch = None, Cursor(0, 0), 4
+        t.heldout_before, t.heldout_avg_before, t.cursor, t.steps_per_epoch = None, None, Cursor(0, 0), 4
         t.tracker = PassRateTracker(torch.tensor([True, False, False]), SelectionConfig(warmup_epochs=1, top_p=0.5))
         t.loggers, t.tracker_ids = Loggers([]), {}  # no tracker open (a resumed run keeps the ids it loaded)
         t.model_source = None  # a local model directory: no hub commit to compare
@@ -75,6 +75,7 @@ def test_trainer_state_round_trip(tmp_path):
     a.step, a.bad_steps, a.best = 7, 1, {"step": 6, "score": 0.4}
     a.cursor = Cursor(3, 1)  # dynamic sampling: refills consumed batches, the cursor ran ahead of the step
     a.heldout_before = {"test": 0.25, "mean": 0.25}
+    a.heldout_avg_before = {"test": 0.375, "mean": 0.375}  # eval.heldout_k > 0: the avg@k before training
     a.tracker_ids = {"wandb": "w1d", "mlflow": "0a1b"}  # the wandb / MLflow runs the run continues
     a.entropy_control.update(0.1)  # 0.01 -> 0.012: below the target
     a.rambling.check(6, 0.0, 0.2, lambda: None), a.rambling.check(7, 0.5, 0.9, lambda: None)  # baseline 0.2, streak 1
@@ -91,6 +92,7 @@ def test_trainer_state_round_trip(tmp_path):
     assert (b.step, b.bad_steps, b.best, b.last_selection) == (7, 1, a.best, a.last_selection)
     assert b.verifier.memory() == slow
     assert b.heldout_before == a.heldout_before and b.cursor == Cursor(3, 1)
+    assert b.heldout_avg_before == a.heldout_avg_before
     assert b.tracker_ids == {"wandb": "w1d", "mlflow": "0a1b"}
     assert b.entropy_control.coef == a.entropy_control.coef == 0.012
     assert (b.rambling.baseline, b.rambling.streak) == (0.2, 1)

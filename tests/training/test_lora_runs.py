@@ -64,7 +64,8 @@ def test_the_make_train_toy_learns_with_lora(tmp_path):
     train(["--config", "configs/toy.yaml", *lora, f"toy.dir={tmp_path / 'assets'}", f"output_dir={tmp_path}",
            "progress_bar=false", "save_steps=0"])  # fmt: skip
     summary = json.loads((tmp_path / "toy" / "summary.json").read_text())
-    before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
+    # avg@8 at T 0.6 (eval.heldout_k): the toy's warm start answers right greedily already (configs/toy.yaml)
+    before, after = summary["heldout_avg_before"], summary["heldout_avg_after"]
     assert after > before, (before, after)
     assert all(r["logprob_diff_rollout_vs_policy"] < 1e-4 for r in metrics(tmp_path / "toy"))
 

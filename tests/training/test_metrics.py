@@ -9,7 +9,7 @@ from trapo.data import Question
 from trapo.engine.policy import UPDATE_SUMS
 from trapo.engine.rollout import Rollout
 from trapo.training.grading import Grades
-from trapo.training.metrics import step_sums, step_values, step_warnings, summary_text, trim_metrics
+from trapo.training.metrics import run_summary, step_sums, step_values, step_warnings, summary_text, trim_metrics
 
 
 def q(labeled: bool) -> Question:
@@ -123,6 +123,26 @@ def test_summary_text():
         "unlabeled selected at the last epoch end: 19 of 192 (database 111)",
         "pseudo-label precision: selected 0.84, rejected -",
     ]
+
+
+def test_summary_with_avg_at_k_round_trips_through_json_and_names_k_and_temperatures():
+    before, after = {"test": 0.5, "mean": 0.5}, {"test": 0.625, "mean": 0.625}
+    avg = {"k": 8, "temperature": 0.6, "before": {"test": 0.25, "mean": 0.25}, "after": {"test": 0.75, "mean": 0.75}}
+    summary = json.loads(
+        json.dumps(run_summary(80, before, after, None, None, temperature=0.0, avg=avg, cpu_kernels="AVX2"))
+    )
+    # the keys older readers take (report, readme, the long-run study) keep their meaning: greedy pass@1
+    assert (summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]) == (0.5, 0.625)
+    assert summary["heldout_before"] == before and summary["cpu_kernels"] == "AVX2"
+    assert (summary["heldout_avg_before"], summary["heldout_avg_after"]) == (0.25, 0.75)
+    assert summary_text(summary).splitlines() == [
+        "trained 80 steps",
+        "held-out accuracy (greedy): 0.500 before -> 0.625 after",
+        "held-out avg@8 (temperature 0.6): 0.250 before -> 0.750 after",
+    ]
+    sampled = run_summary(3, None, after, None, None, temperature=0.3)  # resumed from a run without `before`
+    assert "heldout_avg" not in sampled
+    assert summary_text(sampled).splitlines() == ["trained 3 steps", "held-out accuracy (temperature 0.3) after: 0.625"]
 
 
 def test_step_warnings_for_truncation_and_grading_storms():

@@ -78,6 +78,7 @@ def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     """deepspeed --num_gpus 2 on CPU: warm-up is labeled-only, then the selection opens the gate."""
     val = os.path.join(toy_dir, "seed-0", "test.jsonl")
     extra = {"eval.files": f"[{val}]", "eval.steps": 3, "eval.n": 2, "keep_checkpoints": 1, "logging.rollouts_every": 5}
+    extra["eval.heldout_k"] = 2  # the held-out avg@2 at eval.temperature, before and after, pooled over both ranks
     out = train(overrides(toy_dir, tmp_path, mode="trapo", max_steps=6, run_name="two", **extra), nproc=2)
     m = metrics(tmp_path / "two")
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5, 6]
@@ -108,6 +109,11 @@ def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     scores = [m[2]["eval"]["mean"], m[5]["eval"]["mean"]]
     best = json.loads((tmp_path / "two" / "best.json").read_text())
     assert best["score"] == max(scores) and best["step"] == (3 if scores[0] >= scores[1] else 6)
+    # the held-out avg@2 after training is step 6's validation: the same questions, n, temperature, seeds, weights
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["heldout_avg"]["k"] == 2 and summary["heldout_avg_after"] == scores[1]
+    assert 0 <= summary["heldout_avg_before"] <= 1 and "held-out avg@2 (temperature 0.6) before training" in out.stderr
+    assert f"held-out avg@2 (temperature 0.6): {summary['heldout_avg_before']:.3f} before" in out.stdout
     assert os.path.isdir(best["checkpoint"]) and os.path.isdir(tmp_path / "two" / "checkpoints" / "step-6")
 
 

@@ -71,8 +71,12 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def train_block(run_dir: Path) -> str:
+    """The summary the run printed, after a line naming torch's CPU kernel set it ran on (its figures depend on
+    it; recorded in summary.json as `cpu_kernels`)."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    return f"```\n{summary_text(summary)}\n```"
+    kernels = summary.get("cpu_kernels")
+    where = f"With torch's {kernels} CPU kernels (`torch.backends.cpu.get_cpu_capability()`):\n\n" if kernels else ""
+    return f"{where}```\n{summary_text(summary)}\n```"
 
 
 def test_block(report: Path) -> str:

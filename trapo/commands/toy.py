@@ -13,9 +13,9 @@
 Two task families (`cfg.task`):
 - `addition` (the `make train` default): "a+b=" with two-digit a, b, answer
   `\\boxed{a+b}`; the warm start sees a disjoint pool of questions. configs/toy.yaml's
-  teacher answers half of its draws with a near miss (`sft_noise`) and the fit runs to
-  convergence (`sft_schedule: decay`): greedy answers are right, sampled ones right
-  about half the time, the same model on any CPU's kernels (a fit stopped mid-way at
+  teacher slips on 30% of its draws (a+b+10, `sft_noise`) and the fit runs to
+  convergence (`sft_schedule: decay`): greedy answers mostly right, sampled ones right
+  about 70% of the time, much the same model on any CPU's kernels (a fit stopped mid-way at
   a fixed step is not: where it stands then differs between AVX2 and AVX-512 rounding).
 - `trap` (`make reproduce-toy`): "a-b=" with two-digit a > b, where self-consistency
   can be wrong. When a column needs a borrow (a's units digit < b's), the warm
@@ -132,7 +132,7 @@ def _model(tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-NEAR_MISSES = (-10, -1, 1, 10)  # what a noisy teacher answers instead of a+b (toy.sft_noise), equally often
+SLIP = 10  # what a noisy teacher adds to a+b when it slips (toy.sft_noise): one systematic error, the tens digit + 1
 
 
 def _warm_start(
@@ -147,8 +147,8 @@ def _warm_start(
 ) -> None:
     """Supervised fit on (prompt, response) pairs; loss on response tokens only. schedule: ToyConfig.sft_schedule.
 
-    noise > 0 (numeric answers): each drawn example's answer is, with that probability, a near miss
-    (NEAR_MISSES) instead, drawn afresh at every draw; the fit then learns the answer distribution itself
+    noise > 0 (numeric answers): each drawn example's answer is, with that probability, a+b+SLIP
+    instead, drawn afresh at every draw; the fit then learns the answer distribution itself
     (ToyConfig.sft_noise)."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -165,11 +165,10 @@ def _warm_start(
         idx = torch.randint(len(encoded), (64,), generator=gen).tolist()
         batch = [encoded[i] for i in idx]
         if noise:  # drawn only with noise, so a noise-free fit draws exactly what it drew before the setting
-            missed = (torch.rand(len(idx), generator=gen) < noise).tolist()
-            offsets = torch.randint(len(NEAR_MISSES), (len(idx),), generator=gen).tolist()
+            slipped = (torch.rand(len(idx), generator=gen) < noise).tolist()
             for row, i in enumerate(idx):
-                if missed[row]:
-                    wrong = str(int(problems[i][1]) + NEAR_MISSES[offsets[row]])
+                if slipped[row]:
+                    wrong = str(int(problems[i][1]) + SLIP)
                     batch[row] = (encoded[i][0], tokenizer(response_text(wrong, task))["input_ids"] + [eos])
         seqs = [p + r for p, r in batch]
         length = max(map(len, seqs))
@@ -235,7 +234,7 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     started = time.perf_counter()
     n_task = cfg.labeled + cfg.unlabeled + cfg.validation + cfg.test
     if cfg.task != "addition" and cfg.sft_noise:
-        raise ValueError(f"toy: sft_noise needs task 'addition' (near misses of a number; the task is {cfg.task})")
+        raise ValueError(f"toy: sft_noise needs task 'addition' (its slips are a+b+10; the task is {cfg.task})")
     if cfg.task != "trap" and cfg.unlabeled_ood:
         raise ValueError(f"toy: unlabeled_ood needs task 'trap' (the {cfg.task} task has no OOD family)")
     if cfg.task == "reverse":

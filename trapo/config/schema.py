@@ -342,6 +342,9 @@ class EvalConfig:
     n: int = 1  # samples per question (avg@n)
     temperature: float = 0.6  # the paper's evaluation temperature
     max_tokens: int | None = None  # None: rollout.max_tokens
+    # The trainer's held-out check (data.test_files) also scores avg@k at eval.temperature beside its greedy
+    # pass@1, before and after training: k samples per question; 0: greedy only. The paper reports avg@k.
+    heldout_k: int = 0
     # The benchmark (a file's name without extension) whose score picks the best checkpoint; None: the
     # mean over eval.files. Lets test splits be scored along the way without choosing the checkpoint.
     select_on: str | None = None
@@ -399,9 +402,9 @@ class ToyConfig:
     # model wherever its last loss spike put it, which differs from one CPU's rounding to another's
     # (measured: docs/upstream-notes.md).
     sft_schedule: Literal["constant", "decay"] = "constant"
-    # Addition task: share of the warm start's drawn examples whose answer is a near miss (a+b +-1 or +-10,
-    # drawn afresh each time). With "decay" the fit then converges to the teacher's answer distribution, the
-    # same on any CPU: greedy answers right, sampled ones right about 1 - sft_noise of the time (configs/toy.yaml).
+    # Addition task: share of the warm start's drawn examples the teacher answers with a slip (a+b+10, drawn
+    # afresh each time). With "decay" the fit then converges to the teacher's answer distribution, the same on
+    # any CPU: greedy answers mostly right, sampled ones right about 1 - sft_noise of the time (configs/toy.yaml).
     sft_noise: float = 0.0
 
     @property

@@ -161,6 +161,12 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(e.n >= 1, "eval.n", f"must be >= 1, got {e.n}")
     need(0 <= e.temperature <= 2, "eval.temperature", f"must be in [0, 2], got {e.temperature}")
     need(e.temperature > 0 or e.n == 1, "eval.n", f"greedy decoding (eval.temperature 0) draws one sample, got {e.n}")
+    need(e.heldout_k >= 0, "eval.heldout_k", f"must be >= 0 (0: greedy held-out accuracy only), got {e.heldout_k}")
+    need(
+        e.temperature > 0 or e.heldout_k == 0,
+        "eval.heldout_k",
+        f"avg@{e.heldout_k} samples at eval.temperature, which is 0 (greedy): set eval.temperature > 0 or heldout_k 0",
+    )
     need(
         e.max_tokens is None or 1 <= e.max_tokens <= r.max_tokens,
         "eval.max_tokens",
@@ -210,7 +216,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(
         noise == 0 or cfg.toy.task == "addition",
         "toy.sft_noise",
-        f"near misses of a number need task 'addition', got task '{cfg.toy.task}': set toy.sft_noise=0",
+        f"the teacher's slips (a+b+10) need task 'addition', got task '{cfg.toy.task}': set toy.sft_noise=0",
     )
     if cfg.toy.enabled:
         need(not cfg.model.path, "model.path", "must be empty when toy.enabled (the toy builds its own model)")

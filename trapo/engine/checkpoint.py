@@ -51,7 +51,7 @@ from trapo.engine import checksums, dist
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 COMPLETE = checksums.MARKER
 TRAINER_STATE = "trainer_state.pt"
-STATE_FORMAT = 2  # raise it when a key of the trainer state is added, dropped or changes meaning
+STATE_FORMAT = 3  # raise it when a key of the trainer state is added, dropped or changes meaning
 DEEPSPEED_TAG = "ds"
 
 

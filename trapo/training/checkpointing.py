@@ -32,6 +32,7 @@ class Checkpointing:
             "last_selection": self.last_selection,
             "best": self.best,
             "heldout_before": self.heldout_before,
+            "heldout_avg_before": self.heldout_avg_before,
             "world_size": self.world,
             "tracker_ids": self.loggers.ids() or self.tracker_ids,
             "model_commit": self.model_source and self.model_source.commit,  # a hub model's resolved revision
@@ -55,6 +56,7 @@ class Checkpointing:
         self.last_selection = state["last_selection"]
         self.best = state["best"]
         self.heldout_before = state["heldout_before"]
+        self.heldout_avg_before = state["heldout_avg_before"]
         self.tracker_ids = state["tracker_ids"]
         memories = state["grader_memory"]  # one per saving rank: merged when the world size changed
         self.verifier.load_memory(memories[self.rank] if len(memories) == self.world else merged(memories))

@@ -172,7 +172,8 @@ def pooled_scores(engine, tokenizer, benchmarks: list[Benchmark], *, shard: int,
 
 class Evaluator:
     """The trainer's benchmarks scored with its own rollout engine: held-out pass@1 (data.test_files) before
-    and after training, and validation avg@eval.n (eval.files) for checkpoint selection.
+    and after training, with eval.heldout_k > 0 also their avg@k at eval.temperature, and validation
+    avg@eval.n (eval.files) for checkpoint selection.
 
     `turn()` is the trainer's generation turn (a context manager: offload, gather or wake, then restore).
     """
@@ -199,6 +200,14 @@ class Evaluator:
         """pass@1 per test benchmark and their mean, at rollout.eval_temperature (greedy by default)."""
         r = self.cfg.rollout
         return self.scores(self.test_benchmarks, 1, r.eval_temperature, r.max_tokens)
+
+    def heldout_avg(self) -> dict | None:
+        """avg@eval.heldout_k per test benchmark and their mean at eval.temperature (the paper's protocol), or
+        None when eval.heldout_k is 0."""
+        k = self.cfg.eval.heldout_k
+        return (
+            self.scores(self.test_benchmarks, k, self.cfg.eval.temperature, self.cfg.rollout.max_tokens) if k else None
+        )
 
     def validation(self) -> dict | None:
         """avg@eval.n per validation benchmark and their mean, at eval.temperature."""

@@ -215,31 +215,57 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def run_summary(steps: int, before: dict | None, after: dict | None, selection: dict | None, best: dict | None):
-    """summary.json: held-out scores before / after training (`Evaluator.heldout`), the last epoch
-    end's selection diagnostics and the best validation checkpoint."""
-    return {
+def run_summary(
+    steps: int,
+    before: dict | None,
+    after: dict | None,
+    selection: dict | None,
+    best: dict | None,
+    *,
+    temperature: float | None = None,
+    avg: dict | None = None,
+    cpu_kernels: str | None = None,
+):
+    """summary.json: held-out scores before / after training (`Evaluator.heldout`, at `temperature`), the last
+    epoch end's selection diagnostics and the best validation checkpoint. avg: {"k", "temperature", "before",
+    "after"} of `Evaluator.heldout_avg` (eval.heldout_k > 0). cpu_kernels: torch's CPU kernel set (AVX2,
+    AVX512, ...), which the toy's figures depend on."""
+    out = {
         "steps": steps,
         "heldout_accuracy_before": before and before["mean"],
         "heldout_accuracy_after": after and after["mean"],
         "heldout_before": before,
         "heldout_after": after,
+        "heldout_temperature": temperature,
         "selection": selection,
         "best": best,
+        "cpu_kernels": cpu_kernels,
     }
+    if avg:
+        out["heldout_avg"] = avg
+        out["heldout_avg_before"] = avg["before"] and avg["before"]["mean"]
+        out["heldout_avg_after"] = avg["after"] and avg["after"]["mean"]
+    return out
+
+
+def _before_after(name: str, before: float | None, after: float | None) -> list[str]:
+    """`name: 0.500 before -> 0.625 after`, or `name after: 0.625` without a before (a resumed old run)."""
+    if before is not None:
+        return [f"{name}: {before:.3f} before -> {after:.3f} after"]
+    return [f"{name} after: {after:.3f}"] if after is not None else []
 
 
 def summary_text(summary: dict) -> str:
     """The lines printed at the end of a run."""
     sel = summary.get("selection") or {}
     lines = [f"trained {summary['steps']} steps"]
-    if summary.get("heldout_accuracy_before") is not None:
-        lines.append(
-            f"held-out accuracy: {summary['heldout_accuracy_before']:.3f} before -> "
-            f"{summary['heldout_accuracy_after']:.3f} after"
-        )
-    elif summary.get("heldout_accuracy_after") is not None:
-        lines.append(f"held-out accuracy after: {summary['heldout_accuracy_after']:.3f}")
+    t = summary.get("heldout_temperature")  # absent from the summaries of older runs
+    label = "held-out accuracy" + ("" if t is None else " (greedy)" if t == 0 else f" (temperature {t:g})")
+    lines += _before_after(label, summary.get("heldout_accuracy_before"), summary.get("heldout_accuracy_after"))
+    avg = summary.get("heldout_avg")
+    if avg:
+        name = f"held-out avg@{avg['k']} (temperature {avg['temperature']:g})"
+        lines += _before_after(name, summary.get("heldout_avg_before"), summary.get("heldout_avg_after"))
     if sel:
         lines.append(
             f"unlabeled selected at the last epoch end: {sel['selected']} of {sel['unlabeled']} "

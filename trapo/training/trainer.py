@@ -124,6 +124,7 @@ class Trainer(Checkpointing):
         self.last_selection: dict | None = None  # the tracker's diagnostics at the last epoch end
         self.best: dict | None = None  # {"step", "score"} of the best validation score so far
         self.heldout_before: dict | None = None  # held-out scores at step 0 (kept across resumes for the summary)
+        self.heldout_avg_before: dict | None = None  # and their avg@eval.heldout_k (eval.heldout_k > 0)
         self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
         self.tracker_ids: dict = {}  # the wandb / MLflow run ids a resumed run continues
         self._resume()
@@ -363,6 +364,13 @@ class Trainer(Checkpointing):
             self.heldout_before = self.evaluator.heldout()
             if self.heldout_before is not None:
                 console.say(f"held-out accuracy before training: {self.heldout_before['mean']:.3f}")
+            self.heldout_avg_before = self.evaluator.heldout_avg()
+            if self.heldout_avg_before is not None:
+                e = cfg.eval
+                console.say(
+                    f"held-out avg@{e.heldout_k} (temperature {e.temperature:g}) before training: "
+                    f"{self.heldout_avg_before['mean']:.3f}"
+                )
         show = self.is_main and cfg.progress_bar
         done, total = self._progress()
         bar = console.progress_bar(total, "train", enabled=show, initial=done)
@@ -378,8 +386,22 @@ class Trainer(Checkpointing):
         finally:
             bar.close()
             self.loggers.close()
+        after, avg_after = self.evaluator.heldout(), self.evaluator.heldout_avg()
+        avg = avg_after and {
+            "k": cfg.eval.heldout_k,
+            "temperature": cfg.eval.temperature,
+            "before": self.heldout_avg_before,
+            "after": avg_after,
+        }
         summary = metrics.run_summary(
-            self.step, self.heldout_before, self.evaluator.heldout(), self.last_selection, self.best
+            self.step,
+            self.heldout_before,
+            after,
+            self.last_selection,
+            self.best,
+            temperature=cfg.rollout.eval_temperature,
+            avg=avg,
+            cpu_kernels=torch.backends.cpu.get_cpu_capability(),
         )
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

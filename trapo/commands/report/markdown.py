@@ -54,6 +54,12 @@ def _header(run: Run, out: Path) -> str:
     before, after = summary.get("heldout_accuracy_before"), summary.get("heldout_accuracy_after")
     if is_number(before) or is_number(after):
         lines.append(f"- held-out accuracy: {_fmt(before)} before, {_fmt(after)} after training")
+    avg = summary.get("heldout_avg")  # eval.heldout_k > 0: avg@k at eval.temperature beside the greedy figure
+    if isinstance(avg, dict) and is_number(summary.get("heldout_avg_after")):
+        lines.append(
+            f"- held-out avg@{avg.get('k')} at temperature {avg.get('temperature')}: "
+            f"{_fmt(summary.get('heldout_avg_before'))} before, {_fmt(summary['heldout_avg_after'])} after training"
+        )
     rows = epoch_selection(run)
     last = rows[-1] if rows else None
     if last and last.get("unlabeled"):
