@@ -41,9 +41,10 @@ from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
+from trapo.engine.remote_engine import RemoteEngine
 from trapo.engine.rollout import Rollout, request_seed, require_backend
 from trapo.engine.rollout_engine import EngineSettings, open_engine
-from trapo.training import metrics, rollout_dump, run_record, sampling
+from trapo.training import metrics, prefetch, rollout_dump, run_record, sampling
 from trapo.training.checkpointing import Checkpointing
 from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
@@ -89,9 +90,21 @@ class Trainer(Checkpointing):
         generation = getattr(self.policy.model, "generation_config", None)
         stops = stop_token_ids(self.tokenizer, generation and generation.eos_token_id)
         settings = EngineSettings.for_run(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
-        self.rollout = open_engine(
-            settings, self.model_dir, tokenizer=self.tokenizer, stop_token_ids=stops, policy=self.policy
-        )
+        if cfg.rollout.placement == "separate":  # the engines are on the rollout ranks: this is their proxy
+            self.rollout = RemoteEngine.connect(
+                settings,
+                self.model_dir,
+                tokenizer=self.tokenizer,
+                stop_token_ids=stops,
+                rollout_ranks=cfg.rollout.ranks,
+                timeout_s=cfg.dist_timeout_minutes * 60,
+                rank=self.rank,
+                world=self.world,
+            )
+        else:
+            self.rollout = open_engine(
+                settings, self.model_dir, tokenizer=self.tokenizer, stop_token_ids=stops, policy=self.policy
+            )
         if (engine_config := self.rollout.effective_config()) is not None:  # a separate model must run the policy's
             console.say(same_model(self.policy.effective_config(), engine_config))
         devices = dist.all_gather(self.rollout.device())
@@ -134,6 +147,7 @@ class Trainer(Checkpointing):
         cfg, timer = self.cfg, metrics.StepTimer()
         step_start = time.perf_counter()
         epoch, first = self.cursor.epoch, self.cursor.batch
+        self._request_ahead()  # rollout.placement separate: this step's round, and the next max_staleness ones
         order = epoch_batches(
             len(self.questions), cfg.train.rollout_batch_size, cfg.train.update_batch_size, cfg.seed, epoch
         )
@@ -169,6 +183,7 @@ class Trainer(Checkpointing):
             ),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
             "pushed_gb": pushed_bytes / 2**30,
+            **self._staleness(),  # separate: how many updates the rollouts' weights lag the trainer's
             **update_efficiency(update.work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
         if self.entropy_control is not None:  # the coefficient this step trained with; then the next step's
@@ -262,17 +277,43 @@ class Trainer(Checkpointing):
 
     def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
         """G rollouts per question; on GPU the optimizer's states wait in host memory meanwhile."""
-        r = self.cfg.rollout
         with self._engine_turn():
-            return self.rollout.generate(
-                [self.prompts[i] for i in question_ids],
-                n=r.n,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                max_tokens=r.max_tokens,
-                min_tokens=r.min_tokens,
-                seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
+            return self.rollout.generate(**self._request(self.step, question_ids))
+
+    def _request(self, step: int, question_ids: list[int]) -> dict:
+        """The generate arguments of step `step`'s rollouts of `question_ids`: seeded by that step."""
+        r = self.cfg.rollout
+        return dict(
+            prompts=[self.prompts[i] for i in question_ids],
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_tokens,
+            min_tokens=r.min_tokens,
+            seeds=[request_seed(self.cfg.seed, step, i) for i in question_ids],
+        )
+
+    def _request_ahead(self) -> None:
+        """rollout.placement separate: ask the rollout ranks for the rounds of this step and the next
+        rollout.max_staleness steps that were not asked for yet (trapo/training/prefetch.py)."""
+        if self.cfg.rollout.placement != "separate":
+            return
+        r, t = self.cfg.rollout, self.cfg.train
+        for step, at in prefetch.upcoming(
+            self.step, self.cursor, r.max_staleness, self.steps_per_epoch, self._finished
+        ):
+            order = epoch_batches(
+                len(self.questions), t.rollout_batch_size, t.update_batch_size, self.cfg.seed, at.epoch
             )
+            self.rollout.submit(**self._request(step, order[at.batch][self.rank :: self.world]))
+
+    def _staleness(self) -> dict:
+        """{rollout_staleness: the lag of the step's rollouts} under rollout.placement separate, else {}."""
+        if self.cfg.rollout.placement != "separate":
+            return {}
+        return {
+            prefetch.STALENESS: prefetch.staleness(self.step, self.rollout.last_version, self.cfg.rollout.max_staleness)
+        }
 
     @contextlib.contextmanager
     def _engine_turn(self):
@@ -374,9 +415,11 @@ class Trainer(Checkpointing):
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    def _finished(self) -> bool:
-        """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps)."""
-        return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.cursor.epoch >= self.cfg.epochs
+    def _finished(self, step: int | None = None, cursor: sampling.Cursor | None = None) -> bool:
+        """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps); at the
+        trainer's step and cursor, or at those of a round asked for ahead."""
+        step, cursor = self.step if step is None else step, cursor or self.cursor
+        return step >= self.cfg.max_steps if self.cfg.max_steps else cursor.epoch >= self.cfg.epochs
 
     def _progress(self) -> tuple[int, int]:
         """(done, total) for the progress bar: steps under max_steps, else batches of the epochs consumed."""
@@ -390,7 +433,9 @@ class Trainer(Checkpointing):
         last = self._finished()
         save = (cfg.save_steps and self.step % cfg.save_steps == 0) or last
         # a step trained on samples of an engine that drifted from the policy is never checkpointed
-        savable, unhealthy = self.health.check(self.step, step_log[METRIC], self._last_checkpoint)
+        # (only rounds of the trainer's own weights: a stale round's drift is policy change, not a sync fault)
+        fresh = not step_log.get(prefetch.STALENESS)
+        savable, unhealthy = self.health.check(self.step, step_log[METRIC] if fresh else None, self._last_checkpoint)
         # a step with the rambling signature (truncation and entropy jumped together) is not checkpointed either
         entropy = step_log["entropy"] if step_log["trained_sequences"] else None
         calm, rambling = self.rambling.check(self.step, step_log["truncated_frac"], entropy, self._last_checkpoint)
@@ -435,6 +480,8 @@ class Trainer(Checkpointing):
 
     def close(self) -> None:
         self.verifier.close()
+        if isinstance(self.rollout, RemoteEngine):  # the rollout ranks stop with the trainer
+            self.rollout.close()
 
 
 def run(cfg: Config) -> dict:
