@@ -21,6 +21,7 @@ GPU note: tensors go through host memory over gloo (no NCCL path yet).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import pickle
 from collections.abc import Iterable
@@ -64,9 +65,14 @@ def link_address() -> tuple[str, int]:
     return host, int(os.environ.get("MASTER_PORT", "29500")) + PORT_OFFSET
 
 
-def checksum(tensors: Iterable[torch.Tensor]) -> float:
-    """A position-weighted sum of the tensors' sums in float64: a dropped, swapped or altered tensor changes it."""
-    return float(sum((i + 1) * t.detach().double().sum().item() for i, t in enumerate(tensors)))
+def checksum(tensors: Iterable[torch.Tensor]) -> str:
+    """A BLAKE2b digest of the tensors' bytes and shapes, in order: a dropped, swapped or altered tensor changes it."""
+    digest = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        digest.update(repr((tuple(t.shape), str(t.dtype))).encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class RolloutLink:
@@ -97,19 +103,26 @@ class RolloutLink:
     def send_tensor(self, tensor: torch.Tensor, peer: int) -> None:
         """Posted now, delivered when `peer` receives it; the buffer is kept until then."""
         tensor = tensor.detach().to("cpu").contiguous()
-        self.pending.append((self.group.send([tensor], peer, TAG), tensor))
+        try:
+            self.pending.append((self.group.send([tensor], peer, TAG), tensor))
+        except RuntimeError as err:  # the peer's connection is gone already
+            raise self._lost(peer, "it to take a message", err) from None
         self.pending = [(work, buf) for work, buf in self.pending if not work.is_completed()]
 
     def recv_tensor(self, tensor: torch.Tensor, peer: int, waiting_for: str) -> torch.Tensor:
         try:
             self.group.recv([tensor], peer, TAG).wait(self.timeout)
         except RuntimeError as err:
-            raise LinkError(
-                f"{self.name(peer)} stopped answering on the rollout link while {waiting_for} "
-                f"(waited at most {self.timeout.total_seconds():g} s, dist_timeout_minutes): "
-                f"{str(err).splitlines()[0][:160]}"
-            ) from None
+            raise self._lost(peer, waiting_for, err) from None
         return tensor
+
+    def _lost(self, peer: int, waiting_for: str, err: RuntimeError) -> LinkError:
+        """The one line for a peer that died or hangs (gloo's reason, cut, at its end)."""
+        return LinkError(
+            f"{self.name(peer)} stopped answering on the rollout link (it died or hangs; waiting for "
+            f"{waiting_for}, at most dist_timeout_minutes = {self.timeout.total_seconds() / 60:g}); see its "
+            f"log.rank-R.txt, then run again with resume_from=latest: {str(err).splitlines()[0][:120]}"
+        )
 
     def send(self, obj, peer: int) -> None:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

@@ -48,3 +48,14 @@ def staleness(step: int, version: int, max_staleness: int) -> int:
             f"outside [0, rollout.max_staleness={max_staleness}]"
         )
     return lag
+
+
+def step_values(step: int, version: int, max_staleness: int, totals: dict[str, float]) -> dict:
+    """The logged staleness of 0-based step `step` (its round came from `version` updates) and the stale-vs-
+    current KL: the mean over trained tokens of log pi_engine - log pi_old, a k1 estimate of
+    KL(behaviour || current) on the behaviour policy's samples (None without engine log-probs)."""
+    tokens = totals["logprob_tokens"]
+    return {
+        STALENESS: staleness(step, version, max_staleness),
+        "staleness_kl": totals["logprob_gap"] / tokens if tokens else None,
+    }

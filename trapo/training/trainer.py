@@ -183,7 +183,7 @@ class Trainer(Checkpointing):
             ),
             "selected_unlabeled": int(self.tracker.selected.sum()),  # the gate's current open set
             "pushed_gb": pushed_bytes / 2**30,
-            **self._staleness(),  # separate: how many updates the rollouts' weights lag the trainer's
+            **self._staleness(totals),  # separate: how many updates the rollouts' weights lag the trainer's
             **update_efficiency(update.work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
         if self.entropy_control is not None:  # the coefficient this step trained with; then the next step's
@@ -307,13 +307,11 @@ class Trainer(Checkpointing):
             )
             self.rollout.submit(**self._request(step, order[at.batch][self.rank :: self.world]))
 
-    def _staleness(self) -> dict:
-        """{rollout_staleness: the lag of the step's rollouts} under rollout.placement separate, else {}."""
+    def _staleness(self, totals: dict) -> dict:
+        """rollout.placement separate: the step's staleness and the stale-vs-current KL (prefetch.py); else {}."""
         if self.cfg.rollout.placement != "separate":
             return {}
-        return {
-            prefetch.STALENESS: prefetch.staleness(self.step, self.rollout.last_version, self.cfg.rollout.max_staleness)
-        }
+        return prefetch.step_values(self.step, self.rollout.last_version, self.cfg.rollout.max_staleness, totals)
 
     @contextlib.contextmanager
     def _engine_turn(self):
