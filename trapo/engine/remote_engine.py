@@ -42,8 +42,9 @@ class RemoteEngine:
         self.rank, self.world = rank, world
         self.version = 0  # of the weights last pushed (0: the model directory the engines opened)
         self.last_version: int | None = None  # of the answer `generate` returned last
-        self.outstanding: list[tuple[str, list[int]]] = []  # (key, each training rank's prompt count), in order
-        self.ready: dict[str, tuple[int, list]] = {}  # key -> (version, every rank's rollouts), rank 0
+        self.outstanding: list[str] = []  # keys of the requests sent and not answered yet, in order (rank 0)
+        self.ready: dict[str, tuple[int, list]] = {}  # key -> (version, the request's rollouts), rank 0
+        self.counts: dict[str, list[int]] = {}  # key -> each training rank's prompt count in it
 
     @classmethod
     def connect(
@@ -103,10 +104,11 @@ class RemoteEngine:
         """Send the request of every training rank's `prompts` now, unless it was sent already; its key.
         Collective over the training ranks."""
         shares = dist.all_gather((prompts, seeds))
-        key = request_key(shares, params)
-        if self.rank == 0 and key not in self.ready and all(k != key for k, _ in self.outstanding):
-            everything = [p for share, _ in shares for p in share]
-            all_seeds = None if any(s is None for _, s in shares) else [s for _, share in shares for s in share]
+        everything = [p for share, _ in shares for p in share]
+        all_seeds = None if any(s is None for _, s in shares) else [s for _, share in shares for s in share]
+        key = request_key([everything, all_seeds], params)  # however the ranks share it: a resume may differ
+        self.counts[key] = [len(share) for share, _ in shares]
+        if self.rank == 0 and key not in self.ready and key not in self.outstanding:
             peers = list(range(1, self.link.size))
             for i, peer in enumerate(peers):  # contiguous parts, one per rollout rank
                 lo, hi = len(everything) * i // len(peers), len(everything) * (i + 1) // len(peers)
@@ -114,7 +116,7 @@ class RemoteEngine:
                     kind="generate", key=key, prompts=everything[lo:hi], seeds=all_seeds and all_seeds[lo:hi]
                 )
                 self.link.send({**request, **params}, peer)
-            self.outstanding.append((key, [len(share) for share, _ in shares]))
+            self.outstanding.append(key)
         return key
 
     def collect(self, key: str) -> list[list[Rollout]]:
@@ -124,27 +126,28 @@ class RemoteEngine:
             while key not in self.ready:
                 self._receive_next()
             version, rollouts = self.ready.pop(key)
-            answer = (version, rollouts)
-        version, everything = dist.all_gather(answer)[0]  # rank 0's: every rank's share, in rank order
+            shares, start = [], 0
+            for count in self.counts[key]:
+                shares.append(rollouts[start : start + count])
+                start += count
+            answer = (version, shares)
+        version, shares = dist.all_gather(answer)[0]  # rank 0's: every rank's share, in rank order
+        del self.counts[key]
         self.last_version = version
-        return everything[self.rank]
+        return shares[self.rank]
 
     def _receive_next(self) -> None:
-        key, counts = self.outstanding.pop(0)
-        parts, versions = [], set()
+        key = self.outstanding.pop(0)
+        rollouts, versions = [], set()
         for peer in range(1, self.link.size):
             answer = self.link.recv(peer, "a round of rollouts")
             if answer["key"] != key:
                 raise LinkError(f"{self.link.name(peer)} answered request {answer['key']} instead of {key}")
-            parts += answer["rollouts"]
+            rollouts += answer["rollouts"]
             versions.add(answer["version"])
         if len(versions) != 1:
             raise LinkError(f"the rollout ranks generated request {key} with different weights: {sorted(versions)}")
-        shares, start = [], 0
-        for count in counts:
-            shares.append(parts[start : start + count])
-            start += count
-        self.ready[key] = (versions.pop(), shares)
+        self.ready[key] = (versions.pop(), rollouts)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """The next version's weights to every rollout rank (sent, not awaited); every training rank reads the
@@ -172,20 +175,22 @@ class RemoteEngine:
     # ------------------------------------------------------------------ rounds in flight across a restart
 
     def in_flight(self) -> list[tuple[str, int, list]]:
-        """Every answer not yet used, the outstanding ones waited for: [[key, version, every rank's rollouts as
-        plain dicts]] (rank 0; [] elsewhere). What a checkpoint keeps so a resume loses no round."""
+        """Every answer not yet used, the outstanding ones waited for: [[key, version, the request's rollouts as
+        plain dicts]] (rank 0; [] elsewhere). What a checkpoint keeps so a resume, on any number of training
+        ranks, loses no round."""
         if self.rank != 0:
             return []
         while self.outstanding:
             self._receive_next()
-        plain = lambda shares: [[[dataclasses.asdict(r) for r in group] for group in share] for share in shares]  # noqa: E731
-        return [[key, version, plain(shares)] for key, (version, shares) in self.ready.items()]
+        return [
+            [key, version, [[dataclasses.asdict(r) for r in group] for group in groups]]
+            for key, (version, groups) in self.ready.items()
+        ]
 
     def restore(self, rounds: list[tuple[str, int, list]], version: int) -> None:
         """A resume: the saved answers become ready, and the next push is labelled `version` (the step's)."""
         if self.rank == 0:
-            rebuilt = lambda shares: [[[Rollout(**r) for r in group] for group in share] for share in shares]  # noqa: E731
-            self.ready = {key: (v, rebuilt(shares)) for key, v, shares in rounds}
+            self.ready = {key: (v, [[Rollout(**r) for r in group] for group in groups]) for key, v, groups in rounds}
         self.version = version - 1
 
     def close(self) -> None:
