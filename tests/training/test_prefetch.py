@@ -39,7 +39,11 @@ def test_a_lag_outside_the_bound_stops_the_run():
 
 def test_step_values_give_the_k1_estimate_of_the_stale_vs_current_kl():
     totals = {"logprob_gap": 0.375, "logprob_tokens": 6.0}
-    assert step_values(5, 4, 1, totals) == {STALENESS: 1, "staleness_kl": 0.0625}
+    assert step_values(5, 4, 1, totals, 0.123456) == {
+        STALENESS: 1,
+        "staleness_kl": 0.0625,
+        "rollout_generate_s": 0.1235,
+    }
     assert step_values(5, 5, 1, {"logprob_gap": 0.0, "logprob_tokens": 0.0})["staleness_kl"] is None
 
 

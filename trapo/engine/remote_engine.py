@@ -42,6 +42,8 @@ class RemoteEngine:
         self.rank, self.world = rank, world
         self.version = 0  # of the weights last pushed (0: the model directory the engines opened)
         self.last_version: int | None = None  # of the answer `generate` returned last
+        self.last_generate_s: float | None = None  # its generation time on the slowest rollout rank
+        self.generate_s: dict[str, float] = {}  # key -> that time, for the answers received (rank 0)
         self.outstanding: list[str] = []  # keys of the requests sent and not answered yet, in order (rank 0)
         self.ready: dict[str, tuple[int, list]] = {}  # key -> (version, the request's rollouts), rank 0
         self.counts: dict[str, list[int]] = {}  # key -> each training rank's prompt count in it
@@ -130,21 +132,23 @@ class RemoteEngine:
             for count in self.counts[key]:
                 shares.append(rollouts[start : start + count])
                 start += count
-            answer = (version, shares)
-        version, shares = dist.all_gather(answer)[0]  # rank 0's: every rank's share, in rank order
+            answer = (version, shares, self.generate_s.pop(key, None))  # None: a round from a checkpoint
+        version, shares, self.last_generate_s = dist.all_gather(answer)[0]  # rank 0's: the shares in rank order
         del self.counts[key]
         self.last_version = version
         return shares[self.rank]
 
     def _receive_next(self) -> None:
         key = self.outstanding.pop(0)
-        rollouts, versions = [], set()
+        rollouts, versions, seconds = [], set(), 0.0
         for peer in range(1, self.link.size):
             answer = self.link.recv(peer, "a round of rollouts")
             if answer["key"] != key:
                 raise LinkError(f"{self.link.name(peer)} answered request {answer['key']} instead of {key}")
             rollouts += answer["rollouts"]
             versions.add(answer["version"])
+            seconds = max(seconds, answer["generate_s"])
+        self.generate_s[key] = seconds
         if len(versions) != 1:
             raise LinkError(f"the rollout ranks generated request {key} with different weights: {sorted(versions)}")
         self.ready[key] = (versions.pop(), rollouts)

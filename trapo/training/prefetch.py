@@ -50,12 +50,17 @@ def staleness(step: int, version: int, max_staleness: int) -> int:
     return lag
 
 
-def step_values(step: int, version: int, max_staleness: int, totals: dict[str, float]) -> dict:
-    """The logged staleness of 0-based step `step` (its round came from `version` updates) and the stale-vs-
+def step_values(
+    step: int, version: int, max_staleness: int, totals: dict[str, float], generate_s: float | None = None
+) -> dict:
+    """The logged staleness of 0-based step `step` (its round came from `version` updates), the stale-vs-
     current KL: the mean over trained tokens of log pi_engine - log pi_old, a k1 estimate of
-    KL(behaviour || current) on the behaviour policy's samples (None without engine log-probs)."""
+    KL(behaviour || current) on the behaviour policy's samples (None without engine log-probs), and the
+    round's generation time on the rollout ranks (`rollout_generate_s`; the trainer's timing.rollout is
+    its wait for the round)."""
     tokens = totals["logprob_tokens"]
     return {
         STALENESS: staleness(step, version, max_staleness),
         "staleness_kl": totals["logprob_gap"] / tokens if tokens else None,
+        "rollout_generate_s": None if generate_s is None else round(generate_s, 4),
     }

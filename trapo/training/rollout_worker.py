@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 
@@ -52,9 +53,11 @@ def serve(cfg: Config, link_rank: int) -> None:
             version = load_weights(engine, *staged)
             staged = None
         params = {k: message[k] for k in ("n", "temperature", "top_p", "max_tokens", "min_tokens")}
+        started = time.perf_counter()
         with engine.turn(), linear():
             rollouts = engine.generate(message["prompts"], seeds=message["seeds"], **params)
-        link.send(dict(key=message["key"], version=version, rollouts=rollouts), 0)
+        seconds = time.perf_counter() - started
+        link.send(dict(key=message["key"], version=version, rollouts=rollouts, generate_s=seconds), 0)
 
 
 def load_weights(engine, version: int, weights: dict[str, torch.Tensor]) -> int:

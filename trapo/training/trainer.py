@@ -311,7 +311,8 @@ class Trainer(Checkpointing):
         """rollout.placement separate: the step's staleness and the stale-vs-current KL (prefetch.py); else {}."""
         if self.cfg.rollout.placement != "separate":
             return {}
-        return prefetch.step_values(self.step, self.rollout.last_version, self.cfg.rollout.max_staleness, totals)
+        engine, s = self.rollout, self.cfg.rollout.max_staleness
+        return prefetch.step_values(self.step, engine.last_version, s, totals, engine.last_generate_s)
 
     @contextlib.contextmanager
     def _engine_turn(self):
