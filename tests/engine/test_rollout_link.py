@@ -78,3 +78,18 @@ def test_split_world_renumbers_the_training_ranks(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="rollout.ranks=2 leaves no training rank"):
         split_world("separate", 2)
+
+
+def test_a_request_is_ordered_and_keyed_alike_whatever_the_training_world():
+    from trapo.engine.remote_engine import deinterleave, interleave, request_key
+
+    batch = list(range(7))
+    two, three = [batch[r::2] for r in range(2)], [batch[r::3] for r in range(3)]
+    assert interleave(two) == interleave(three) == batch  # rank r holds batch[r::world]
+    assert deinterleave(batch, [4, 3]) == two and deinterleave(batch, [3, 2, 2]) == three
+    assert interleave([[1, 2, 3], [], [4]]) == [1, 4, 2, 3] and deinterleave([1, 4, 2, 3], [3, 0, 1]) == [
+        [1, 2, 3],
+        [],
+        [4],
+    ]
+    assert request_key([interleave(two), None], {"n": 8}) == request_key([interleave(three), None], {"n": 8})

@@ -34,6 +34,21 @@ def request_key(shares: list, params: dict) -> str:
     return hashlib.blake2b(pickle.dumps((shares, sorted(params.items()))), digest_size=16).hexdigest()
 
 
+def interleave(shares: list[list]) -> list:
+    """One item of each share in turn (shares may differ in length by any amount)."""
+    return [share[j] for j in range(max(map(len, shares), default=0)) for share in shares if j < len(share)]
+
+
+def deinterleave(items: list, counts: list[int]) -> list[list]:
+    """The shares `interleave` took `items` from, given their lengths."""
+    shares, it = [[] for _ in counts], iter(items)
+    for j in range(max(counts, default=0)):
+        for share, count in zip(shares, counts):
+            if j < count:
+                share.append(next(it))
+    return shares
+
+
 class RemoteEngine:
     weights_asleep = False  # the rollout ranks keep their weights between requests
 
@@ -106,9 +121,11 @@ class RemoteEngine:
         """Send the request of every training rank's `prompts` now, unless it was sent already; its key.
         Collective over the training ranks."""
         shares = dist.all_gather((prompts, seeds))
-        everything = [p for share, _ in shares for p in share]
-        all_seeds = None if any(s is None for _, s in shares) else [s for _, share in shares for s in share]
-        key = request_key([everything, all_seeds], params)  # however the ranks share it: a resume may differ
+        # round-robin over the ranks: a round's batch order (rank r holds batch[r::world]) whatever the world,
+        # so the key, and a round saved in a checkpoint, do not depend on how many ranks share it
+        everything = interleave([share for share, _ in shares])
+        all_seeds = None if any(s is None for _, s in shares) else interleave([share for _, share in shares])
+        key = request_key([everything, all_seeds], params)
         self.counts[key] = [len(share) for share, _ in shares]
         if self.rank == 0 and key not in self.ready and key not in self.outstanding:
             peers = list(range(1, self.link.size))
@@ -128,10 +145,7 @@ class RemoteEngine:
             while key not in self.ready:
                 self._receive_next()
             version, rollouts = self.ready.pop(key)
-            shares, start = [], 0
-            for count in self.counts[key]:
-                shares.append(rollouts[start : start + count])
-                start += count
+            shares = deinterleave(rollouts, self.counts[key])
             answer = (version, shares, self.generate_s.pop(key, None))  # None: a round from a checkpoint
         version, shares, self.last_generate_s = dist.all_gather(answer)[0]  # rank 0's: the shares in rank order
         del self.counts[key]
