@@ -2,6 +2,8 @@
 
     python bench/bench_async.py                 # prints the table
     python bench/bench_async.py --write-docs    # and writes it into docs/benchmarks.md (block bench-async)
+    python bench/bench_async.py --precision 0 1 [--write-docs]   # selection precision at s = 1, per seed
+                                                # (block async-precision of docs/async-rollouts.md)
 
 The toy task (16 labeled + 48 unlabeled questions, 16 a step, G = 8) with forced lengths
 (rollout.min_tokens = rollout.max_tokens, so every round costs the same), the hf backend, `--steps` steps:
@@ -37,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from trapo import runtime  # noqa: E402
 
 BLOCK = "bench-async"
+PRECISION_BLOCK = "async-precision"  # in docs/async-rollouts.md
 
 
 def overrides(toy_dir: str, out: str, name: str, steps: int, tokens: int, extra: dict) -> list[str]:
@@ -117,12 +120,63 @@ def projection(col: dict, gpus: int = 8) -> list[str]:
     return lines
 
 
+def precision(seeds: list[int], epochs: int, write: bool) -> None:
+    """Selection under staleness: the shipped toy config (configs/toy.yaml, hf backend), colocated against
+    separate at rollout.max_staleness 1, per seed: the pseudo-label precision of the selected unlabeled
+    questions and their count at each epoch end after the warm-up, and the labeled reward of the last epoch."""
+    lines = [
+        f"configs/toy.yaml, hf backend, {epochs} epochs (warm-up 3), seeds {seeds}; per epoch end after the warm-up"
+    ]
+    lines.append(f"{'run':<28} {'precision of selected':>22} {'selected':>9} {'reward, last epoch':>19}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for name, extra, cores in (
+                ("colocated", {}, [None]),
+                (
+                    "separate s=1",
+                    {"rollout.placement": "separate", "rollout.ranks": 1, "rollout.max_staleness": 1},
+                    [None, None],
+                ),
+            ):
+                run = f"{name.split()[0]}-{seed}"
+                kv = {
+                    "toy.dir": f"{tmp}/toy",
+                    "output_dir": tmp,
+                    "run_name": run,
+                    "progress_bar": "false",
+                    "seed": seed,
+                    "epochs": epochs,
+                    "save_steps": 0,
+                    "rollout.backend": "hf",
+                    **extra,
+                }
+                launch([f"{k}={v}" for k, v in kv.items()], threads=1, cores=cores)
+                rows = [json.loads(line) for line in (Path(tmp) / run / "metrics.jsonl").read_text().splitlines()]
+                ends = [r["selection"] for r in rows if r.get("selection", {}).get("precision_selected") is not None]
+                last = [r["reward_labeled"] for r in rows if r["epoch"] == rows[-1]["epoch"]]
+                lines.append(
+                    f"{name + f', seed {seed}':<28} {statistics.mean(e['precision_selected'] for e in ends):22.3f} "
+                    f"{statistics.mean(e['selected'] for e in ends):9.1f} {statistics.mean(last):19.3f}"
+                )
+    text = "\n".join(lines)
+    print(text)
+    if write:
+        from trapo.commands.readme import replace_block
+
+        page = ROOT / "docs" / "async-rollouts.md"
+        page.write_text(replace_block(page.read_text(), PRECISION_BLOCK, f"```\n{text}\n```"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=32, help="forced response length (min = max tokens)")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--precision", type=int, nargs="*", metavar="SEED", help="the selection study instead")
+    parser.add_argument("--epochs", type=int, default=10, help="--precision: epochs per run")
     args = parser.parse_args()
+    if args.precision is not None:
+        return precision(args.precision or [0, 1], args.epochs, args.write_docs)
     from trapo.commands.toy import build_assets
     from trapo.config import ToyConfig
 
