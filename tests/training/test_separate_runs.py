@@ -151,3 +151,32 @@ def test_a_resume_on_two_training_ranks_feeds_the_saved_round(toy_dir, tmp_path,
     for name in ("reward_labeled", "pass_rate_labeled", "pass_rate_unlabeled", "trained_sequences"):
         assert [row[name] for row in moved] == [row[name] for row in straight]
     assert all(abs(a["loss"] - b["loss"]) < 1e-6 for a, b in zip(moved, straight))  # 2 ranks reduce in another order
+
+
+def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_dir, tmp_path, stale_run):
+    import torch
+
+    args = overrides(toy_dir, tmp_path, run_name="term", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "trapo_train.py", *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "term" / "metrics.jsonl"
+    while proc.poll() is None and (not log.is_file() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher, the training rank and the rollout rank
+    _, err = proc.communicate(timeout=300)
+    stopped_at = len(log.read_text().splitlines())
+    assert stopped_at < 8 and f"stopped by a signal after step {stopped_at}" in err, err[-3000:]
+    state = torch.load(tmp_path / "term" / "checkpoints" / f"step-{stopped_at}" / "trainer_state.pt", weights_only=True)
+    assert [version for _, version, _ in state["rounds_in_flight"]] == [stopped_at - 1]  # the next round, one behind
+    train([*args, "resume_from=latest"], nproc=2)
+    assert rows(tmp_path / "term") == rows(stale_run)
+    assert same_weights(tmp_path / "term", stale_run)

@@ -22,6 +22,7 @@ import torch
 from trapo.config import Config
 from trapo.engine.rollout_engine import open_engine
 from trapo.engine.rollout_link import LinkError, RolloutLink
+from trapo.training.preemption import StopSignals
 
 
 def serve(cfg: Config, link_rank: int) -> None:
@@ -38,6 +39,14 @@ def serve(cfg: Config, link_rank: int) -> None:
     )
     link.send(dict(backend=opening["settings"].backend, device=engine.device(), effective_config=None), 0)
     linear = zero3_linear if opening["zero3_linear"] else contextlib.nullcontext
+    # SIGTERM / SIGINT to the whole group (preemption, Ctrl-C): the trainer finishes its step and saves, which
+    # waits for this rank's round in flight, so this rank serves on until the trainer's stop (a second: now)
+    with StopSignals():
+        _answer(link, engine, linear, link_rank)
+
+
+def _answer(link: RolloutLink, engine, linear, link_rank: int) -> None:
+    """The serving loop: one message at a time, in the order the trainer sent them."""
     version, staged = 0, None
     while True:
         message = link.recv(0, "its next request")
