@@ -341,6 +341,8 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
             checks.add("trial run", False, f"model.path {cfg.model.path}: no config.json", "download the model")
             return
         model = dataclasses.replace(cfg.model, path=shrunken_model(cfg.model.path, work / "model"))
+    # rollout.placement separate: every launched rank runs the trial colocated (the link is not exercised)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated", max_staleness=0))
     questions = 8 * world  # eight per rank: some labeled ones are trained even while unlabeled ones are gated
     cfg = dataclasses.replace(
         cfg,
