@@ -1,7 +1,8 @@
 """The TraPO / GRPO training loop: DeepSpeed ZeRO-3 policy, colocated rollouts, pass-rate gate.
 
 One step, on every rank (each rank takes every world_size-th question of the batch):
-    1. rollouts   G samples per question from the rank's own engine (rollout.backend: vLLM, or the policy)
+    1. rollouts   G samples per question from the rank's own engine (rollout.backend: vLLM, or the policy);
+                  rollout.placement separate: from the rollout ranks, asked ahead (trapo/training/prefetch.py)
     2. grading    Math-Verify vs gold (labeled), majority vote (unlabeled)
     3. pass rates gathered from all ranks into the replicated PassRateTracker;
                   the gate M comes from the selection made at the last epoch end;
