@@ -15,7 +15,9 @@ from toyrun import ROOT, free_port, metrics, overrides, train
 
 from trapo import runtime
 
-pytestmark = pytest.mark.toy_run  # every test here starts trainers (make test-fast leaves them out)
+# every test here starts trainers (make test-fast leaves them out), each two processes at once
+pytestmark = [pytest.mark.toy_run, pytest.mark.two_cores]
+SHARED = pytest.mark.xdist_group("stale_run")  # the tests of the one stale_run: one xdist worker runs it once
 
 RUN = dict(mode="trapo", max_steps=8, save_steps=2)
 SEPARATE = {"rollout.placement": "separate", "rollout.ranks": 1}
@@ -71,6 +73,7 @@ def test_staleness_0_writes_what_the_colocated_trainer_writes(toy_dir, tmp_path)
     assert same_weights(colocated, separate)
 
 
+@SHARED
 def test_staleness_1_lags_one_update_and_corrects_it(stale_run):
     m = metrics(stale_run)
     assert [row["step"] for row in m] == list(range(1, 9)) and not any(row["skipped"] for row in m)
@@ -80,6 +83,7 @@ def test_staleness_1_lags_one_update_and_corrects_it(stale_run):
     assert abs(m[0]["staleness_kl"]) < 1e-5 < max(abs(row["staleness_kl"]) for row in m[1:])
 
 
+@SHARED
 def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, tmp_path, stale_run):
     args = overrides(toy_dir, tmp_path, run_name="killed", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -94,9 +98,14 @@ def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, 
     )
     log = tmp_path / "killed" / "metrics.jsonl"
     try:
-        while proc.poll() is None and (not log.is_file() or len(log.read_text().splitlines()) < 5):
+        deadline = time.time() + 300
+        while (
+            time.time() < deadline
+            and proc.poll() is None
+            and (not log.is_file() or len(log.read_text().splitlines()) < 5)
+        ):
             time.sleep(0.1)
-        assert proc.poll() is None, "the run ended before step 5"
+        assert proc.poll() is None and len(log.read_text().splitlines()) >= 5, "no kill after step 5"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher, the training rank and the rollout rank
         proc.wait()
@@ -126,7 +135,12 @@ def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_pa
         )
     trainer, rollout = procs
     log = tmp_path / "dead" / "metrics.jsonl"
-    while trainer.poll() is None and (not log.is_file() or len(log.read_text().splitlines()) < 2):
+    deadline = time.time() + 300
+    while (
+        time.time() < deadline
+        and trainer.poll() is None
+        and (not log.is_file() or len(log.read_text().splitlines()) < 2)
+    ):
         time.sleep(0.1)
     rollout.send_signal(signal.SIGKILL)
     rollout.wait()
@@ -138,6 +152,7 @@ def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_pa
     assert done and not glob.glob(str(tmp_path / "dead" / "checkpoints" / ".*tmp*"))
 
 
+@SHARED
 def test_a_resume_on_two_training_ranks_feeds_the_saved_round(toy_dir, tmp_path, stale_run):
     import shutil
 
@@ -153,6 +168,7 @@ def test_a_resume_on_two_training_ranks_feeds_the_saved_round(toy_dir, tmp_path,
     assert all(abs(a["loss"] - b["loss"]) < 1e-6 for a, b in zip(moved, straight))  # 2 ranks reduce in another order
 
 
+@SHARED
 def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_dir, tmp_path, stale_run):
     import torch
 
@@ -169,7 +185,10 @@ def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_di
         text=True,
     )
     log = tmp_path / "term" / "metrics.jsonl"
-    while proc.poll() is None and (not log.is_file() or len(log.read_text().splitlines()) < 3):
+    deadline = time.time() + 300
+    while (
+        time.time() < deadline and proc.poll() is None and (not log.is_file() or len(log.read_text().splitlines()) < 3)
+    ):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGTERM)  # the launcher, the training rank and the rollout rank
     _, err = proc.communicate(timeout=300)
