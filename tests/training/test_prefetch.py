@@ -4,7 +4,7 @@ import pytest
 
 from trapo.config import ConfigError, load_config
 from trapo.engine.policy import TrainingError
-from trapo.training.prefetch import STALENESS, staleness, step_values, upcoming
+from trapo.training.prefetch import STALENESS, staleness, step_values, to_request, upcoming
 from trapo.training.sampling import Cursor
 
 
@@ -30,6 +30,20 @@ def test_round_t_comes_from_the_weights_after_t_minus_1_minus_s_updates():
             assert staleness(t - 1, asked[t - 1], s) == min(t - 1, s)
 
 
+def test_dynamic_sampling_asks_for_the_next_first_round_once_this_step_used_its_batches():
+    finished = lambda step, cursor: step >= 6  # noqa: E731
+    # at the start: this step's first round only (its refills come after the push, asked for by generate)
+    assert to_request(2, Cursor(0, 1), 1, True, None, 4, finished) == [(2, Cursor(0, 1))]
+    # after rollouts that used 2 batches: the next step's first round, at batch 3, before the update
+    assert to_request(2, Cursor(0, 1), 1, True, 2, 4, finished) == [(3, Cursor(0, 3))]
+    assert to_request(2, Cursor(0, 1), 1, True, 3, 4, finished) == [(3, Cursor(1, 0))]  # across the epoch's end
+    assert to_request(5, Cursor(1, 1), 1, True, 1, 4, finished) == []  # the run ends after this step
+    assert to_request(2, Cursor(0, 1), 0, True, 2, 4, finished) == []  # s = 0: nothing ahead
+    # without dynamic sampling everything is asked for at the start
+    assert to_request(2, Cursor(0, 2), 1, False, None, 4, finished) == [(2, Cursor(0, 2)), (3, Cursor(0, 3))]
+    assert to_request(2, Cursor(0, 2), 1, False, 1, 4, finished) == []
+
+
 def test_a_lag_outside_the_bound_stops_the_run():
     with pytest.raises(TrainingError, match=r"step 4 .* staleness 2, outside \[0, rollout.max_staleness=1\]"):
         staleness(3, 1, 1)
@@ -53,16 +67,6 @@ def test_step_values_give_the_k1_estimate_of_the_stale_vs_current_kl():
         (["rollout.max_staleness=1"], "rollout.max_staleness", "only rollout.placement=separate"),
         (["rollout.placement=separate", "rollout.backend=vllm"], "rollout.backend", "set rollout.backend=hf"),
         (["rollout.placement=separate", "rollout.backend=hf", "rollout.ranks=0"], "rollout.ranks", "must be >= 1"),
-        (
-            [
-                "rollout.placement=separate",
-                "rollout.backend=hf",
-                "rollout.max_staleness=1",
-                "rollout.dynamic_sampling=true",
-            ],
-            "rollout.dynamic_sampling",
-            "not prefetched",
-        ),
         (
             ["rollout.placement=separate", "rollout.backend=hf", "rollout.max_staleness=1", "loss.rollout_is=off"],
             "loss.rollout_is",

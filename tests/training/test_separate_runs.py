@@ -83,6 +83,15 @@ def test_staleness_1_lags_one_update_and_corrects_it(stale_run):
     assert abs(m[0]["staleness_kl"]) < 1e-5 < max(abs(row["staleness_kl"]) for row in m[1:])
 
 
+def test_dynamic_sampling_prefetches_the_next_first_round_and_refills_fresh(toy_dir, tmp_path):
+    dynamic = {"rollout.max_staleness": 1, "rollout.dynamic_sampling": "true", "rollout.dynamic_sampling_max_rounds": 2}
+    train(overrides(toy_dir, tmp_path, run_name="dyn", **RUN, **SEPARATE, **dynamic), nproc=2)
+    m = metrics(tmp_path / "dyn")
+    assert [row["rollout_staleness"] for row in m] == [0] + [1] * (len(m) - 1)  # the first round is one behind
+    assert any(row["dynamic_sampling"]["extra_rounds"] for row in m)  # refills ran (at staleness 0)
+    assert not any(row["skipped"] for row in m)
+
+
 @SHARED
 def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, tmp_path, stale_run):
     args = overrides(toy_dir, tmp_path, run_name="killed", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})

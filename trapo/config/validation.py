@@ -231,12 +231,6 @@ def _placement(cfg: Config, need) -> None:
     )
     if r.max_staleness > 0:
         need(
-            not r.dynamic_sampling,
-            "rollout.dynamic_sampling",
-            "refill rounds are not prefetched under rollout.max_staleness > 0 (not built yet): set "
-            "rollout.dynamic_sampling=false or rollout.max_staleness=0",
-        )
-        need(
             cfg.loss.rollout_is not in ("off", False),
             "loss.rollout_is",
             f"rollout.max_staleness={r.max_staleness} trains on rollouts of older weights, which the importance "

@@ -57,6 +57,7 @@ class RemoteEngine:
         self.rank, self.world = rank, world
         self.version = 0  # of the weights last pushed (0: the model directory the engines opened)
         self.last_version: int | None = None  # of the answer `generate` returned last
+        self.step_versions: list[int] = []  # of the answers returned since the trainer last cleared it
         self.last_generate_s: float | None = None  # its generation time on the slowest rollout rank
         self.generate_s: dict[str, float] = {}  # key -> that time, for the answers received (rank 0)
         self.outstanding: list[str] = []  # keys of the requests sent and not answered yet, in order (rank 0)
@@ -150,6 +151,7 @@ class RemoteEngine:
         version, shares, self.last_generate_s = dist.all_gather(answer)[0]  # rank 0's: the shares in rank order
         del self.counts[key]
         self.last_version = version
+        self.step_versions.append(version)
         return shares[self.rank]
 
     def _receive_next(self) -> None:

@@ -38,6 +38,27 @@ def upcoming(
     return rounds
 
 
+def to_request(
+    step: int,
+    cursor: Cursor,
+    max_staleness: int,
+    dynamic_sampling: bool,
+    used: int | None,
+    steps_per_epoch: int,
+    finished: Callable[[int, Cursor], bool],
+) -> list[tuple[int, Cursor]]:
+    """(step, cursor) of the rounds to ask for now. At a step's start (`used` None): this step's round and the
+    next `max_staleness` steps' (`upcoming`). With dynamic sampling the next step's first batch is known only
+    once this step `used` its batches: at the start only this step's first round, and after the rollouts the
+    next step's first round (generated while the update runs, one update behind); refills are asked for when
+    needed, after the push (staleness 0)."""
+    if used is None:
+        return upcoming(step, cursor, 0 if dynamic_sampling else max_staleness, steps_per_epoch, finished)
+    if not dynamic_sampling or max_staleness == 0:
+        return []  # asked for at the step's start
+    return upcoming(step + 1, cursor.advance(used, steps_per_epoch), 0, steps_per_epoch, finished)
+
+
 def staleness(step: int, version: int, max_staleness: int) -> int:
     """Updates between the weights that generated 0-based step `step`'s round (`version` updates) and the
     trainer's (`step` updates); more than `max_staleness` is a bug in the pipeline, and stops the run."""

@@ -156,6 +156,7 @@ class Trainer(Checkpointing):
         # 1-3. rollouts, grading, pass rates into the tracker and rewards, one round per batch: one batch,
         #      with rollout.dynamic_sampling more of the epoch's until enough groups carry a signal
         rounds, informative, kept = self._rollout_rounds(order, first, timer)
+        self._request_ahead(used=len(rounds))  # dynamic sampling: the next step's first round, now it is known
         plan, n_updates = sampling.update_plan(kept, self.rank, self.world, cfg.train.update_batch_size)
         self._dump_rollouts(rounds, plan)  # logging.rollouts_every: what was generated and how it was scored
 
@@ -294,15 +295,16 @@ class Trainer(Checkpointing):
             seeds=[request_seed(self.cfg.seed, step, i) for i in question_ids],
         )
 
-    def _request_ahead(self) -> None:
-        """rollout.placement separate: ask the rollout ranks for the rounds of this step and the next
-        rollout.max_staleness steps that were not asked for yet (trapo/training/prefetch.py)."""
+    def _request_ahead(self, used: int | None = None) -> None:
+        """rollout.placement separate: ask the rollout ranks for the rounds not asked for yet that this step
+        (at its start) or the next (once this one `used` its batches) trains on (`prefetch.to_request`)."""
         if self.cfg.rollout.placement != "separate":
             return
         r, t = self.cfg.rollout, self.cfg.train
-        for step, at in prefetch.upcoming(
-            self.step, self.cursor, r.max_staleness, self.steps_per_epoch, self._finished
-        ):
+        if used is None:
+            self.rollout.step_versions = []  # the versions of this step's rounds, from here on
+        args = self.step, self.cursor, r.max_staleness, r.dynamic_sampling, used, self.steps_per_epoch, self._finished
+        for step, at in prefetch.to_request(*args):
             order = epoch_batches(
                 len(self.questions), t.rollout_batch_size, t.update_batch_size, self.cfg.seed, at.epoch
             )
@@ -313,7 +315,7 @@ class Trainer(Checkpointing):
         if self.cfg.rollout.placement != "separate":
             return {}
         engine, s = self.rollout, self.cfg.rollout.max_staleness
-        return prefetch.step_values(self.step, engine.last_version, s, totals, engine.last_generate_s)
+        return prefetch.step_values(self.step, min(engine.step_versions), s, totals, engine.last_generate_s)
 
     @contextlib.contextmanager
     def _engine_turn(self):
