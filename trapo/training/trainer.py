@@ -42,9 +42,8 @@ from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
-from trapo.engine.remote_engine import RemoteEngine
-from trapo.engine.rollout import Rollout, request_seed, require_backend
-from trapo.engine.rollout_engine import EngineSettings, open_engine
+from trapo.engine.rollout import Rollout, require_backend
+from trapo.engine.rollout_engine import EngineSettings
 from trapo.training import metrics, prefetch, rollout_dump, run_record, sampling
 from trapo.training.checkpointing import Checkpointing
 from trapo.training.evaluation import Evaluator
@@ -53,11 +52,12 @@ from trapo.training.health import METRIC, RolloutHealth
 from trapo.training.inputs import fetch_model, prepare_inputs
 from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
+from trapo.training.prefetch import Prefetching
 from trapo.training.rambling import RamblingGuard
 from trapo.training.update import update_policy
 
 
-class Trainer(Checkpointing):
+class Trainer(Checkpointing, Prefetching):
     def __init__(self, cfg: Config):
         # auto: vLLM or hf, chosen here (a resume: the engine it started with); config.yaml records the choice
         self.backend_chosen: list[str] = []  # its line, said with the run's first lines (train)
@@ -91,21 +91,7 @@ class Trainer(Checkpointing):
         generation = getattr(self.policy.model, "generation_config", None)
         stops = stop_token_ids(self.tokenizer, generation and generation.eos_token_id)
         settings = EngineSettings.for_run(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
-        if cfg.rollout.placement == "separate":  # the engines are on the rollout ranks: this is their proxy
-            self.rollout = RemoteEngine.connect(
-                settings,
-                self.model_dir,
-                tokenizer=self.tokenizer,
-                stop_token_ids=stops,
-                rollout_ranks=cfg.rollout.ranks,
-                timeout_s=cfg.dist_timeout_minutes * 60,
-                rank=self.rank,
-                world=self.world,
-            )
-        else:
-            self.rollout = open_engine(
-                settings, self.model_dir, tokenizer=self.tokenizer, stop_token_ids=stops, policy=self.policy
-            )
+        self.rollout = self._open_engine(settings, stops)  # rollout.placement separate: the rollout ranks'
         if (engine_config := self.rollout.effective_config()) is not None:  # a separate model must run the policy's
             console.say(same_model(self.policy.effective_config(), engine_config))
         devices = dist.all_gather(self.rollout.device())
@@ -282,41 +268,6 @@ class Trainer(Checkpointing):
         with self._engine_turn():
             return self.rollout.generate(**self._request(self.step, question_ids))
 
-    def _request(self, step: int, question_ids: list[int]) -> dict:
-        """The generate arguments of step `step`'s rollouts of `question_ids`: seeded by that step."""
-        r = self.cfg.rollout
-        return dict(
-            prompts=[self.prompts[i] for i in question_ids],
-            n=r.n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_tokens=r.max_tokens,
-            min_tokens=r.min_tokens,
-            seeds=[request_seed(self.cfg.seed, step, i) for i in question_ids],
-        )
-
-    def _request_ahead(self, used: int | None = None) -> None:
-        """rollout.placement separate: ask the rollout ranks for the rounds not asked for yet that this step
-        (at its start) or the next (once this one `used` its batches) trains on (`prefetch.to_request`)."""
-        if self.cfg.rollout.placement != "separate":
-            return
-        r, t = self.cfg.rollout, self.cfg.train
-        if used is None:
-            self.rollout.step_versions = []  # the versions of this step's rounds, from here on
-        args = self.step, self.cursor, r.max_staleness, r.dynamic_sampling, used, self.steps_per_epoch, self._finished
-        for step, at in prefetch.to_request(*args):
-            order = epoch_batches(
-                len(self.questions), t.rollout_batch_size, t.update_batch_size, self.cfg.seed, at.epoch
-            )
-            self.rollout.submit(**self._request(step, order[at.batch][self.rank :: self.world]))
-
-    def _staleness(self, totals: dict) -> dict:
-        """rollout.placement separate: the step's staleness and the stale-vs-current KL (prefetch.py); else {}."""
-        if self.cfg.rollout.placement != "separate":
-            return {}
-        engine, s = self.rollout, self.cfg.rollout.max_staleness
-        return prefetch.step_values(self.step, min(engine.step_versions), s, totals, engine.last_generate_s)
-
     @contextlib.contextmanager
     def _engine_turn(self):
         """Generation's turn. vLLM on GPU: the trainer's movable states go to host memory first, so that the
@@ -482,8 +433,7 @@ class Trainer(Checkpointing):
 
     def close(self) -> None:
         self.verifier.close()
-        if isinstance(self.rollout, RemoteEngine):  # the rollout ranks stop with the trainer
-            self.rollout.close()
+        self._close_engine()  # rollout.placement separate: the rollout ranks stop with the trainer
 
 
 def run(cfg: Config) -> dict:
