@@ -278,7 +278,9 @@ class LossSpec:
     overlong: str  # "none", "mask" (drop responses cut at L_max) or "soft_penalty" (DAPO's R_len)
     overlong_buffer: int  # L_cache in tokens (soft_penalty)
     overlong_penalty: float  # R_len at and past L_max is -overlong_penalty
-    rollout_is: str | bool | None  # loss.rollout_is as configured; `importance.resolve_mode` picks the mode
+    # loss.rollout_is as configured (unset under rollout.max_staleness > 0: truncate, stale rounds need it);
+    # `importance.resolve_mode` picks the mode
+    rollout_is: str | bool | None
     rollout_is_cap: float
     rollout_is_lower: float | None
     skip_zero_advantage: bool | None = None  # train.skip_zero_advantage; None: skip when exact
@@ -301,7 +303,7 @@ class LossSpec:
             overlong=lo.overlong,
             overlong_buffer=lo.overlong_buffer_tokens(max_tokens),
             overlong_penalty=lo.overlong_penalty,
-            rollout_is=lo.rollout_is,
+            rollout_is=lo.rollout_is if lo.rollout_is is not None or not cfg.rollout.max_staleness else "truncate",
             rollout_is_cap=lo.rollout_is_cap,
             rollout_is_lower=lo.rollout_is_lower,
             skip_zero_advantage=cfg.train.skip_zero_advantage,

@@ -39,6 +39,7 @@ from pathlib import Path
 from trapo import hub, runtime
 from trapo.config import ConfigError, load_config, read_deepspeed_config
 from trapo.engine.memory_plan import BUILTIN, GiB, Plan, memory_plan, model_arch
+from trapo.engine.memory_plan_separate import SEPARATE_TITLES, separate_plan
 
 CARDS = (80, 141)  # GiB: H100 / A100 80 GB, H200 141 GB
 TITLES = {
@@ -69,8 +70,11 @@ def format_plan(plan: Plan, title: str) -> str:
         f"model {a.name} ({a.params:,} parameters; {a.source}); largest micro-batch {plan.tokens} tokens",
     ]
     hf = not any(i.name.startswith("vLLM") for i in plan.phases["rollout"])
+    titles = SEPARATE_TITLES if plan.placement == "separate" else HF_TITLES if hf else TITLES
+    if plan.placement == "separate":
+        lines.append(f"rollout.placement separate: the last {plan.rollout_ranks} GPUs hold only the engine")
     for phase, items in plan.phases.items():
-        lines.append(f"{(HF_TITLES if hf else TITLES)[phase]:<70} {'GiB':>8}")
+        lines.append(f"{titles[phase]:<70} {'GiB':>8}")
         for i in items:
             note = "" if i.counted or i.name.startswith("  of which") or ": offloaded" in i.name else " (not at once)"
             lines.append(f"  {i.name + note:<68} {i.bytes / GiB:8.2f}")
@@ -131,11 +135,12 @@ def plan_mode(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
     arch = model_arch(plan_source(cfg))
-    plan = memory_plan(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
+    planner = separate_plan if cfg.rollout.placement == "separate" else memory_plan
+    plan = planner(cfg, args.gpus, round(args.gpu_memory_gb * GiB), arch, ds_config)
     print(format_plan(plan, args.config))
     cards = []
     for gb in CARDS:
-        other = memory_plan(cfg, args.gpus, gb * GiB, arch, ds_config)
+        other = planner(cfg, args.gpus, gb * GiB, arch, ds_config)
         peak = max(other.peak(p) for p in other.phases) / GiB
         cards.append(f"{args.gpus} x {gb} GiB: {'fits' if other.fits else 'does NOT fit'} (peak {peak:.1f} GiB)")
     print("other cards: " + "; ".join(cards))
@@ -336,6 +341,8 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
             checks.add("trial run", False, f"model.path {cfg.model.path}: no config.json", "download the model")
             return
         model = dataclasses.replace(cfg.model, path=shrunken_model(cfg.model.path, work / "model"))
+    # rollout.placement separate: every launched rank runs the trial colocated (the link is not exercised)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement="colocated", max_staleness=0))
     questions = 8 * world  # eight per rank: some labeled ones are trained even while unlabeled ones are gated
     cfg = dataclasses.replace(
         cfg,

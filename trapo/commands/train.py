@@ -138,9 +138,16 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
     started.log = log
     from trapo.commands import toy
     from trapo.engine.checkpoint import CheckpointError
+    from trapo.engine.rollout_link import split_world
+    from trapo.training.rollout_worker import serve
     from trapo.training.trainer import Preempted, TrainingError, run
 
     try:
+        # rollout.placement separate: the last rollout.ranks processes serve rollouts, the others train
+        role, link_rank = split_world(cfg.rollout.placement, cfg.rollout.ranks)
+        if role == "rollout":
+            serve(cfg, link_rank)
+            return 0
         toy.prepare(cfg)  # the embedded task's model and data, built once (rank 0) before the trainer reads them
         run(cfg)
     except (DataError, ConfigError, FileNotFoundError) as err:

@@ -18,6 +18,7 @@ Mode = Literal["supervised", "unsupervised", "naive_semi", "trapo"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 PromptTemplate = Literal["think", "cot", "chat", "dataset", "plain"]
 Backend = Literal["auto", "vllm", "hf"]
+Placement = Literal["colocated", "separate"]
 Aggregation = Literal["dr_grpo", "token_mean", "seq_mean"]
 AdvantageScale = Literal["none", "std"]
 Objective = Literal["grpo", "gspo", "cispo"]
@@ -177,6 +178,16 @@ class RolloutConfig:
     # uses 10); 0: no limit but the epoch's end. Reached with too few informative groups, the step trains
     # on those it has (veRL stops the run instead).
     dynamic_sampling_max_rounds: int = 10
+    # Where the engines run. "colocated": on every training rank, taking turns with the update (the
+    # default). "separate": the launcher's last `ranks` processes hold only rollout engines (hf backend),
+    # the others train; weights go to them after every step over their own process group
+    # (trapo/engine/rollout_link.py, docs/async-rollouts.md).
+    placement: Placement = "colocated"
+    ranks: int = 1  # separate: how many of the launched processes are rollout ranks
+    # separate: how many updates a round's weights may lag the trainer's. 0: each round waits for the
+    # last push (equals colocated); s: step t trains on the rollouts of the weights after max(0, t-1-s)
+    # updates, generated while the trainer updated (loss.rollout_is is then on: truncate unless set).
+    max_staleness: int = 0
     health: HealthConfig = field(default_factory=HealthConfig)
     rambling: RamblingConfig = field(default_factory=RamblingConfig)
 

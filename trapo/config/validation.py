@@ -81,6 +81,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(g.entropy_factor > 1, key + "entropy_factor", f"must be > 1, got {g.entropy_factor}")
     need(g.stop_steps is None or g.stop_steps >= 1, key + "stop_steps", f"must be >= 1 or null, got {g.stop_steps}")
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
+    _placement(cfg, need)
     need(t.rollout_batch_size >= 1, "train.rollout_batch_size", "must be >= 1")
     need(
         t.update_batch_size >= 1 and t.rollout_batch_size % t.update_batch_size == 0,
@@ -231,3 +232,38 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         "a branch, tag or commit of the hub repository model.path names; null for its default branch "
         "(and with toy.enabled)",
     )
+
+
+def _placement(cfg: Config, need) -> None:
+    """rollout.placement, rollout.ranks and rollout.max_staleness (trapo/engine/rollout_link.py)."""
+    r = cfg.rollout
+    need(r.ranks >= 1, "rollout.ranks", f"must be >= 1, got {r.ranks}")
+    need(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
+    if r.placement != "separate":
+        need(
+            r.max_staleness == 0,
+            "rollout.max_staleness",
+            f"only rollout.placement=separate generates ahead of the update; got {r.max_staleness} with "
+            f"{r.placement}: set rollout.placement=separate or rollout.max_staleness=0",
+        )
+        return
+    need(
+        r.backend == "hf",
+        "rollout.backend",
+        f"rollout.placement=separate runs the hf backend on its rollout ranks (vLLM there is not built yet); "
+        f"got {r.backend!r}: set rollout.backend=hf",
+    )
+    if r.max_staleness > 0:
+        need(
+            cfg.loss.rollout_is not in ("off", False),
+            "loss.rollout_is",
+            f"rollout.max_staleness={r.max_staleness} trains on rollouts of older weights, which the importance "
+            "weight corrects: leave loss.rollout_is unset (truncate) or choose a mode other than off",
+        )
+        need(
+            cfg.sampling.curriculum == "none",
+            "sampling.curriculum",
+            f"rollout.max_staleness={r.max_staleness} asks for the next epoch's rounds before this epoch ends, when "
+            "the curriculum has not yet planned which questions that epoch skips: set sampling.curriculum=none "
+            "or rollout.max_staleness=0",
+        )

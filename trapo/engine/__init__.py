@@ -9,13 +9,15 @@ they share with disk and with other ranks.
 - vllm_rollout.py  rollout.backend vllm: one vLLM engine per rank (or tensor-parallel group): generate, push, sleep
 - hf_rollout.py    rollout.backend hf: the policy's own model generates (ZeRO-3 gathered once per turn)
 - rollout_engine.py  the RolloutEngine interface both backends implement, and the factory that opens either
+- remote_engine.py  rollout.placement separate: the training ranks' RolloutEngine, answered by the rollout ranks
+- rollout_link.py  the link to the rollout ranks: its own gloo group, versioned weights, timeouts, one-line errors
 - batch.py         graded rollouts -> training sequences, micro-batches, collation
 - packing.py       padding-free packing, token-balanced ranks, the update's efficiency
 - attention.py     the packed rows' attention: the kernel chosen once (checked), the registered implementation
 - dist.py          the process group, small collectives, ZeRO-3 parameter gathering
 - checkpoint.py    atomic checkpoint directories (with checksums.py: verified before loading)
 - reshard.py       a checkpoint saved on N ranks loaded on M (DeepSpeed's universal form)
-- memory_plan.py   per-GPU bytes of a run from its config alone
+- memory_plan.py   per-GPU bytes of a run from its config alone (memory_plan_separate.py: separate rollout GPUs)
 
 May import: trapo.algorithm and the shared vocabulary (trapo.config, trapo.data, trapo.console,
 trapo.runtime, trapo.hub, trapo.faults); never trapo.training or trapo.commands.

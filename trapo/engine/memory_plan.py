@@ -189,6 +189,8 @@ class Plan:
     kv: dict[str, int]  # kv_cache_bytes, bytes_per_token, sequence_tokens, sequences_held, sequences_needed
     problems: list[str]  # each names the setting to change
     warnings: list[str]
+    placement: str = "colocated"  # rollout.placement; separate: trapo/engine/memory_plan_separate.py
+    rollout_ranks: int = 0  # separate: the GPUs of `world` that hold only an engine
 
     @property
     def fits(self) -> bool:

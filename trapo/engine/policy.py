@@ -38,6 +38,7 @@ UPDATE_SUMS = (
     "trained_sequences",
     "logprob_diff",  # sum over trained tokens of |log pi_old - log pi_engine| (the rollout engine's health)
     "logprob_tokens",  # tokens that had engine log-probs
+    "logprob_gap",  # sum over them of log pi_engine - log pi_old: a k1 estimate of KL(engine || policy) per token
     "is_weight",  # token-weighted sum of the rollout importance weights (loss.rollout_is)
     "is_capped",  # token-weighted sum of the fraction of weights at the cap
     "is_tokens",  # tokens that had importance weights
@@ -459,6 +460,7 @@ class Policy:
                     "clip_frac": metrics["clip_frac"] * tokens,
                     "trained_tokens": tokens,
                     "logprob_diff": diff,
+                    "logprob_gap": torch.where(mask, engine_lp - old, 0.0).sum() if engine_lp is not None else 0.0,
                     "logprob_tokens": tokens if engine_lp is not None else 0.0,
                     "is_weight": is_metrics.get("is_weight_mean", 0.0) * tokens,
                     "is_capped": is_metrics.get("is_capped_frac", 0.0) * tokens,

@@ -4,6 +4,8 @@
 - inputs.py            a run's inputs (model directory, questions, prompts, benchmarks), checked before any load
 - grading.py           a round's rewards, (pseudo) pass rates and confidence scores
 - sampling.py          which groups a step trains on (DAPO dynamic sampling), the epoch's data cursor
+- prefetch.py          the trainer's engine and requests; separate placement: rounds asked for ahead, their lag
+- rollout_worker.py    a rollout rank's serving loop: open the engine, stage weights, answer requests in order
 - update.py            shaped rewards -> advantages -> update batches -> optimizer steps
 - evaluation.py        generate, grade, score benchmarks: the trainer's Evaluator; `python -m trapo eval` above
 - preemption.py        SIGTERM / SIGINT: finish the step, save, stop

@@ -39,6 +39,8 @@ class Checkpointing:
             "base_model": self.policy.base,  # model.lora: the frozen base the adapters belong to (path, sha256)
             # each rank's memory of what exhausted the Math-Verify timeout: remembered verdicts survive a resume
             "grader_memory": dist.all_gather(self.verifier.memory()),
+            # rollout.placement separate: the rounds generated ahead and not yet trained on (rank 0 holds them)
+            **({"rounds_in_flight": self.rollout.in_flight()} if self.cfg.rollout.placement == "separate" else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -105,6 +107,8 @@ class Checkpointing:
             self.moved_from = saved_world
         ckpt.restore(path, rank=self.rank, engine=self.policy.engine, saved_world=saved_world, world=self.world)
         self._prune()
+        if self.cfg.rollout.placement == "separate":  # the saved rounds come first; the push is version `step`
+            self.rollout.restore(state.get("rounds_in_flight", []), self.step)
         self.rollout.push_weights(self.policy.full_weights())
         if self.is_main:
             metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)

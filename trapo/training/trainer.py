@@ -1,7 +1,8 @@
 """The TraPO / GRPO training loop: DeepSpeed ZeRO-3 policy, colocated rollouts, pass-rate gate.
 
 One step, on every rank (each rank takes every world_size-th question of the batch):
-    1. rollouts   G samples per question from the rank's own engine (rollout.backend: vLLM, or the policy)
+    1. rollouts   G samples per question from the rank's own engine (rollout.backend: vLLM, or the policy);
+                  rollout.placement separate: from the rollout ranks, asked ahead (trapo/training/prefetch.py)
     2. grading    Math-Verify vs gold (labeled), majority vote (unlabeled)
     3. pass rates gathered from all ranks into the replicated PassRateTracker;
                   the gate M comes from the selection made at the last epoch end;
@@ -41,9 +42,9 @@ from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
-from trapo.engine.rollout import Rollout, request_seed, require_backend
-from trapo.engine.rollout_engine import EngineSettings, open_engine
-from trapo.training import curriculum, metrics, rollout_dump, run_record, sampling
+from trapo.engine.rollout import Rollout, require_backend
+from trapo.engine.rollout_engine import EngineSettings
+from trapo.training import curriculum, metrics, prefetch, rollout_dump, run_record, sampling
 from trapo.training.checkpointing import Checkpointing
 from trapo.training.evaluation import Evaluator
 from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
@@ -51,11 +52,12 @@ from trapo.training.health import METRIC, RolloutHealth
 from trapo.training.inputs import fetch_model, prepare_inputs
 from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
+from trapo.training.prefetch import Prefetching
 from trapo.training.rambling import RamblingGuard
 from trapo.training.update import update_policy
 
 
-class Trainer(Checkpointing):
+class Trainer(Checkpointing, Prefetching):
     def __init__(self, cfg: Config):
         # auto: vLLM or hf, chosen here (a resume: the engine it started with); config.yaml records the choice
         self.backend_chosen: list[str] = []  # its line, said with the run's first lines (train)
@@ -89,9 +91,7 @@ class Trainer(Checkpointing):
         generation = getattr(self.policy.model, "generation_config", None)
         stops = stop_token_ids(self.tokenizer, generation and generation.eos_token_id)
         settings = EngineSettings.for_run(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
-        self.rollout = open_engine(
-            settings, self.model_dir, tokenizer=self.tokenizer, stop_token_ids=stops, policy=self.policy
-        )
+        self.rollout = self._open_engine(settings, stops)  # rollout.placement separate: the rollout ranks'
         if (engine_config := self.rollout.effective_config()) is not None:  # a separate model must run the policy's
             console.say(same_model(self.policy.effective_config(), engine_config))
         devices = dist.all_gather(self.rollout.device())
@@ -135,12 +135,14 @@ class Trainer(Checkpointing):
         cfg, timer = self.cfg, metrics.StepTimer()
         step_start = time.perf_counter()
         epoch, first = self.cursor.epoch, self.cursor.batch
+        self._request_ahead()  # rollout.placement separate: this step's round, and the next max_staleness ones
         # sampling.curriculum: the epoch's batches without the questions it skips (the tracker's plan)
         order, skips = curriculum.epoch_order(cfg, self.tracker, epoch)
 
         # 1-3. rollouts, grading, pass rates into the tracker and rewards, one round per batch: one batch,
         #      with rollout.dynamic_sampling more of the epoch's until enough groups carry a signal
         rounds, informative, kept = self._rollout_rounds(order, first, timer)
+        self._request_ahead(used=len(rounds))  # dynamic sampling: the next step's first round, now it is known
         plan, n_updates = sampling.update_plan(kept, self.rank, self.world, cfg.train.update_batch_size)
         self._dump_rollouts(rounds, plan)  # logging.rollouts_every: what was generated and how it was scored
 
@@ -171,6 +173,7 @@ class Trainer(Checkpointing):
             "pushed_gb": pushed_bytes / 2**30,
             # groups rolled out whose G rewards are all equal (advantage 0), before any dynamic-sampling filter
             "zero_advantage_frac": totals["zero_advantage_groups"] / max(totals["groups"], 1),
+            **self._staleness(totals),  # separate: how many updates the rollouts' weights lag the trainer's
             **update_efficiency(update.work),  # signal tokens / tokens computed by all ranks, and the rest's parts
         }
         if self.entropy_control is not None:  # the coefficient this step trained with; then the next step's
@@ -272,17 +275,8 @@ class Trainer(Checkpointing):
 
     def _sample(self, question_ids: list[int]) -> list[list[Rollout]]:
         """G rollouts per question; on GPU the optimizer's states wait in host memory meanwhile."""
-        r = self.cfg.rollout
         with self._engine_turn():
-            return self.rollout.generate(
-                [self.prompts[i] for i in question_ids],
-                n=r.n,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                max_tokens=r.max_tokens,
-                min_tokens=r.min_tokens,
-                seeds=[request_seed(self.cfg.seed, self.step, i) for i in question_ids],
-            )
+            return self.rollout.generate(**self._request(self.step, question_ids))
 
     @contextlib.contextmanager
     def _engine_turn(self):
@@ -407,9 +401,11 @@ class Trainer(Checkpointing):
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    def _finished(self) -> bool:
-        """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps)."""
-        return self.step >= self.cfg.max_steps if self.cfg.max_steps else self.cursor.epoch >= self.cfg.epochs
+    def _finished(self, step: int | None = None, cursor: sampling.Cursor | None = None) -> bool:
+        """max_steps steps done, or without max_steps `epochs` epochs (refills make them fewer steps); at the
+        trainer's step and cursor, or at those of a round asked for ahead."""
+        step, cursor = self.step if step is None else step, cursor or self.cursor
+        return step >= self.cfg.max_steps if self.cfg.max_steps else cursor.epoch >= self.cfg.epochs
 
     def _progress(self) -> tuple[int, int]:
         """(done, total) for the progress bar: steps under max_steps, else batches of the epochs consumed."""
@@ -423,7 +419,9 @@ class Trainer(Checkpointing):
         last = self._finished()
         save = (cfg.save_steps and self.step % cfg.save_steps == 0) or last
         # a step trained on samples of an engine that drifted from the policy is never checkpointed
-        savable, unhealthy = self.health.check(self.step, step_log[METRIC], self._last_checkpoint)
+        # (only rounds of the trainer's own weights: a stale round's drift is policy change, not a sync fault)
+        fresh = not step_log.get(prefetch.STALENESS)
+        savable, unhealthy = self.health.check(self.step, step_log[METRIC] if fresh else None, self._last_checkpoint)
         # a step with the rambling signature (truncation and entropy jumped together) is not checkpointed either
         entropy = step_log["entropy"] if step_log["trained_sequences"] else None
         calm, rambling = self.rambling.check(self.step, step_log["truncated_frac"], entropy, self._last_checkpoint)
@@ -468,6 +466,7 @@ class Trainer(Checkpointing):
 
     def close(self) -> None:
         self.verifier.close()
+        self._close_engine()  # rollout.placement separate: the rollout ranks stop with the trainer
 
 
 def run(cfg: Config) -> dict:

@@ -1,0 +1,210 @@
+"""rollout.placement separate on the toy: one training rank and one rollout rank (the deepspeed launcher's
+2 processes, as a user starts them), against the colocated trainer; staleness 1, its kill -9 and resume,
+and a rollout rank that dies."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from toyrun import ROOT, free_port, metrics, overrides, train
+
+from trapo import runtime
+
+# every test here starts trainers (make test-fast leaves them out), each two processes at once
+pytestmark = [pytest.mark.toy_run, pytest.mark.two_cores]
+SHARED = pytest.mark.xdist_group("stale_run")  # the tests of the one stale_run: one xdist worker runs it once
+
+RUN = dict(mode="trapo", max_steps=8, save_steps=2)
+SEPARATE = {"rollout.placement": "separate", "rollout.ranks": 1}
+NOT_COMPARED = {"timing", "tokens_per_s", "rollout_generate_s"}  # wall-clock figures
+ONLY_SEPARATE = {
+    "pushed_gb",
+    "rollout_staleness",
+    "staleness_kl",
+    "rollout_generate_s",
+}  # hf colocated pushes nothing, lags nothing
+
+
+def rows(run_dir, leave_out=NOT_COMPARED):
+    return [{k: v for k, v in row.items() if k not in leave_out} for row in metrics(run_dir)]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step-*")), key=lambda p: int(p.split("-")[-1]))[-1]
+    weights = {}
+    for f in glob.glob(os.path.join(last, "hf", "*.safetensors")):
+        weights.update(load_file(f))
+    return os.path.basename(last), weights
+
+
+def same_weights(a, b):
+    (step_a, wa), (step_b, wb) = final_weights(a), final_weights(b)
+    return step_a == step_b and wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+
+
+def selections(run_dir):
+    with open(os.path.join(run_dir, "selection.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def stale_run(toy_dir, tmp_path_factory):
+    """An uninterrupted separate run at rollout.max_staleness 1."""
+    out = tmp_path_factory.mktemp("stale")
+    train(overrides(toy_dir, out, run_name="stale", **RUN, **SEPARATE, **{"rollout.max_staleness": 1}), nproc=2)
+    return out / "stale"
+
+
+def test_staleness_0_writes_what_the_colocated_trainer_writes(toy_dir, tmp_path):
+    train(overrides(toy_dir, tmp_path, run_name="colocated", **RUN))
+    train(overrides(toy_dir, tmp_path, run_name="separate", **RUN, **SEPARATE), nproc=2)
+    colocated, separate = tmp_path / "colocated", tmp_path / "separate"
+    leave_out = NOT_COMPARED | ONLY_SEPARATE
+    assert rows(colocated, leave_out) == rows(separate, leave_out)  # loss, rewards, pass rates, gate...
+    assert [row["rollout_staleness"] for row in metrics(separate)] == [0] * 8
+    assert selections(colocated) == selections(separate)
+    assert same_weights(colocated, separate)
+
+
+@SHARED
+def test_staleness_1_lags_one_update_and_corrects_it(stale_run):
+    m = metrics(stale_run)
+    assert [row["step"] for row in m] == list(range(1, 9)) and not any(row["skipped"] for row in m)
+    assert [row["rollout_staleness"] for row in m] == [0] + [1] * 7  # round 1: the initial weights, as colocated
+    assert all(row["rollout_is_weight_mean"] is not None for row in m)  # loss.rollout_is forced on (truncate)
+    assert all(row["rollout_is_capped_frac"] is not None for row in m)
+    assert abs(m[0]["staleness_kl"]) < 1e-5 < max(abs(row["staleness_kl"]) for row in m[1:])
+
+
+def test_dynamic_sampling_prefetches_the_next_first_round_and_refills_fresh(toy_dir, tmp_path):
+    dynamic = {"rollout.max_staleness": 1, "rollout.dynamic_sampling": "true", "rollout.dynamic_sampling_max_rounds": 2}
+    train(overrides(toy_dir, tmp_path, run_name="dyn", **RUN, **SEPARATE, **dynamic), nproc=2)
+    m = metrics(tmp_path / "dyn")
+    assert [row["rollout_staleness"] for row in m] == [0] + [1] * (len(m) - 1)  # the first round is one behind
+    assert any(row["dynamic_sampling"]["extra_rounds"] for row in m)  # refills ran (at staleness 0)
+    assert not any(row["skipped"] for row in m)
+
+
+@SHARED
+def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, tmp_path, stale_run):
+    args = overrides(toy_dir, tmp_path, run_name="killed", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "trapo_train.py", *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    log = tmp_path / "killed" / "metrics.jsonl"
+    try:
+        deadline = time.time() + 300
+        while (
+            time.time() < deadline
+            and proc.poll() is None
+            and (not log.is_file() or len(log.read_text().splitlines()) < 5)
+        ):
+            time.sleep(0.1)
+        assert proc.poll() is None and len(log.read_text().splitlines()) >= 5, "no kill after step 5"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, the training rank and the rollout rank
+        proc.wait()
+    train([*args, "resume_from=latest"], nproc=2)
+    assert rows(tmp_path / "killed") == rows(stale_run)
+    assert selections(tmp_path / "killed") == selections(stale_run)
+    assert same_weights(tmp_path / "killed", stale_run)
+
+
+def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_path):
+    args = overrides(toy_dir, tmp_path, run_name="dead", **RUN, **SEPARATE, dist_timeout_minutes=1)
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):  # as a launcher starts them, without one that would kill the trainer first
+        env = runtime.subprocess_env() | dict(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "trapo_train.py", *args],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
+    trainer, rollout = procs
+    log = tmp_path / "dead" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (
+        time.time() < deadline
+        and trainer.poll() is None
+        and (not log.is_file() or len(log.read_text().splitlines()) < 2)
+    ):
+        time.sleep(0.1)
+    rollout.send_signal(signal.SIGKILL)
+    rollout.wait()
+    out, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == 3, err[-2000:]
+    lines = [line for line in (out + err).splitlines() if "rollout link" in line]
+    assert len(lines) == 1 and "rollout rank 0 (link rank 1) stopped answering" in lines[0], out + err
+    done = sorted(glob.glob(str(tmp_path / "dead" / "checkpoints" / "step-*" / "COMPLETE")))
+    assert done and not glob.glob(str(tmp_path / "dead" / "checkpoints" / ".*tmp*"))
+
+
+@SHARED
+def test_a_resume_on_two_training_ranks_feeds_the_saved_round(toy_dir, tmp_path, stale_run):
+    import shutil
+
+    shutil.copytree(stale_run, tmp_path / "stale")
+    for later in ("step-6", "step-8"):  # resume at step 4, whose checkpoint holds round 5 (generated by version 3)
+        shutil.rmtree(tmp_path / "stale" / "checkpoints" / later)
+    args = overrides(toy_dir, tmp_path, run_name="stale", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
+    train([*args, "resume_from=latest"], nproc=3)  # 2 training ranks + the rollout rank
+    moved, straight = metrics(tmp_path / "stale"), metrics(stale_run)
+    assert [row["rollout_staleness"] for row in moved] == [0] + [1] * 7  # step 5: the saved round, not a new one
+    for name in ("reward_labeled", "pass_rate_labeled", "pass_rate_unlabeled", "trained_sequences"):
+        assert [row[name] for row in moved] == [row[name] for row in straight]
+    assert all(abs(a["loss"] - b["loss"]) < 1e-6 for a, b in zip(moved, straight))  # 2 ranks reduce in another order
+
+
+@SHARED
+def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_dir, tmp_path, stale_run):
+    import torch
+
+    args = overrides(toy_dir, tmp_path, run_name="term", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "trapo_train.py", *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (
+        time.time() < deadline and proc.poll() is None and (not log.is_file() or len(log.read_text().splitlines()) < 3)
+    ):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher, the training rank and the rollout rank
+    _, err = proc.communicate(timeout=300)
+    stopped_at = len(log.read_text().splitlines())
+    assert stopped_at < 8 and f"stopped by a signal after step {stopped_at}" in err, err[-3000:]
+    state = torch.load(tmp_path / "term" / "checkpoints" / f"step-{stopped_at}" / "trainer_state.pt", weights_only=True)
+    assert [version for _, version, _ in state["rounds_in_flight"]] == [stopped_at - 1]  # the next round, one behind
+    train([*args, "resume_from=latest"], nproc=2)
+    assert rows(tmp_path / "term") == rows(stale_run)
+    assert same_weights(tmp_path / "term", stale_run)
