@@ -77,12 +77,14 @@ CONFIG ?=
 doctor: $(STAMP)
 	$(PY) -m trapo doctor $(if $(CONFIG),--config $(CONFIG))
 
-# The README's generated blocks: the make train summary from a fresh run, and how the last `make test`
+# The README's generated blocks: the make train summary from fresh runs (default and AVX2 kernels), how the last `make test`
 # ended (its report, outputs/make-test.xml) when there is one.
 readme-figures: $(STAMP)
-	rm -rf outputs/toy
+	rm -rf outputs/toy outputs/kernels-avx2
 	$(PY) trapo_train.py
-	$(PY) -m trapo readme --train outputs/toy $(if $(wildcard outputs/make-test.xml),--test outputs/make-test.xml)
+	# the same run on torch's AVX2 kernels, with its own toy assets: the warm start ran on them too
+	ATEN_CPU_CAPABILITY=avx2 $(PY) trapo_train.py output_dir=outputs/kernels-avx2 toy.dir=outputs/kernels-avx2/toy-assets
+	$(PY) -m trapo readme --train outputs/toy outputs/kernels-avx2/toy $(if $(wildcard outputs/make-test.xml),--test outputs/make-test.xml)
 
 # PNG plots and report.md of any run directory: `make report RUN=outputs/toy`.
 RUN ?= outputs/toy

@@ -34,6 +34,30 @@ def test_make_train_block_from_a_run(tmp_path):
     )
 
 
+def test_make_train_block_holds_each_kernel_sets_run_once_and_their_largest_difference(tmp_path):
+    runs = []
+    for name, kernels, greedy, avg in (
+        ("a", "AVX512", (0.9, 0.8), (0.7, 0.9)),
+        ("b", "AVX2", (0.95, 0.9), (0.75, 0.96)),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        summary = {"steps": 2, "cpu_kernels": kernels, "heldout_temperature": 0.0, "selection": None}
+        summary.update(heldout_accuracy_before=greedy[0], heldout_accuracy_after=greedy[1])
+        summary.update(heldout_avg={"k": 8, "temperature": 0.6}, heldout_avg_before=avg[0], heldout_avg_after=avg[1])
+        (run / "summary.json").write_text(json.dumps(summary))
+        runs.append(str(run))
+    target = tmp_path / "README.md"
+    target.write_text("<!-- generated:make-train -->\n<!-- /generated:make-train -->\n")
+    assert readme.main(["--train", *runs, runs[0], "--readme", str(target)]) == 0  # AVX512 twice: shown once
+    text = target.read_text()
+    assert text.count("With torch's AVX512") == 1 and text.count("With torch's AVX2") == 1
+    assert text.index("AVX512") < text.index("AVX2 CPU") and text.count("held-out avg@8 (temperature 0.6)") == 2
+    # |0.9 - 0.95|, |0.8 - 0.9|, |0.7 - 0.75|, |0.9 - 0.96|
+    assert "Largest difference between these kernel sets: greedy before 0.050, greedy after 0.100, " in text
+    assert "avg@k before 0.050, avg@k after 0.060.\n<!-- /generated:make-train -->" in text
+
+
 def test_make_test_block_from_pytests_junit_report(tmp_path):
     report = tmp_path / "make-test.xml"
     report.write_text(

@@ -12,7 +12,8 @@ A block sits between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`
 lines; everything between them is replaced, so the documentation never quotes a
 figure no code printed. Each block lives in one file (`BLOCKS`):
 
-- `make-train` in README.md: the summary `make train` prints, from its run's summary.json;
+- `make-train` in README.md: the summary `make train` prints, from its run's summary.json, and the same run's
+  on AVX2 kernels (`make readme-figures` runs both);
 - `make-test` in README.md: how the last `make test` ended, from the JUnit XML it writes;
 - `reproduce-toy` in docs/reproduce-toy.md: the reproduction's results.md, its relative links
   rewritten to point from that file;
@@ -70,13 +71,38 @@ def replace_block(text: str, name: str, body: str) -> str:
     return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(3), text, count=1)
 
 
-def train_block(run_dir: Path) -> str:
-    """The summary the run printed, after a line naming torch's CPU kernel set it ran on (its figures depend on
-    it; recorded in summary.json as `cpu_kernels`)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    kernels = summary.get("cpu_kernels")
-    where = f"With torch's {kernels} CPU kernels (`torch.backends.cpu.get_cpu_capability()`):\n\n" if kernels else ""
-    return f"{where}```\n{summary_text(summary)}\n```"
+def train_block(run_dirs: list[Path]) -> str:
+    """The summary each run printed, after a line naming torch's CPU kernel set it ran on (its figures depend on
+    it; recorded in summary.json as `cpu_kernels`): `make train`'s run first, then the same run on other kernel
+    sets (`make readme-figures` adds one on AVX2), each kernel set once; with more than one, how far apart
+    their held-out figures are."""
+    summaries, seen = [], set()
+    for run_dir in run_dirs:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary.get("cpu_kernels") is None or summary["cpu_kernels"] not in seen:
+            seen.add(summary.get("cpu_kernels"))
+            summaries.append(summary)
+    parts = []
+    for summary in summaries:
+        kernels = summary.get("cpu_kernels")
+        where = (
+            f"With torch's {kernels} CPU kernels (`torch.backends.cpu.get_cpu_capability()`):\n\n" if kernels else ""
+        )
+        parts.append(f"{where}```\n{summary_text(summary)}\n```")
+    if len(summaries) > 1:
+        parts.append(kernel_spread(summaries))
+    return "\n\n".join(parts)
+
+
+def kernel_spread(summaries: list[dict]) -> str:
+    """The largest difference between the runs' held-out figures, before and after training, per measure."""
+    spreads = []
+    for name, key in (("greedy", "heldout_accuracy"), ("avg@k", "heldout_avg")):
+        for when in ("before", "after"):
+            values = [s.get(f"{key}_{when}") for s in summaries]
+            if None not in values:
+                spreads.append(f"{name} {when} {max(values) - min(values):.3f}")
+    return "Largest difference between these kernel sets: " + ", ".join(spreads) + "."
 
 
 def test_block(report: Path) -> str:
@@ -182,7 +208,12 @@ def peers_ratios_block(folder: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--train", type=Path, help="the run directory of `make train` (outputs/toy)")
+    parser.add_argument(
+        "--train",
+        type=Path,
+        nargs="+",
+        help="the run directory of `make train` (outputs/toy), then the same run's on other CPU kernel sets",
+    )
     parser.add_argument("--test", type=Path, help="the JUnit XML of `make test` (outputs/make-test.xml)")
     parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
     parser.add_argument("--plan", action="store_true", help="the memory-plan block (trapo.commands.doctor --plan)")
