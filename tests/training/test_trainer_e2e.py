@@ -335,14 +335,17 @@ def test_cli_errors_come_before_any_model_loads(toy_dir, tmp_path):
     earlier = tmp_path / "earlier"  # a run directory with logs but no checkpoint: never appended to
     earlier.mkdir()
     (earlier / "metrics.jsonl").write_text('{"step": 1}\n')
+    unbuilt = tmp_path / "toy-never-built"  # these errors come before the toy's build (minutes on a CPU)
     for resume in ("null", "latest"):
-        out = train([f"output_dir={tmp_path}", "run_name=earlier", f"resume_from={resume}"], check=False)
+        args = [f"output_dir={tmp_path}", "run_name=earlier", f"resume_from={resume}", f"toy.dir={unbuilt}"]
+        out = train(args, check=False)
         assert out.returncode == 2 and f"{earlier} holds an earlier run (metrics.jsonl)" in out.stderr
     assert "stopped before its first checkpoint, so resume_from=latest has nothing to resume" in out.stderr
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 1}\n'
     missing = tmp_path / "nope" / "step-9"
-    out = train(overrides(toy_dir, tmp_path, run_name="r", resume_from=str(missing)), check=False)
+    out = train([f"output_dir={tmp_path}", "run_name=r", f"resume_from={missing}", f"toy.dir={unbuilt}"], check=False)
     assert out.returncode == 2 and f"resume_from: {missing} is not a complete checkpoint" in out.stderr
+    assert not unbuilt.exists()
     (tmp_path / "afile").write_text("x")  # an output_dir that is a file: one line, no traceback
     out = train(overrides(toy_dir, tmp_path / "afile", run_name="r"), check=False)
     lines = [line for line in out.stderr.splitlines() if line.strip()]

@@ -121,10 +121,15 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
 
         require_verifier(cfg.reward.verifier)  # a task verifier that cannot be imported: one line, now
         if int(os.environ.get("RANK", "0")) == 0:  # one run per directory, claimed before its log is opened
+            from trapo.engine.checkpoint import check_run_dir, resolve
             from trapo.training.run_record import claim
 
             claim(cfg.run_dir)
-    except ConfigError as err:
+            # a resume_from that is no checkpoint, or another run's logs this run would not resume: now, not
+            # after the toy's build (the trainer checks again, for every entry point)
+            resolve(cfg.resume_from, cfg.run_dir / "checkpoints")
+            check_run_dir(cfg.run_dir, cfg.resume_from)
+    except (ConfigError, FileNotFoundError) as err:
         print(f"trapo_train: {err}", file=sys.stderr)
         return 2
     from trapo import console
