@@ -18,6 +18,7 @@ import venv
 from pathlib import Path
 
 import pytest
+import toyrun
 
 from trapo import runtime
 
@@ -27,15 +28,7 @@ pytestmark = [pytest.mark.wheel, pytest.mark.toy_run, pytest.mark.xdist_group("w
 # What a build reads: the package, the files setup.py ships into it, the build's own files.
 SOURCES = ["trapo", "configs", "data/benchmarks", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md"]
 # Small toy (tests/toyrun.py TOY) and batches: two steps in seconds.
-TOY = [
-    "toy.labeled=16",
-    "toy.unlabeled=48",
-    "toy.test=16",
-    "toy.sft_steps=150",
-    "toy.sft_schedule=constant",
-    "toy.sft_noise=0",
-    "progress_bar=false",
-]
+TOY = [*toyrun.TOY, "progress_bar=false"]
 BATCH = ["train.rollout_batch_size=16", "train.update_batch_size=16", "rollout.n=4"]
 
 # Loaded by a .pth line at every interpreter start in the scratch environment.

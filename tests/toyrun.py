@@ -60,13 +60,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(args, nproc=1, check=True, env=None):
+def command(args, nproc=1):
+    """The command line of a training run: the script alone for one rank, the `deepspeed` launcher for more."""
     if nproc == 1:
-        cmd = [sys.executable, "trapo_train.py", *args]
-    else:
-        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        cmd = [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()), "trapo_train.py", *args]
-    out = run(cmd, env=env)
+        return [sys.executable, "trapo_train.py", *args]
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()), "trapo_train.py", *args]
+
+
+def train(args, nproc=1, check=True, env=None):
+    out = run(command(args, nproc), env=env)
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
     return out

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from toyrun import ROOT, free_port, metrics, overrides, train
+from toyrun import ROOT, command, free_port, metrics, overrides, train
 
 from trapo import runtime
 
@@ -95,10 +95,8 @@ def test_dynamic_sampling_prefetches_the_next_first_round_and_refills_fresh(toy_
 @SHARED
 def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, tmp_path, stale_run):
     args = overrides(toy_dir, tmp_path, run_name="killed", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "trapo_train.py", *args]
     proc = subprocess.Popen(
-        cmd,
+        command(args, nproc=2),
         cwd=ROOT,
         env=runtime.subprocess_env(),
         start_new_session=True,
@@ -182,10 +180,8 @@ def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_di
     import torch
 
     args = overrides(toy_dir, tmp_path, run_name="term", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "trapo_train.py", *args]
     proc = subprocess.Popen(
-        cmd,
+        command(args, nproc=2),
         cwd=ROOT,
         env=runtime.subprocess_env(),
         start_new_session=True,

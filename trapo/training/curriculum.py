@@ -17,14 +17,15 @@ from trapo.config import Config
 from trapo.data import epoch_batches
 
 
-def _plan(cfg: Config, tracker: PassRateTracker) -> EpochPlan:
+def _rule(cfg: Config, tracker: PassRateTracker) -> dict:
+    """What the rule reads: the tracker's trajectories and the run's curriculum settings."""
     c = cfg.sampling
-    return plan_epoch(
-        tracker.trajectories,
-        tracker.observed,
-        tracker.labeled,
-        c.curriculum_window,
-        c.curriculum_readmit_every,
+    return dict(
+        trajectories=tracker.trajectories,
+        observed=tracker.observed,
+        labeled=tracker.labeled,
+        window=c.curriculum_window,
+        readmit_every=c.curriculum_readmit_every,
         min_admitted=cfg.train.rollout_batch_size,
     )
 
@@ -34,7 +35,7 @@ def epoch_order(cfg: Config, tracker: PassRateTracker, epoch: int) -> tuple[list
     t, q = cfg.train, tracker.num_questions
     if cfg.sampling.curriculum == "none":
         return epoch_batches(q, t.rollout_batch_size, t.update_batch_size, cfg.seed, epoch), None
-    plan = _plan(cfg, tracker)
+    plan = plan_epoch(**_rule(cfg, tracker))
     admitted = plan.admitted.tolist()
     return epoch_batches(q, t.rollout_batch_size, t.update_batch_size, cfg.seed, epoch, admitted), plan
 
@@ -57,12 +58,4 @@ def step_values(plan: EpochPlan, order: list[list[int]], labeled: torch.Tensor) 
 
 def epoch_end_values(cfg: Config, tracker: PassRateTracker) -> dict[str, int]:
     """After the tracker closed an epoch: how its re-admitted questions did (forgotten: solved before, now not)."""
-    c = cfg.sampling
-    return readmission_outcome(
-        tracker.trajectories,
-        tracker.observed,
-        tracker.labeled,
-        c.curriculum_window,
-        c.curriculum_readmit_every,
-        min_admitted=cfg.train.rollout_batch_size,
-    )
+    return readmission_outcome(**_rule(cfg, tracker))
