@@ -20,6 +20,13 @@ os.environ["HF_HUB_CACHE"] = os.path.join(tempfile.gettempdir(), "trapo-tests-em
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that start trainers first, the rest after them in their order: under `make test`'s two workers
+    the many short tests then fill the end, instead of one worker starting a minute-long run while the other
+    has nothing left (the same order on every worker, as pytest-xdist requires)."""
+    items.sort(key=lambda item: item.get_closest_marker("toy_run") is None)
+
+
 def _session_root(tmp_path_factory, worker_id):
     """The session's temporary directory, shared by the pytest-xdist workers (each has its own below it)."""
     root = tmp_path_factory.getbasetemp()

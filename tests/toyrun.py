@@ -1,10 +1,15 @@
-"""Toy training runs for the tests: each run is a subprocess (a trainer owns a process: its distributed world
-and its vLLM engine), launched like a user does (`trapo_train.py`, or the `deepspeed` launcher for 2 ranks)."""
+"""Toy training runs for the tests: each run is a subprocess per rank (a trainer owns a process: its distributed
+world and its vLLM engine), started as a user's `python trapo_train.py` or the `deepspeed` launcher's ranks are."""
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from trapo import runtime
 
@@ -60,19 +65,94 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(args, nproc=1):
-    """The command line of a training run: the script alone for one rank, the `deepspeed` launcher for more."""
-    if nproc == 1:
-        return [sys.executable, "trapo_train.py", *args]
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [launcher, "--num_gpus", str(nproc), "--master_port", str(free_port()), "trapo_train.py", *args]
+class Ranks:
+    """The processes of one training run: rank r runs `python -u trapo_train.py ARGS --local_rank=r` in the
+    environment the `deepspeed` launcher gives its ranks (deepspeed/launcher/launch.py of 0.19.8: MASTER_ADDR,
+    MASTER_PORT, WORLD_SIZE, CROSS_RANK, CROSS_SIZE, LOCAL_SIZE, RANK, LOCAL_RANK), started without the
+    launcher's two front processes, which cost ~6 s of a 2-rank toy run's 14 (what the launcher itself does is
+    tested where it matters: two nodes, SIGTERM to a deepspeed job, Slurm). As its launch.py, the first rank to
+    fail has the others terminated and gives the run's exit code. The ranks share one process group, led by
+    rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a launched job does."""
+
+    def __init__(self, args, nproc=1, env=None):
+        env = env or runtime.subprocess_env()
+        port = free_port()
+        self.logs = []  # (stdout, stderr) files of each rank: pipes could fill while another rank is waited on
+        self.procs = []
+        for rank in range(nproc):
+            cmd = [sys.executable, "-u", "trapo_train.py", *args]
+            rank_env = env
+            if nproc > 1:
+                cmd.append(f"--local_rank={rank}")
+                rank_env = env | {
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "WORLD_SIZE": str(nproc),
+                    "CROSS_RANK": "0",
+                    "CROSS_SIZE": "1",
+                    "LOCAL_SIZE": str(nproc),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                }
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            self.logs.append((out, err))
+            group = self.pgid if self.procs else 0  # rank 0 leads a new process group, the others join it
+            self.procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=out, stderr=err, text=True, process_group=group)
+            )
+
+    @property
+    def pgid(self) -> int:
+        return self.procs[0].pid
+
+    def wait(self, timeout=600) -> subprocess.CompletedProcess:
+        """Every rank's exit, or the first failure's (the others then get SIGTERM); their output, rank by rank."""
+        deadline = time.monotonic() + timeout
+        code = None
+        while code is None and any(p.poll() is None for p in self.procs):
+            failed = [p.returncode for p in self.procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0]
+                break
+            if time.monotonic() > deadline:
+                os.killpg(self.pgid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(self.procs[0].args, timeout)
+            time.sleep(0.05)
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            p.wait()
+        if code is None:
+            code = next((p.returncode for p in self.procs if p.returncode), 0)
+        texts = []
+        for out, err in self.logs:
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close()
+            err.close()
+        return subprocess.CompletedProcess(
+            self.procs[0].args, code, "".join(o for o, _ in texts), "".join(e for _, e in texts)
+        )
 
 
 def train(args, nproc=1, check=True, env=None):
-    out = run(command(args, nproc), env=env)
+    out = Ranks(args, nproc, env).wait()
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
     return out
+
+
+def stopped_at(run_dir, dest, step):
+    """`run_dir` copied to `dest` without its checkpoints after `step`: the run as a stop at `step` leaves it, but
+    for the later rows of its logs, which resume_from=latest drops (as after a kill -9 past the checkpoint).
+    A resume test resumes the copy instead of running a second run up to `step`."""
+    shutil.copytree(run_dir, dest)
+    for ckpt in (Path(dest) / "checkpoints").glob("step-*"):
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+    return Path(dest)
 
 
 def metrics(run_dir):

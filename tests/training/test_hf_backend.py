@@ -1,5 +1,5 @@
 """rollout.backend=hf end to end on the toy, in processes where vLLM cannot be imported (tests/scripts/without_vllm.py):
-it trains, its rollouts agree with the policy, a kill-free stop at step 6 and a resume equal 12 straight steps;
+it trains, its rollouts agree with the policy, a resume from step 6 equals 12 straight steps;
 backend vllm there stops with one line naming the key; auto there runs hf, and a resume keeps it."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from toyrun import ROOT, metrics, overrides, run, train
+from toyrun import ROOT, metrics, overrides, run, stopped_at, train
 
 WITHOUT_VLLM = os.path.join(ROOT, "tests", "scripts", "without_vllm.py")
 HF = {"rollout.backend": "hf", "mode": "trapo", "save_steps": 6}
@@ -32,7 +32,7 @@ def test_hf_backend_trains_without_vllm_and_resumes_exactly(toy_dir, tmp_path):
     assert all(r["pushed_gb"] == 0 for r in straight)  # the engine is the policy: nothing to push
     assert any(r.get("selection", {}).get("tcs_selected") is not None for r in straight)  # past the warm-up
 
-    without_vllm(overrides(toy_dir, tmp_path, run_name="resumed", max_steps=6, **HF))
+    stopped_at(tmp_path / "straight", tmp_path / "resumed", 6)
     out = without_vllm(overrides(toy_dir, tmp_path, run_name="resumed", max_steps=12, resume_from="latest", **HF))
     assert "step-6 at step 6" in out.stderr
     resumed = metrics(tmp_path / "resumed")

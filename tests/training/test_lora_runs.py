@@ -1,5 +1,5 @@
-"""LoRA end to end on the toy (model.lora): the adapted policy trains and its rollouts agree with it, a stop at
-step 6 and a resume equal 12 straight steps, `hf/` holds a merged model transformers loads alone, a resume
+"""LoRA end to end on the toy (model.lora): the adapted policy trains and its rollouts agree with it, a resume
+from step 6 equals 12 straight steps, `hf/` holds a merged model transformers loads alone, a resume
 onto another base names both, the KL reference is the base itself, and the hf backend generates with the
 adapters on."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from toyrun import ROOT, VLLM, metrics, overrides, run, train
+from toyrun import ROOT, VLLM, metrics, overrides, run, stopped_at, train
 
 LORA = {"model.lora.rank": 8, "model.lora.alpha": 16, "train.lr": "2e-3", "mode": "trapo"}
 SAME = ("loss", "pg_loss", "reward_labeled", "pass_rate_labeled", "pass_rate_unlabeled", "response_tokens", "selection")
@@ -37,7 +37,7 @@ def test_lora_trains_resumes_exactly_and_saves_a_merged_model(toy_dir, tmp_path)
     diffs = [r["logprob_diff_rollout_vs_policy"] for r in straight]
     assert all(d < 1e-4 for d in diffs), diffs  # vLLM samples from the merged weights of every update
 
-    train(lora_run(toy_dir, tmp_path, run_name="resumed", max_steps=6, save_steps=6))
+    stopped_at(tmp_path / "straight", tmp_path / "resumed", 6)
     out = train(lora_run(toy_dir, tmp_path, run_name="resumed", max_steps=12, save_steps=6, resume_from="latest"))
     assert "step-6 at step 6" in out.stderr
     resumed = metrics(tmp_path / "resumed")
@@ -122,7 +122,7 @@ def test_lora_under_zero2_resumes_exactly_and_full_fine_tuning_there_is_refused(
     """configs/trapo_1k_3k_lora_1gpu.yaml's DeepSpeed config: the frozen base whole, nothing gathered."""
     zero2 = {"train.deepspeed_config": "configs/deepspeed_zero2.json", "save_steps": 2}
     train(lora_run(toy_dir, tmp_path, run_name="z2", max_steps=4, **zero2))
-    train(lora_run(toy_dir, tmp_path, run_name="z2r", max_steps=2, **zero2))
+    stopped_at(tmp_path / "z2", tmp_path / "z2r", 2)
     train(lora_run(toy_dir, tmp_path, run_name="z2r", max_steps=4, resume_from="latest", **zero2))
     straight, resumed = metrics(tmp_path / "z2"), metrics(tmp_path / "z2r")
     assert all(r["logprob_diff_rollout_vs_policy"] < 1e-4 for r in straight)

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from toyrun import ROOT, command, free_port, metrics, overrides, train
+from toyrun import ROOT, Ranks, free_port, metrics, overrides, train
 
 from trapo import runtime
 
@@ -95,27 +95,21 @@ def test_dynamic_sampling_prefetches_the_next_first_round_and_refills_fresh(toy_
 @SHARED
 def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, tmp_path, stale_run):
     args = overrides(toy_dir, tmp_path, run_name="killed", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
-    proc = subprocess.Popen(
-        command(args, nproc=2),
-        cwd=ROOT,
-        env=runtime.subprocess_env(),
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    ranks = Ranks(args, nproc=2)
+    trainer = ranks.procs[0]
     log = tmp_path / "killed" / "metrics.jsonl"
     try:
         deadline = time.time() + 300
         while (
             time.time() < deadline
-            and proc.poll() is None
+            and trainer.poll() is None
             and (not log.is_file() or len(log.read_text().splitlines()) < 5)
         ):
             time.sleep(0.1)
-        assert proc.poll() is None and len(log.read_text().splitlines()) >= 5, "no kill after step 5"
+        assert trainer.poll() is None and len(log.read_text().splitlines()) >= 5, "no kill after step 5"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, the training rank and the rollout rank
-        proc.wait()
+        os.killpg(ranks.pgid, signal.SIGKILL)  # the training rank and the rollout rank
+        ranks.wait()
     train([*args, "resume_from=latest"], nproc=2)
     assert rows(tmp_path / "killed") == rows(stale_run)
     assert selections(tmp_path / "killed") == selections(stale_run)
@@ -180,23 +174,17 @@ def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_di
     import torch
 
     args = overrides(toy_dir, tmp_path, run_name="term", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
-    proc = subprocess.Popen(
-        command(args, nproc=2),
-        cwd=ROOT,
-        env=runtime.subprocess_env(),
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    ranks = Ranks(args, nproc=2)
     log = tmp_path / "term" / "metrics.jsonl"
     deadline = time.time() + 300
     while (
-        time.time() < deadline and proc.poll() is None and (not log.is_file() or len(log.read_text().splitlines()) < 3)
+        time.time() < deadline
+        and ranks.procs[0].poll() is None
+        and (not log.is_file() or len(log.read_text().splitlines()) < 3)
     ):
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGTERM)  # the launcher, the training rank and the rollout rank
-    _, err = proc.communicate(timeout=300)
+    os.killpg(ranks.pgid, signal.SIGTERM)  # the training rank and the rollout rank
+    err = ranks.wait(timeout=300).stderr
     stopped_at = len(log.read_text().splitlines())
     assert stopped_at < 8 and f"stopped by a signal after step {stopped_at}" in err, err[-3000:]
     state = torch.load(tmp_path / "term" / "checkpoints" / f"step-{stopped_at}" / "trainer_state.pt", weights_only=True)
