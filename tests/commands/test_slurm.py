@@ -101,12 +101,19 @@ def test_time_limit_signal_saves_exits_75_and_requeues(toy_dir, tmp_path):
             "train.update_batch_size=16", "max_steps=8", "save_steps=0", "progress_bar=false"]  # fmt: skip
     job = subprocess.Popen(["bash", SCRIPT, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)  # fmt: skip
+    # another job's rank on the same node, which the signal must not reach
+    decoy = [sys.executable, "-c", "import time; time.sleep(600)", "trapo_train.py --local_rank=0"]
+    other = subprocess.Popen(decoy, start_new_session=True)
     rows = tmp_path / "runs" / "toy" / "metrics.jsonl"
     deadline = time.time() + 300
     while not rows.is_file() and time.time() < deadline and job.poll() is None:
         time.sleep(0.2)
     job.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@600, to the batch script alone
     out, _ = job.communicate(timeout=300)
+    alive = other.poll() is None
+    other.kill()
+    other.wait()
+    assert alive, "the time-limit signal reached another job's rank"
     assert job.returncode == 75, out[-3000:]
     stopped = len(rows.read_text().splitlines())
     assert 1 <= stopped < 8 and f"stopped by a signal after step {stopped}" in out

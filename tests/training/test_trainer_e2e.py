@@ -75,7 +75,7 @@ def test_authors_verl_loss_settings_with_a_reference_model(toy_dir, tmp_path):
 
 @pytest.mark.two_cores
 def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
-    """deepspeed --num_gpus 2 on CPU: warm-up is labeled-only, then the selection opens the gate."""
+    """2 ranks on CPU: warm-up is labeled-only, then the selection opens the gate."""
     val = os.path.join(toy_dir, "seed-0", "test.jsonl")
     extra = {"eval.files": f"[{val}]", "eval.steps": 3, "eval.n": 2, "keep_checkpoints": 1, "logging.rollouts_every": 5}
     extra["eval.heldout_k"] = 2  # the held-out avg@2 at eval.temperature, before and after, pooled over both ranks
@@ -409,7 +409,7 @@ def test_engine_placement_check(toy_dir):
 
 @pytest.mark.two_cores
 def test_tensor_parallel_rollouts_two_ranks(toy_dir, tmp_path):
-    """deepspeed --num_gpus 2 with rollout.tensor_parallel_size=2: one engine shared by both ranks."""
+    """2 ranks with rollout.tensor_parallel_size=2: one engine shared by both ranks."""
     args = {"rollout.tensor_parallel_size": 2, "max_steps": 2, "run_name": "tp", "eval.steps": 2, **VLLM}
     out = train(overrides(toy_dir, tmp_path, **args), nproc=2)
     assert engine_lines(out.stderr)[1].endswith("vLLM engines (tensor parallel 2): rank 0 cpu, rank 1 cpu")
@@ -449,7 +449,7 @@ def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
 
 @pytest.mark.two_cores
 def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exactly(toy_dir, tmp_path):
-    """deepspeed --num_gpus 2, rollout.dynamic_sampling: groups with equal rewards leave the update, the
+    """2 ranks, rollout.dynamic_sampling: groups with equal rewards leave the update, the
     epoch's next batches refill it to train.rollout_batch_size (the ranks then keep different numbers of
     groups, in two updates each), refills consume the epoch and still give the tracker their pass rates;
     resumed from step 2 the third step equals the straight run's."""
