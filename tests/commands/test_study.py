@@ -168,7 +168,7 @@ def test_every_field_of_a_study_file_is_checked_when_it_is_read(tmp_path):
 def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
     study = {
         "name": "tiny", "title": "tiny", "scale": "toy", "base": "configs/toy_trap.yaml", "knob": "selection.top_p",
-        "common": ["mode=trapo", "selection.warmup_epochs=1", "eval.n=1", "rollout.backend=hf"], "seeds": [0, 1],
+        "common": ["mode=trapo", "selection.warmup_epochs=1", "eval.n=1", "rollout.backend=hf"], "seeds": [0],
         "steps": 6,
         "eval_every": 2, "conditions": {"a": ["selection.top_p=0.1"], "b": ["selection.top_p=1.0"]},
         "claims": [{"name": "a_beats_b", "better": "a", "worse": "b", "split": "test", "means": "a smoke test"}],
