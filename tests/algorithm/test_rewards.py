@@ -253,6 +253,52 @@ def test_vote_over_answers_that_each_exhaust_the_timeout_takes_about_one_timeout
     assert label == "1+x" and agree == [False] * 3 + [True] * 3 + [False] * 2
 
 
+DEEP = 16  # nesting of the deep fractions below
+
+
+def _nested_fraction(depth: int, seed: int) -> str:
+    rng = random.Random(seed)
+    inner = "x"
+    for _ in range(depth):
+        inner = f"\\frac{{{rng.randint(1, 9)}+{inner}}}{{{rng.randint(1, 9)}-y}}"
+    return inner
+
+
+def test_deep_fractions_get_their_probe_value_at_once_and_the_same_value_as_evalf_subs():
+    """The pre-filter's value of a nested fraction, in linear time: evalf(subs=...) took seconds from 12 deep
+    (exponential in the nesting), so a vote over such answers counted every one as a timeout."""
+    import cmath
+
+    import sympy
+
+    from trapo.algorithm.rewards.verify_executor import _Checker, _probe
+
+    checker = _Checker()
+    for depth in (2, 6, 10):  # the reference path, where it still finishes in a fraction of a second
+        answer = _nested_fraction(depth, depth)
+        expr = checker.parse(answer)[0]
+        reference = complex(expr.evalf(15, subs={x: _probe(x.name) for x in expr.free_symbols}))
+        assert abs(checker.value(answer) - reference) <= 1e-12 * abs(reference), depth
+    deep = [_nested_fraction(DEEP, seed) for seed in range(3)]
+    for answer in deep:
+        value = checker.value(answer)
+        assert isinstance(value, complex) and cmath.isfinite(value)  # a number, not a pre-filter failure
+    assert isinstance(checker.parse(deep[0])[0], sympy.Expr)
+
+
+def test_vote_counts_exactly_the_answers_that_cannot_be_parsed_in_time(spy):
+    """Towers exhaust any timeout (counted once each, never compared); 16-deep fractions did too, in the
+    probe value (about 15 s of evalf): now they are ready in a tenth of a second and cost no timeout."""
+    deep = [_nested_fraction(DEEP, seed) for seed in range(3)]
+    answers = [TOWERS[0], deep[0], deep[1], TOWERS[1], deep[0], deep[2], "x+1"]
+    tally = Tally()
+    # a longer timeout than SHORT: the fractions' parse must not time out on a loaded machine, the towers' always does
+    assert majority_votes([answers], 3.0, spy, tally=tally) == [(deep[0], [a == deep[0] for a in answers])]
+    assert tally == Tally(timeouts=2, budget_cut=0)
+    sent = {a for pairs in spy.judged for pair in pairs for a in pair}
+    assert TOWERS[0] not in sent and TOWERS[1] not in sent  # frozen after their one parse
+
+
 def test_vote_holds_without_the_soft_alarm():
     """A computation no signal interrupts (C code) is cut by killing its executor, still side by side."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # inherited by the worker processes
