@@ -121,8 +121,12 @@ class Ranks:
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
-        for p in self.procs:
-            p.wait()
+        for p in self.procs:  # as launch.py: 30 s to stop (a rank may sit in a collective with a dead one), then killed
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         if code is None:
             code = next((p.returncode for p in self.procs if p.returncode), 0)
         texts = []
