@@ -36,11 +36,15 @@ train: $(STAMP)
 
 # Two pytest-xdist workers, one per core; --dist loadgroup keeps the tests that share a toy run on one
 # worker, so the run happens once (tests/training/conftest.py).
+# The project's bytecode first: each of the suite's few hundred processes would otherwise compile trapo's
+# modules again (~0.5 s each) where PYTHONDONTWRITEBYTECODE is set, as on this project's machines.
 test: $(STAMP)
+	$(PY) -m compileall -q trapo tests trapo_train.py
 	$(PY) -m pytest -q -n 2 --dist loadgroup --junitxml=outputs/make-test.xml
 
 # The edit loop: every test that starts no trainer, no DeepSpeed ranks and no evaluation engine (marker toy_run).
 test-fast: $(STAMP)
+	$(PY) -m compileall -q trapo tests trapo_train.py
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not toy_run"
 
 # `make eval` alone: the latest `make train` checkpoint on the toy held-out split and a
