@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test test-fast eval data doctor report readme-figures reproduce-toy studies-toy lint bench bench-peers clean-venv gpu-kit gpu-check
+.PHONY: setup train test test-fast bytecode eval data doctor report readme-figures reproduce-toy studies-toy lint bench bench-peers clean-venv gpu-kit gpu-check
 
 setup: $(STAMP)
 
@@ -36,16 +36,17 @@ train: $(STAMP)
 
 # Two pytest-xdist workers, one per core; --dist loadgroup keeps the tests that share a toy run on one
 # worker, so the run happens once (tests/training/conftest.py).
-# The project's bytecode first: each of the suite's few hundred processes would otherwise compile trapo's
-# modules again (~0.5 s each) where PYTHONDONTWRITEBYTECODE is set, as on this project's machines.
-test: $(STAMP)
-	$(PY) -m compileall -q trapo tests trapo_train.py
+test: $(STAMP) bytecode
 	$(PY) -m pytest -q -n 2 --dist loadgroup --junitxml=outputs/make-test.xml
 
 # The edit loop: every test that starts no trainer, no DeepSpeed ranks and no evaluation engine (marker toy_run).
-test-fast: $(STAMP)
-	$(PY) -m compileall -q trapo tests trapo_train.py
+test-fast: $(STAMP) bytecode
 	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not toy_run"
+
+# The project's bytecode, before the tests: each of the suite's few hundred processes would otherwise compile
+# trapo's modules again (~0.5 s each) where PYTHONDONTWRITEBYTECODE is set, as on this project's machines.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q trapo tests trapo_train.py
 
 # `make eval` alone: the latest `make train` checkpoint on the toy held-out split and a
 # 32-question slice of each shipped benchmark. `make eval MODEL=dir BENCH=math,arc_c,gpqa`

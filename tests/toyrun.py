@@ -108,8 +108,8 @@ class Ranks:
     def wait(self, timeout=600) -> subprocess.CompletedProcess:
         """Every rank's exit, or the first failure's (the others then get SIGTERM); their output, rank by rank."""
         deadline = time.monotonic() + timeout
-        code = None
-        while code is None and any(p.poll() is None for p in self.procs):
+        code = None  # the first failure seen, as launch.py reports it (the ranks it then stops exit -15)
+        while any(p.poll() is None for p in self.procs):
             failed = [p.returncode for p in self.procs if p.returncode not in (None, 0)]
             if failed:
                 code = failed[0]

@@ -4,10 +4,9 @@ at the toy's epoch boundary (4 steps per epoch), where the selection ran. Loss t
 sums run in another order), rewards and pass rates exactly."""
 
 import json
-import shutil
 
 import pytest
-from toyrun import VLLM, metrics, overrides, train
+from toyrun import VLLM, metrics, overrides, stopped_at, train
 
 # vLLM: its rollouts do not depend on how many ranks share the questions; the hf backend's batch shape
 # changes its float rounding, which can flip a near-tie token after the resume onto another rank count.
@@ -18,13 +17,10 @@ EXACT = ("reward_labeled", "pass_rate_labeled", "pass_rate_unlabeled", "response
 def moved(toy_dir, tmp_path, source, name, nproc, damage=False):
     """`source`'s run directory up to its step-4 checkpoint, resumed to step 8 on `nproc` ranks. With `damage`
     its step-8 checkpoint stays, with a rank's optimizer file truncated: resume_from=latest sets it aside."""
-    shutil.copytree(tmp_path / source, tmp_path / name)
-    step8 = tmp_path / name / "checkpoints" / "step-8"
+    run_dir = stopped_at(tmp_path / source, tmp_path / name, 8 if damage else 4)
     if damage:
-        shard = sorted((step8 / "ds").glob("*optim_states.pt"))[-1]
+        shard = sorted((run_dir / "checkpoints" / "step-8" / "ds").glob("*optim_states.pt"))[-1]
         shard.write_bytes(shard.read_bytes()[:100])
-    else:
-        shutil.rmtree(step8)
     out = train(overrides(toy_dir, tmp_path, run_name=name, max_steps=8, resume_from="latest", **ARGS), nproc=nproc)
     return out, metrics(tmp_path / name)
 
