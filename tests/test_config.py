@@ -131,6 +131,7 @@ def test_overrides_are_typed_and_dotted():
         ("eval.heldout_k=-1", "key 'eval.heldout_k': must be >= 0 (0: greedy held-out accuracy only), got -1"),
         ("eval.temperature=0", "key 'eval.heldout_k': avg@8 samples at eval.temperature, which is 0 (greedy)"),
         ("toy.sft_noise=1", "key 'toy.sft_noise': must be in [0, 1) (a share of the warm start's answers), got 1"),
+        ("toy.sft_lr=0", "key 'toy.sft_lr': must be > 0 (the warm start's learning rate), got 0"),
         ("toy.task=trap", "key 'toy.sft_noise': the teacher's slips (a+b+10) need task 'addition', got task 'trap'"),
         ("train.weight_decay=-0.1", "key 'train.weight_decay': must be >= 0"),
         ("train.adam_betas=[0.9,1.0]", "key 'train.adam_betas': each must be in [0, 1)"),

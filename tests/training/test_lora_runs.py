@@ -67,6 +67,9 @@ def test_the_make_train_toy_learns_with_lora(tmp_path):
     # avg@8 at T 0.6 (eval.heldout_k): the toy's warm start answers right greedily already (configs/toy.yaml)
     before, after = summary["heldout_avg_before"], summary["heldout_avg_after"]
     assert after > before, (before, after)
+    # the warm start converged whatever this CPU's kernels (0.992 on AVX2 and AVX-512, the README's block):
+    # greedy right, samples right about 1 - toy.sft_noise of the time
+    assert summary["heldout_accuracy_before"] >= 0.95 and 0.7 <= before <= 0.9, summary
     assert all(r["logprob_diff_rollout_vs_policy"] < 1e-4 for r in metrics(tmp_path / "toy"))
 
 

@@ -14,9 +14,10 @@ Two task families (`cfg.task`):
 - `addition` (the `make train` default): "a+b=" with two-digit a, b, answer
   `\\boxed{a+b}`; the warm start sees a disjoint pool of questions. configs/toy.yaml's
   teacher slips on 30% of its draws (a+b+10, `sft_noise`) and the fit runs to
-  convergence (`sft_schedule: decay`): greedy answers mostly right, sampled ones right
-  about 70% of the time, much the same model on any CPU's kernels (a fit stopped mid-way at
-  a fixed step is not: where it stands then differs between AVX2 and AVX-512 rounding).
+  convergence (`sft_schedule: decay` from `sft_lr` 1e-3): greedy answers right, sampled
+  ones right about 70% of the time, the same model on any CPU's kernels (a fit stopped
+  mid-way, or one at 3e-3 still on its plateau, is not: where it stands then differs
+  between AVX2 and AVX-512 rounding).
 - `trap` (`make reproduce-toy`): "a-b=" with two-digit a > b, where self-consistency
   can be wrong. When a column needs a borrow (a's units digit < b's), the warm
   start's teacher is buggy for `trap_rate` of such questions: it subtracts the
@@ -48,7 +49,7 @@ from trapo import console
 from trapo.config import Config, ToyConfig
 
 EOS = "<|endoftext|>"
-FORMAT_VERSION = 3  # 3: the addition task's converged, noisy-teacher warm start (configs/toy.yaml)
+FORMAT_VERSION = 4  # 4: toy.sft_lr (configs/toy.yaml's warm start at 1e-3, no plateau)
 
 
 def _problems(seed: int) -> list[tuple[str, str]]:
@@ -144,6 +145,7 @@ def _warm_start(
     schedule: str,
     task: str = "addition",
     noise: float = 0.0,
+    lr: float = 3e-3,
 ) -> None:
     """Supervised fit on (prompt, response) pairs; loss on response tokens only. schedule: ToyConfig.sft_schedule.
 
@@ -151,7 +153,7 @@ def _warm_start(
     instead, drawn afresh at every draw; the fit then learns the answer distribution itself
     (ToyConfig.sft_noise)."""
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     decay = schedule == "decay"
     rate = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps if decay else 1.0)
     eos = tokenizer.eos_token_id
@@ -254,7 +256,9 @@ def build_assets(cfg: ToyConfig, log=print) -> Path:
     tokenizer = _tokenizer(corpus, letters=cfg.task == "reverse")
     model = _model(tokenizer, cfg.seed)
     with torch.random.fork_rng():
-        _warm_start(model, tokenizer, warm, cfg.sft_steps, cfg.seed, cfg.sft_schedule, cfg.task, cfg.sft_noise)
+        _warm_start(
+            model, tokenizer, warm, cfg.sft_steps, cfg.seed, cfg.sft_schedule, cfg.task, cfg.sft_noise, cfg.sft_lr
+        )
 
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

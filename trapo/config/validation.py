@@ -212,6 +212,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
         need(
             uri is None or bool(uri.strip()), "logging.mlflow.tracking_uri", "must be a URI, or null for run_dir/mlruns"
         )
+    need(cfg.toy.sft_lr > 0, "toy.sft_lr", f"must be > 0 (the warm start's learning rate), got {cfg.toy.sft_lr}")
     noise = cfg.toy.sft_noise
     need(0 <= noise < 1, "toy.sft_noise", f"must be in [0, 1) (a share of the warm start's answers), got {noise}")
     need(
