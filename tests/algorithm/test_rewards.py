@@ -328,6 +328,23 @@ def test_vote_never_compares_an_answer_again_after_its_comparison_timed_out(spy)
     assert tally.timeouts == 2
 
 
+def test_a_huge_exact_power_is_answered_as_a_timeout_without_waiting_for_it():
+    """Math-Verify subtracting a 10^21-bit integer power from an answer without a probe value computes it
+    exactly: the comparison would wait out the whole timeout, each round, while that power leads the vote.
+    The executor's guard gives the alarm's verdict (a timeout, counted; the new answer frozen) at once."""
+    huge = "91417776317066907439^{15000806360837783533}"
+    answers = [huge, huge, "\\int x", "\\int y", "\\int z"]
+    verifier = MathVerifier(num_workers=2, timeout=30.0)
+    verifier.start()
+    try:
+        tally, started = Tally(), time.perf_counter()
+        assert majority_votes([answers], 30.0, verifier, tally=tally) == [(huge, [True, True, False, False, False])]
+        assert time.perf_counter() - started < 30.0  # not one of the three comparisons waited out its timeout
+        assert tally.timeouts == 3
+    finally:
+        verifier.close()
+
+
 def test_identical_answers_cost_no_comparisons(spy):
     assert majority_votes([["x+1"] * 8, ["\\sqrt{2}"] * 5 + [None] * 3], SHORT, spy) == [
         ("x+1", [True] * 8),

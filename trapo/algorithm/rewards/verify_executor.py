@@ -32,6 +32,9 @@ from trapo.algorithm.rewards.answers import PART_MARK, exact_number
 from trapo.algorithm.rewards.verify_protocol import _read_message
 
 _NO_FILTER = ("%", "circ", "degree", "text", "mathrm", "mbox")
+# An exact rational power whose result has more bits than this: an hour of Python's integer power and
+# over 100 MB, past any timeout (measured: 10^7 bits 1.4 s, 3*10^7 bits 8.3 s; docs/upstream-notes.md).
+EXACT_POWER_BITS = 10**9
 
 
 def _probe(name: str) -> float:
@@ -45,6 +48,29 @@ class _Overtime(BaseException):
 
 def _ring(signum, frame):
     raise _Overtime()
+
+
+def _guard_exact_powers(numbers) -> None:
+    """Have sympy's exact power of a rational number (`numbers`: sympy.core.numbers) raise `_Overtime` at
+    once where its result would pass EXACT_POWER_BITS. latex2sympy parsing 3^{9^{2^{11}}}, or Math-Verify
+    subtracting 91417776317066907439^{15000806360837783533} from another answer, computes that integer
+    exactly (sympy 1.14: `Integer._eval_power`, `Rational._eval_power`), and the soft alarm would ring only
+    after the whole timeout: the verdict is the alarm's, given without the wait."""
+    if getattr(numbers.Rational._eval_power, "guarded", False):
+        return
+
+    def guard(original, bits):
+        def _eval_power(self, expt):
+            if isinstance(expt, numbers.Rational) and bits(self) * abs(expt.p) > EXACT_POWER_BITS * expt.q:
+                raise _Overtime()
+            return original(self, expt)
+
+        _eval_power.guarded = True
+        return _eval_power
+
+    # 0, 1 and -1 to any power stay small; a fraction's size is its larger part's
+    numbers.Integer._eval_power = guard(numbers.Integer._eval_power, lambda n: abs(n.p).bit_length() * (abs(n.p) > 1))
+    numbers.Rational._eval_power = guard(numbers.Rational._eval_power, lambda r: max(abs(r.p), r.q).bit_length())
 
 
 class _Checker:
@@ -61,6 +87,7 @@ class _Checker:
         from sympy.core.random import seed
 
         self._mpmath, self._sympy, self._parse, self._verify = mpmath, sympy, parse, verify
+        _guard_exact_powers(sympy.core.numbers)
         self._set = FiniteSet  # the set class Math-Verify builds and flattens
         self.reseed = lambda: seed(0)
         self.parsed: dict[str, list] = {}
