@@ -20,6 +20,7 @@ from trapo.algorithm.rewards import (
 )
 from trapo.algorithm.rewards.answers import MAX_ANSWER_CHARS, choice_letter, exact_number, fast_equal, normalize
 from trapo.algorithm.rewards.verifier import MathVerifier
+from trapo.algorithm.rewards.verify_protocol import decode_value, encode_value
 
 TIMEOUT = 2.0  # short, to keep adversarial tests quick; the default is 5 s
 
@@ -343,6 +344,25 @@ def test_a_huge_exact_power_is_answered_as_a_timeout_without_waiting_for_it():
         assert tally.timeouts == 3
     finally:
         verifier.close()
+
+
+def test_a_vote_settles_pairs_whose_probe_values_differ_without_sending_them(spy):
+    """The parse ahead brings each answer's probe value back: pairs whose values differ are not equal, as
+    the executor would say; only a pair whose values agree goes to Math-Verify."""
+    one = "\\frac{1}{x+1}"
+    same = "\\frac{x+1}{x+1}\\cdot\\frac{1}{x+1}"  # 1/(x+1) too, spelled otherwise
+    answers = [one] * 3 + ["\\frac{2}{x+1}"] * 2 + ["x^2+1", same]
+    assert majority_votes([answers], SHORT, spy) == [(one, [True] * 3 + [False] * 3 + [True])]
+    assert [p for pairs in spy.judged for p in pairs] == [(one, same)]
+
+
+def test_a_probe_value_crosses_the_wire_exactly():
+    for value in (complex(1 / 3, -0.0), complex(-1e300, 5e-324), complex(0.6180339887, 2.0)):
+        back = decode_value(encode_value(value).decode())
+        assert back == value and str(back) == str(value)  # -0.0 kept
+    assert encode_value(None) == b"" and decode_value("") is None
+    mpmath = pytest.importorskip("mpmath")
+    assert encode_value(mpmath.mpf("1e400000")) == b""  # beyond float range: compared in the executors
 
 
 def test_identical_answers_cost_no_comparisons(spy):

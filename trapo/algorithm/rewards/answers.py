@@ -125,3 +125,15 @@ def fast_equal(gold: str, pred: str) -> bool | None:
     if abs(vg - vp) > Fraction(1, 10**4) * max(1, abs(vg), abs(vp)):
         return False
     return None
+
+
+def values_differ(a, b) -> bool:
+    """True when two answers' probe-point values (`verify_executor`'s numeric pre-filter: complex, or mpmath
+    beyond float range) prove the answers unequal: more than 1e-4 apart, relative (Math-Verify compares
+    numbers rounded to 6 decimals). None, or values that cannot be compared, prove nothing (False)."""
+    if a is None or b is None:
+        return False
+    try:
+        return bool(abs(a - b) > 1e-4 * max(1.0, abs(a), abs(b)))
+    except Exception:  # noqa: BLE001 - values it cannot compare prove nothing
+        return False

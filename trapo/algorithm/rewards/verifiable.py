@@ -26,6 +26,7 @@ from trapo.algorithm.rewards.answers import (
     fast_equal,
     is_choice_gold,
     normalize,
+    values_differ,
 )
 from trapo.algorithm.rewards.extraction import extract_answer
 from trapo.algorithm.rewards.verifier import MathVerifier, Verdict, default_verifier
@@ -171,6 +172,7 @@ class _Ballot:
     raw: dict[str, str]  # key -> its first spelling: what is compared, and returned as the label
     clusters: list[list[str]] = field(default_factory=list)  # keys; the first is the representative
     frozen: set[str] = field(default_factory=set)  # keys that exhausted the timeout: never compared again
+    values: dict[str, complex] = field(default_factory=dict)  # key -> its probe value, where parsing gave one
 
 
 def _ballot(answers: Sequence[str | None], keys: Sequence | None = None) -> _Ballot:
@@ -210,13 +212,25 @@ def _freeze_slow_answers(ballots, timeout, verifier, deadline, tally) -> None:
     hard = [_hard_keys(b) for b in ballots]
     if not any(hard):
         return
-    verdicts = (verifier or default_verifier()).prepare_many(
+    verdicts, values = (verifier or default_verifier()).prepare_many(
         [[b.raw[k] for k in keys] for b, keys in zip(ballots, hard)], timeout, deadline
     )
     for b, keys, vs in zip(ballots, hard, verdicts):
         b.frozen.update(k for k, v in zip(keys, vs) if v.timed_out)
+        b.values.update((k, values[b.raw[k]]) for k in keys if b.raw[k] in values)
         if tally is not None:
             tally.timeouts += sum(v.timed_out for v in vs)
+
+
+def _judge_round(asks, timeout, verifier, deadline) -> list[Verdict]:
+    """The verdicts of one round's comparisons, (ballot, key, clusters compared) each, in order. A pair
+    whose probe values (from the parse ahead) differ is not equal, settled here, as the executor would
+    (`answers.values_differ`): only the rest is sent."""
+    pairs = [(b, c[0], key) for b, key, live in asks for c in live]
+    differ = [values_differ(b.values.get(rep), b.values.get(key)) for b, rep, key in pairs]
+    asked = [(b.raw[rep], b.raw[key]) for (b, rep, key), known in zip(pairs, differ) if not known]
+    sent = iter(judge_pairs(asked, timeout, verifier, deadline))
+    return [Verdict.NOT_EQUAL if known else next(sent) for known in differ]
 
 
 def _place(ballot: _Ballot, key: str, compared: list[list[str]], verdicts: list[Verdict]) -> None:
@@ -284,8 +298,7 @@ def majority_votes(
                 key = b.order[step]
                 live = [] if key in b.frozen else [c for c in b.clusters if c[0] not in b.frozen]
                 asks.append((b, key, live))
-        pairs = [(b.raw[c[0]], b.raw[key]) for b, key, live in asks for c in live]
-        verdicts = iter(judge_pairs(pairs, timeout, verifier, deadline))
+        verdicts = iter(_judge_round(asks, timeout, verifier, deadline))
         for b, key, live in asks:
             mine = [next(verdicts) for _ in live]
             if tally is not None:

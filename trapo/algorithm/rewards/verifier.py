@@ -41,6 +41,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trapo.algorithm.rewards.verify_protocol import decode_value
+
 log = logging.getLogger(__name__)
 
 _PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # trapo/algorithm/rewards/verifier.py -> the repo
@@ -306,7 +308,7 @@ class MathVerifier:
 
     def prepare_many(
         self, groups: Sequence[Sequence[str]], timeout: float | None = None, deadline: float | None = None
-    ) -> list[list[Verdict]]:
+    ) -> tuple[list[list[Verdict]], dict[str, complex]]:
         """Parse each answer once, ahead of the comparisons among each group's answers.
 
         Each group goes to one executor, where its comparisons will then find
@@ -314,14 +316,22 @@ class MathVerifier:
         exhausts the timeout: it is remembered, so no later comparison waits
         on it again) or CUT. The answers of all groups run side by side, so
         many slow ones cost about one timeout together.
+
+        Also returns each parsed answer's probe value where it is a float-range number (the executors'
+        numeric pre-filter): two answers whose values differ (`answers.values_differ`) are not equal, which
+        the caller can settle without sending the pair.
         """
         unique: dict[str, int] = {}
         for g, answers in enumerate(groups):
             for a in answers:
                 unique.setdefault(a, g)
-        codes = dict(zip(unique, self._request([(a, None) for a in unique], list(unique.values()), timeout, deadline)))
+        payloads: list[str | None] = [None] * len(unique)
+        items = [(a, None) for a in unique]
+        codes = dict(zip(unique, self._request(items, list(unique.values()), timeout, deadline, payloads)))
         ready = (Verdict.EQUAL, Verdict.NOT_EQUAL, Verdict.READY)  # a parse error is no timeout
-        return [[Verdict.READY if codes[a] in ready else codes[a] for a in answers] for answers in groups]
+        verdicts = [[Verdict.READY if codes[a] in ready else codes[a] for a in answers] for answers in groups]
+        values = {a: decode_value(v) for a, v in zip(unique, payloads) if v}
+        return verdicts, values
 
     def extract_many(
         self, texts: Sequence[str], timeout: float | None = None, deadline: float | None = None
@@ -370,8 +380,10 @@ class MathVerifier:
                     if code is not None and code.endswith("*"):
                         self._mirror(items[i], code, timeout)
                     codes[i] = code and code.rstrip("*")
-                    if code is not None and code.startswith("x") and payloads is not None:
-                        payloads[i], codes[i] = code[1:], "x"
+                    if code is not None and code[:1] in ("x", "r") and payloads is not None:
+                        payloads[i], codes[i] = code[1:], code[0]  # an extraction, or a parsed answer's value
+                    elif code is not None and code[:1] == "r":
+                        codes[i] = "r"
                 if all(c is not None for c in codes):
                     break
             verdicts = [Verdict(c or Verdict.FAILED.value) for c in codes]  # None: no supervisor answered it

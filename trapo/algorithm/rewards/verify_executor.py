@@ -28,8 +28,8 @@ import os
 import signal
 
 from trapo import faults
-from trapo.algorithm.rewards.answers import PART_MARK, exact_number
-from trapo.algorithm.rewards.verify_protocol import _read_message
+from trapo.algorithm.rewards.answers import PART_MARK, exact_number, values_differ
+from trapo.algorithm.rewards.verify_protocol import _read_message, encode_value
 
 _NO_FILTER = ("%", "circ", "degree", "text", "mathrm", "mbox")
 # An exact rational power whose result has more bits than this: an hour of Python's integer power and
@@ -124,7 +124,7 @@ class _Checker:
     def single(self, answer: str) -> bytes:
         """An item with one answer: parse it ahead of the comparisons (`MathVerifier.prepare_many`)."""
         self.prepare(answer)
-        return b"r"
+        return b"r" + encode_value(self.values[answer])  # the vote settles pairs whose values differ itself
 
     def value(self, answer: str):
         """The answer's value at the probe point (complex, or mpmath beyond float range); None where
@@ -167,13 +167,7 @@ class _Checker:
 
     def differ(self, gold: str, pred: str) -> bool:
         """True when the probe-point values prove gold != pred; False when they do not, or cannot be compared."""
-        vg, vp = self.value(gold), self.value(pred)
-        if vg is None or vp is None:
-            return False
-        try:
-            return bool(abs(vg - vp) > 1e-4 * max(1.0, abs(vg), abs(vp)))
-        except Exception:  # noqa: BLE001 - values it cannot compare prove nothing
-            return False
+        return values_differ(self.value(gold), self.value(pred))
 
     def equal(self, gold: str, pred: str) -> bool:
         if self.differ(gold, pred):

@@ -16,7 +16,8 @@ Protocol on the supervisor's stdin/stdout:
   item; `deadline`, a `time.monotonic()` value or None (that clock is
   system-wide, the same in the parent and the supervisor);
 - per item, as soon as it is settled, a line `<index> <code>`, code one of
-  1 equal, 0 not equal, r parsed (pred None), t the comparison of the two
+  1 equal, 0 not equal, r parsed (pred None; `r<real>,<imag>` with the answer's probe value where it is a
+  float-range number: `encode_value`), t the comparison of the two
   (already parsed) answers timed out, g / p parsing the gold / pred timed
   out, b cut by the deadline, f failed (executors died on it twice: undecided) (see `verifier.Verdict`);
   a `*` after g, p or t says the supervisor remembered the answer or pair now (the parent mirrors it).
@@ -57,3 +58,19 @@ def _write_message(fd: int, obj) -> None:
     data = memoryview(struct.pack(">I", len(payload)) + payload)
     while data:
         data = data[os.write(fd, data) :]
+
+
+def encode_value(value) -> bytes:
+    """A parsed answer's probe value for its `r` line: exact float reprs (no spaces), or nothing where it
+    is None or beyond float range (an mpmath number: its comparisons stay in the executors)."""
+    if isinstance(value, complex):
+        return f"{value.real!r},{value.imag!r}".encode()
+    return b""
+
+
+def decode_value(payload: str) -> complex | None:
+    """`encode_value` read back: the same complex number, or None for an empty payload."""
+    if not payload:
+        return None
+    real, imag = payload.split(",")
+    return complex(float(real), float(imag))
