@@ -38,16 +38,17 @@ def toy_dir(tmp_path_factory, worker_id):
     """A small toy task built once per session (tests/toyrun.py `TOY`): 16 labeled, 48 unlabeled, 16 test
     questions. The pytest-xdist workers share it: the first to take the lock builds it, the others then find
     it built (`build_assets` reuses a directory whose manifest matches)."""
+    from toyrun import TOY
+
     from trapo.commands.toy import build_assets
-    from trapo.config import ToyConfig
+    from trapo.config import load_config
 
     root = _session_root(tmp_path_factory, worker_id)
+    # the toy the runs' overrides name (configs/toy.yaml under TOY), so that every run finds it built
+    toy = load_config(os.path.join(runtime.ROOT, "configs", "toy.yaml"), [f"toy.dir={root / 'toy-shared'}", *TOY]).toy
     with open(root / "toy-shared.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        build_assets(
-            ToyConfig(dir=str(root / "toy-shared"), labeled=16, unlabeled=48, test=16, sft_steps=150),
-            log=lambda m: None,
-        )
+        build_assets(toy, log=lambda m: None)
     return str(root / "toy-shared")
 
 

@@ -16,12 +16,14 @@ from trapo import runtime
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIO = os.path.join(ROOT, "tests", "scripts", "scenario.py")
 STRAIGHT = dict(mode="trapo", max_steps=4, save_steps=2)  # the uninterrupted reference of the resume tests
-# as conftest's toy_dir: the schema's warm start (constant rate, no noise), not configs/toy.yaml's longer one
+# as conftest's toy_dir: the schema's warm start (constant rate 3e-3, no noise), not configs/toy.yaml's longer
+# one; a setting left out here would be configs/toy.yaml's, and every run would build its own toy
 TOY = [
     "toy.labeled=16",
     "toy.unlabeled=48",
     "toy.test=16",
     "toy.sft_steps=150",
+    "toy.sft_lr=0.003",
     "toy.sft_schedule=constant",
     "toy.sft_noise=0",
 ]
