@@ -1,6 +1,8 @@
-"""Toy training runs for the tests: each run is a subprocess per rank (a trainer owns a process: its distributed
-world and its vLLM engine), started as a user's `python trapo_train.py` or the `deepspeed` launcher's ranks are."""
+"""Toy training runs for the tests: each run is a process per rank (a trainer owns a process: its distributed
+world and its vLLM engine), set up as a user's `python trapo_train.py` or the `deepspeed` launcher's ranks are,
+forked from a process that has done a trainer's imports already (tests/zygote.py)."""
 
+import atexit
 import json
 import os
 import shutil
@@ -53,8 +55,25 @@ def overrides(toy_dir, out, **kv):
 
 
 def run(cmd, timeout=600, env=None):
+    """`cmd` to its end, output captured. The trainer's scenarios and `python -m trapo` commands are forked
+    from the zygote (tests/zygote.py) where the environment allows; other programs start afresh (a script
+    that changes what can be imported, tests/scripts/without_vllm.py, needs a fresh interpreter)."""
     env = env or runtime.subprocess_env()
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    zygote = _zygote()
+    forkable = cmd[0] == sys.executable and (cmd[1] == SCENARIO or cmd[1:3] == ["-m", "trapo"])
+    if not (forkable and zygote is not None and zygote.accepts(env)):
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = zygote.start(cmd[1:], env, out, err, process_group=0)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
 def free_port() -> int:
@@ -67,6 +86,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_ZYGOTES = []
+
+
+def _zygote():
+    """This pytest process's zygote (tests/zygote.py), started on first use; None with TRAPO_TESTS_ZYGOTE=0."""
+    if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0":
+        return None
+    if not _ZYGOTES:
+        from zygote import Zygote
+
+        _ZYGOTES.append(Zygote(runtime.subprocess_env(), ROOT))
+        atexit.register(_ZYGOTES[0].close)
+    return _ZYGOTES[0]
+
+
 class Ranks:
     """The processes of one training run: rank r runs `python -u trapo_train.py ARGS --local_rank=r` in the
     environment the `deepspeed` launcher gives its ranks (deepspeed/launcher/launch.py of 0.19.8: MASTER_ADDR,
@@ -74,9 +108,11 @@ class Ranks:
     launcher's two front processes, which cost ~6 s of a 2-rank toy run's 14 (what the launcher itself does is
     tested where it matters: two nodes, SIGTERM to a deepspeed job, Slurm). As its launch.py, the first rank to
     fail has the others terminated and gives the run's exit code. The ranks share one process group, led by
-    rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a launched job does."""
+    rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a launched job does. Each rank
+    is forked from this pytest process's zygote (tests/zygote.py), which imported torch, transformers,
+    DeepSpeed and vLLM once, where the environment allows; TRAPO_TESTS_ZYGOTE=0 starts every rank afresh."""
 
-    def __init__(self, args, nproc=1, env=None):
+    def __init__(self, args, nproc=1, env=None, fresh=False):
         env = env or runtime.subprocess_env()
         port = free_port()
         self.logs = []  # (stdout, stderr) files of each rank: pipes could fill while another rank is waited on
@@ -99,9 +135,15 @@ class Ranks:
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             self.logs.append((out, err))
             group = self.pgid if self.procs else 0  # rank 0 leads a new process group, the others join it
-            self.procs.append(
-                subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=out, stderr=err, text=True, process_group=group)
-            )
+            zygote = None if fresh else _zygote()
+            if zygote is not None and zygote.accepts(rank_env):  # the same process, without its imports
+                self.procs.append(zygote.start(cmd[2:], rank_env, out, err, group))
+            else:
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd, cwd=ROOT, env=rank_env, stdout=out, stderr=err, text=True, process_group=group
+                    )
+                )
 
     @property
     def pgid(self) -> int:
@@ -143,8 +185,9 @@ class Ranks:
         )
 
 
-def train(args, nproc=1, check=True, env=None):
-    out = Ranks(args, nproc, env).wait()
+def train(args, nproc=1, check=True, env=None, fresh=False):
+    """A run to its end (`Ranks`); fresh: each rank a new interpreter, for a test of what the imports do."""
+    out = Ranks(args, nproc, env, fresh).wait()
     if check:
         assert out.returncode == 0, out.stderr[-4000:]
     return out

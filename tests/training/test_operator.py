@@ -31,7 +31,8 @@ LOGGERS = {"logging.tensorboard": "true", "logging.wandb.enabled": "true", "logg
 
 def test_quiet_terminal_loggers_and_rollout_dumps(toy_dir, tmp_path, monkeypatch):
     """TensorBoard, wandb (offline) and MLflow (file store) beside metrics.jsonl; a rollout dump every step."""
-    out = train(overrides(toy_dir, tmp_path, max_steps=4, progress_bar="true", run_name="quiet", **LOGGERS))
+    # fresh: the libraries' import-time lines (DeepSpeed's accelerator warning) are among those checked
+    out = train(overrides(toy_dir, tmp_path, max_steps=4, progress_bar="true", run_name="quiet", **LOGGERS), fresh=True)
     for line in out.stderr.replace("\r", "\n").splitlines():
         # our own lines and the progress bar only: no vLLM / DeepSpeed / torch messages
         assert not line.strip() or line.startswith("[trapo] ") or "it/s" in line or "%|" in line, line
