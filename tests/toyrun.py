@@ -90,8 +90,9 @@ _ZYGOTES = []
 
 
 def _zygote():
-    """This pytest process's zygote (tests/zygote.py), started on first use; None with TRAPO_TESTS_ZYGOTE=0."""
-    if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0":
+    """This pytest process's zygote (tests/zygote.py), started on first use; None with TRAPO_TESTS_ZYGOTE=0, and
+    on a GPU machine, where a fork after CUDA's start-up (an import may start it) is unsafe."""
+    if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0" or runtime.has_gpu():
         return None
     if not _ZYGOTES:
         from zygote import Zygote
