@@ -17,6 +17,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -25,8 +26,10 @@ import traceback
 
 # What may differ between the zygote's environment and a run's: the launcher's variables for each rank
 # (toyrun.Ranks), read by the trainer at run time, never at import, and the test's name, set by pytest.
-PER_RUN = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK", "LOCAL_RANK"}
-PER_RUN |= {"PYTEST_CURRENT_TEST"}
+PER_RUN = {
+    *("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK", "LOCAL_RANK"),
+    "PYTEST_CURRENT_TEST",
+}
 
 
 class Zygote:
@@ -111,10 +114,10 @@ class Forked:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- the zygote's side

@@ -380,10 +380,10 @@ class MathVerifier:
                     if code is not None and code.endswith("*"):
                         self._mirror(items[i], code, timeout)
                     codes[i] = code and code.rstrip("*")
-                    if code is not None and code[:1] in ("x", "r") and payloads is not None:
-                        payloads[i], codes[i] = code[1:], code[0]  # an extraction, or a parsed answer's value
-                    elif code is not None and code[:1] == "r":
-                        codes[i] = "r"
+                    if code is not None and code[:1] in ("x", "r"):  # an extraction, or a parsed answer's value
+                        if payloads is not None:
+                            payloads[i] = code[1:]
+                        codes[i] = code[0]
                 if all(c is not None for c in codes):
                     break
             verdicts = [Verdict(c or Verdict.FAILED.value) for c in codes]  # None: no supervisor answered it
