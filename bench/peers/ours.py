@@ -50,12 +50,14 @@ def main() -> None:
     toy.prepare(cfg)
     trainer = Trainer(cfg)
     startup = time.perf_counter() - STARTED
-    times = {"generate": [], "step": [], "mean_length": []}
+    times = {"generate": [], "step": [], "mean_length": [], "reward": [], "skipped": []}
     for _ in range(args.steps):
         log = trainer.train_step()
         times["generate"].append(log["timing"]["rollout"])
         times["step"].append(log["timing"]["step"])
         times["mean_length"].append(log["response_tokens"] / (args.questions * args.n))
+        times["reward"].append(log["reward_labeled"])
+        times["skipped"].append(log["skipped"])  # no update: no signal in the batch
     trainer.close()
     print(json.dumps({"side": f"ours-{args.backend}", "startup": startup, **times}), flush=True)
 

@@ -42,6 +42,10 @@ def run_side(side: str, tokens: int, steps: int, toy: Path, peers_python: str) -
     lengths = result["mean_length"][1:]
     if lengths and min(lengths) != tokens:  # the comparison is only fair at equal lengths
         raise SystemExit(f"bench-peers: {side} generated {lengths} tokens on average, not the forced {tokens}")
+    if any(result.get("skipped", [])[1:]):  # a batch without signal skips our update, never TRL's
+        raise SystemExit(
+            f"bench-peers: {side} at {tokens} tokens skipped an update (every reward equal): not comparable"
+        )
     return result
 
 
@@ -55,6 +59,7 @@ def summarize(runs: list[dict]) -> dict:
         "generate": statistics.median(generate),
         "rest": statistics.median(rest),
         "startup": statistics.median(r["startup"] for r in runs),
+        "reward": statistics.mean(x for r in runs for x in r["reward"][1:]),
         "steps": len(step),
     }
 
@@ -70,8 +75,9 @@ def main() -> None:
     toy_dir = ROOT / "outputs/toy-assets"  # built by the first side to run (ours-hf), then shared
     lines = [
         "toy job: 16 questions x 8 answers forced to N tokens, Dr.GRPO, one update per step, fp32, "
-        "OMP_NUM_THREADS=1; medians of measured steps (each process's first left out)",
-        f"{'tokens':>6}  {'side':<10} {'step s':>7} {'generate s':>11} {'rest s':>7} {'start-up s':>11} {'steps':>6}",
+        "OMP_NUM_THREADS=1; medians of measured steps (each process's first left out), their mean reward",
+        f"{'tokens':>6}  {'side':<10} {'step s':>7} {'generate s':>11} {'rest s':>7} {'start-up s':>11} {'steps':>6} "
+        f"{'reward':>7}",
     ]
     for tokens in (int(t) for t in args.tokens.split(",")):
         runs: dict[str, list[dict]] = {side: [] for side in SIDES}
@@ -84,7 +90,7 @@ def main() -> None:
         for side, m in med.items():
             lines.append(
                 f"{tokens:>6}  {side:<10} {m['step']:>7.2f} {m['generate']:>11.2f} {m['rest']:>7.2f} "
-                f"{m['startup']:>11.1f} {m['steps']:>6}"
+                f"{m['startup']:>11.1f} {m['steps']:>6} {m['reward']:>7.2f}"
             )
         trl = med["trl"]
         for side in ("ours-hf", "ours-vllm"):

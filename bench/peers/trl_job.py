@@ -93,8 +93,9 @@ def main() -> None:
 
     trainer.add_callback(First())
     trainer.train()
-    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    print(json.dumps({"side": "trl", "startup": first["startup"], **times, "mean_length": lengths}), flush=True)
+    logged = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    lengths, rewards = [h["completions/mean_length"] for h in logged], [h["reward"] for h in logged]
+    print(json.dumps({"side": "trl", "startup": first["startup"], **times, "mean_length": lengths, "reward": rewards}))
 
 
 if __name__ == "__main__":
