@@ -178,11 +178,13 @@ def main() -> None:
     if args.precision is not None:
         return precision(args.precision or [0, 1], args.epochs, args.write_docs)
     from trapo.commands.toy import build_assets
-    from trapo.config import ToyConfig
+    from trapo.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:
         toy_dir = str(Path(tmp) / "toy")
-        build_assets(ToyConfig(dir=toy_dir, labeled=16, unlabeled=48, test=16, sft_steps=150), log=lambda m: None)
+        # the toy the runs load (configs/toy.yaml under their toy.* overrides), so that they find it built
+        toy_args = [a for a in overrides(toy_dir, tmp, "", 0, 0, {}) if a.startswith("toy.")]
+        build_assets(load_config(str(ROOT / "configs" / "toy.yaml"), toy_args).toy, log=lambda m: None)
         sep = {"rollout.placement": "separate", "rollout.ranks": 1}
         runs = {
             "colocated, 2 threads": ({}, 2, [None]),
