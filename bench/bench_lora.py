@@ -93,8 +93,9 @@ def make_model(shape: dict | None, tokenizer_dir: str) -> str:
 
 
 def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import json
 
     import psutil
@@ -113,8 +114,12 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
     ds = json.load(open(os.path.join(ROOT, "configs", "deepspeed_zero3.json")))
     ds["zero_optimization"].update(reduce_bucket_size=int(5e7))
     if setup == "lora-z2":
-        ds["zero_optimization"] = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                   "reduce_bucket_size": int(5e7)}  # fmt: skip
+        ds["zero_optimization"] = {
+            "stage": 2,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": int(5e7),
+        }
     path = os.path.join(model_dir, f"ds-{setup}.json")
     if rank == 0:
         json.dump(ds, open(path, "w"))
@@ -251,8 +256,10 @@ def merge_drift(pairs: int = 100) -> float:
 
 
 def main() -> None:
-    print(f"merge/unmerge in bf16: 100 pairs change {100 * merge_drift():.1f}% of a [1024, 1024] matrix's "
-          "entries (our merged push writes copies: 0%)")  # fmt: skip
+    print(
+        f"merge/unmerge in bf16: 100 pairs change {100 * merge_drift():.1f}% of a [1024, 1024] matrix's "
+        "entries (our merged push writes copies: 0%)"
+    )
     from trapo.commands.toy import build_assets
     from trapo.config import ToyConfig
 
@@ -261,16 +268,20 @@ def main() -> None:
     gib = 2**30
     for shape_name, shape in SHAPES.items():
         model_dir = make_model(shape, tokenizer)
-        print(f"\n{shape_name}: update, {WORLD} ranks on CPU, {SEQS} sequences of 64-128 tokens per rank, "
-              f"{DTYPES[shape_name]}")  # fmt: skip
+        print(
+            f"\n{shape_name}: update, {WORLD} ranks on CPU, {SEQS} sequences of 64-128 tokens per rank, "
+            f"{DTYPES[shape_name]}"
+        )
         print(f"{'set-up':9s} {'trainable':>12s} {'RSS built GiB':>14s} {'RSS peak GiB':>13s} {'update s':>9s}")
         rows = {}
         for setup in SETUPS:
             rows[setup] = trainable, built, peak, sec = run_update(model_dir, setup, DTYPES[shape_name])
             print(f"{setup:9s} {trainable:12,d} {built / gib:14.2f} {peak / gib:13.2f} {sec:9.3f}")
         full, z3, z2 = rows["full"], rows["lora-z3"], rows["lora-z2"]
-        print(f"lora-z3 / full: update time {z3[3] / full[3]:.2f}, peak RSS {z3[2] / full[2]:.2f}; "
-              f"lora-z3 / lora-z2: update time {z3[3] / z2[3]:.2f}, peak RSS {z3[2] / z2[2]:.2f}")  # fmt: skip
+        print(
+            f"lora-z3 / full: update time {z3[3] / full[3]:.2f}, peak RSS {z3[2] / full[2]:.2f}; "
+            f"lora-z3 / lora-z2: update time {z3[3] / z2[3]:.2f}, peak RSS {z3[2] / z2[2]:.2f}"
+        )
         print(f"{shape_name}: push after an update, 1 rank, vLLM on CPU (rank {RANK}, all 7 projections)")
         pushes = {method: run_push(model_dir, method, DTYPES[shape_name]) for method in ("merged", "adapter")}
         for method, (push, generate) in pushes.items():

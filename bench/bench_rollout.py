@@ -67,8 +67,10 @@ def vllm_paths(model_dir, tokenizer, prompts, seeds) -> dict:
 
     def raw(detokenize: bool):
         def call() -> int:
-            params = [SamplingParams(n=N, temperature=1.0, max_tokens=MAX_TOKENS, seed=s, detokenize=detokenize)
-                      for s in seeds]  # fmt: skip
+            params = [
+                SamplingParams(n=N, temperature=1.0, max_tokens=MAX_TOKENS, seed=s, detokenize=detokenize)
+                for s in seeds
+            ]
             out = engine.llm.generate(requests, params, use_tqdm=False)
             return sum(len(c.token_ids) for o in out for c in o.outputs)
 
@@ -86,8 +88,16 @@ def detokenizer_cost(model_dir, tokenizer, prompts) -> float:
 
     from trapo.engine.rollout import decode_responses
 
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=512, seed=0, enforce_eager=True,
-              kv_cache_memory_bytes=2**30, enable_chunked_prefill=False, max_num_batched_tokens=4096)  # fmt: skip
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=512,
+        seed=0,
+        enforce_eager=True,
+        kv_cache_memory_bytes=2**30,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=4096,
+    )
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts[:32]]
 
     def call(detokenize: bool):
@@ -141,9 +151,18 @@ def main() -> None:
 
     def plain() -> int:  # one left-padded batch, as ours runs it; tokens up to and including the stop
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                 num_return_sequences=N, max_new_tokens=MAX_TOKENS, eos_token_id=stops,
-                                 pad_token_id=tokenizer.pad_token_id)[:, width:]  # fmt: skip
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                num_return_sequences=N,
+                max_new_tokens=MAX_TOKENS,
+                eos_token_id=stops,
+                pad_token_id=tokenizer.pad_token_id,
+            )[:, width:]
         stopped = torch.isin(out, torch.tensor(stops))
         ends = torch.where(stopped.any(1), stopped.int().argmax(1) + 1, torch.full((len(out),), out.shape[1]))
         return int(ends.sum())

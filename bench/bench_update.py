@@ -59,8 +59,9 @@ def rank_batch(rank: int, scale: float = 1.0) -> list[tuple[int, int, float]]:
 
 
 def worker(rank: int, port: int, model_dir: str, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import dataclasses
 
     import torch
@@ -112,8 +113,10 @@ def paper_scale() -> dict[str, float]:
 
     ranks = [rank_batch(r, scale=8.0) for r in range(8)]
     signal = sum(p + r for b in ranks for p, r, a in b if a != 0.0)
-    today = [[[ranks[k][i][0] + ranks[k][i][1] for i in g]
-              for g in pack_by_tokens([p + r for p, r, _ in ranks[k]], 16384)] for k in range(8)]  # fmt: skip
+    today = [
+        [[ranks[k][i][0] + ranks[k][i][1] for i in g] for g in pack_by_tokens([p + r for p, r, _ in ranks[k]], 16384)]
+        for k in range(8)
+    ]
     kept = [[p + r for p, r, a in b if a != 0.0] for b in ranks]
     mine = [[kept[src][i] for src, i in plan] for plan in balance(kept)]
     new = [[[mine[k][i] for i in g] for g in pack_rows(mine[k], 16384)] for k in range(8)]
@@ -144,18 +147,24 @@ def main() -> None:
     results = queue.get(timeout=1800)
     for p in procs:
         p.join()
-    print(f"{WORLD} ranks on CPU, toy-shaped model, {QUESTIONS} questions x {G} per rank, lognormal 16-1,024 tokens, "
-          f"micro_batch_tokens {BUDGET}:")  # fmt: skip
-    print(f"{'path':16s} {'computed':>9s} {'signal':>7s} {'efficiency':>10s} {'padding':>8s} {'imbalance':>9s} "
-          f"{'zero-adv':>8s} {'update s':>9s}")  # fmt: skip
+    print(
+        f"{WORLD} ranks on CPU, toy-shaped model, {QUESTIONS} questions x {G} per rank, lognormal 16-1,024 tokens, "
+        f"micro_batch_tokens {BUDGET}:"
+    )
+    print(
+        f"{'path':16s} {'computed':>9s} {'signal':>7s} {'efficiency':>10s} {'padding':>8s} {'imbalance':>9s} "
+        f"{'zero-adv':>8s} {'update s':>9s}"
+    )
     for name, (sec, work, eff) in results.items():
         shares = f"{eff['padding_share']:8.3f} {eff['imbalance_share']:9.3f} {eff['zero_signal_share']:8.3f}"
         print(
             f"{name:16s} {work['computed']:9d} {work['signal']:7d} {eff['update_efficiency']:10.3f} {shares} {sec:9.3f}"
         )
     paper = paper_scale()
-    print(f"paper scale (8 ranks, up to 8,192 tokens, micro_batch_tokens 16,384), pure function: "
-          f"today {paper['today']:.3f}, packed+balanced {paper['new']:.3f}")  # fmt: skip
+    print(
+        f"paper scale (8 ranks, up to 8,192 tokens, micro_batch_tokens 16,384), pure function: "
+        f"today {paper['today']:.3f}, packed+balanced {paper['new']:.3f}"
+    )
     e0, e1 = results["today"][2]["update_efficiency"], results["packed+balanced"][2]["update_efficiency"]
     ratio = results["today"][0] / results["packed+balanced"][0]
     print(

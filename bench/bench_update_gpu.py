@@ -44,8 +44,12 @@ def full_logits_stats(policy):
     def stats(batch, *, entropy=False, kl_uniform=False, engine=None):
         mask = batch["response_mask"].to(policy.device)
         ids, rows = batch["packed_ids"].to(policy.device), batch["packed_response"].to(policy.device)
-        out = policy.engine(input_ids=ids, position_ids=batch["packed_positions"].to(policy.device),
-                            attention_mask=None, packed_bounds=batch["packed_bounds"])  # fmt: skip
+        out = policy.engine(
+            input_ids=ids,
+            position_ids=batch["packed_positions"].to(policy.device),
+            attention_mask=None,
+            packed_bounds=batch["packed_bounds"],
+        )
         logits = out.logits[:, :-1][rows].float() / policy.cfg.rollout.temperature  # [N, V] in fp32
         logp = logits.log_softmax(-1)
         lp = logp.gather(-1, ids[:, 1:][rows][:, None])[:, 0]
@@ -97,16 +101,23 @@ def main() -> None:
     model_dir = tempfile.mkdtemp(prefix="bench-update-gpu-")
     with torch.device("cuda" if gpu else "cpu"):  # random init on the GPU: seconds, not a minute of CPU
         Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).save_pretrained(model_dir)
-    overrides = ["model.dtype=bfloat16", "model.gradient_checkpointing=true", "loss.entropy_coef=0.01",
-                 f"train.micro_batch_tokens={args.tokens}", f"rollout.max_tokens={args.length}"]  # fmt: skip
+    overrides = [
+        "model.dtype=bfloat16",
+        "model.gradient_checkpointing=true",
+        "loss.entropy_coef=0.01",
+        f"train.micro_batch_tokens={args.tokens}",
+        f"rollout.max_tokens={args.length}",
+    ]
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
     policy = Policy(cfg, model_dir, 1, pad_id=0, loss=LossSpec.from_config(cfg))
     params = sum(getattr(q, "ds_numel", q.numel()) for q in policy.model.parameters())
     g = torch.Generator().manual_seed(0)
     prompt = args.length // 4
     draw = [torch.randint(3, shape["vocab_size"], (args.length,), generator=g).tolist() for _ in range(args.seqs)]
-    seqs = [TrainSequence(ids, prompt, advantage=1.0 if i % 2 else -1.0, weight=1.0, labeled=True)
-            for i, ids in enumerate(draw)]  # fmt: skip
+    seqs = [
+        TrainSequence(ids, prompt, advantage=1.0 if i % 2 else -1.0, weight=1.0, labeled=True)
+        for i, ids in enumerate(draw)
+    ]
     batch = {"sequences": len(seqs), "tokens": len(seqs) * (args.length - prompt)}
     tokens = sum(len(s.ids) for s in seqs)
     ours = policy._token_stats
@@ -121,13 +132,17 @@ def main() -> None:
         mfu = 6 * params * tokens / sec / (args.peak_tflops * 1e12)
         rows.append((name, tokens / sec, mfu, peak, sec))
     device = torch.cuda.get_device_name(0) if gpu else "CPU (smoke run: not a measurement)"
-    print(f"{device}; {params / 1e9:.2f}B parameters; {args.seqs} x {args.length} tokens per update, "
-          f"micro_batch_tokens {args.tokens}, bf16, ZeRO-3, gradient checkpointing")  # fmt: skip
+    print(
+        f"{device}; {params / 1e9:.2f}B parameters; {args.seqs} x {args.length} tokens per update, "
+        f"micro_batch_tokens {args.tokens}, bf16, ZeRO-3, gradient checkpointing"
+    )
     print(f"{'path':22s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'s/update':>9s}")
     for name, tps, mfu, peak, sec in rows:
         print(f"{name:22s} {tps:10.0f} {mfu:6.1%} {peak:9.2f} {sec:9.3f}")
-    print(f"peak memory ours/full logits: {rows[0][3] / rows[1][3]:.2f}; time ours/full logits: "
-          f"{rows[0][4] / rows[1][4]:.2f}")  # fmt: skip
+    print(
+        f"peak memory ours/full logits: {rows[0][3] / rows[1][3]:.2f}; time ours/full logits: "
+        f"{rows[0][4] / rows[1][4]:.2f}"
+    )
     policy._token_stats = ours
     plan_line(cfg, model_dir, rows[0][3], gpu)
     packing_vs_padding(policy, cfg, shape, args, gpu)
@@ -146,8 +161,10 @@ def plan_line(cfg, model_dir: str, measured_gib: float, gpu: bool) -> None:
     ds_config = json.loads(Path(ROOT, cfg.train.deepspeed_config).read_text())
     plan = memory_plan(cfg, 1, torch.cuda.get_device_properties(0).total_memory, model_arch(model_dir), ds_config)
     planned = plan.peak("update") / 2**30
-    print(f"memory plan, update phase: {planned:.2f} GiB planned, {measured_gib:.2f} GiB measured "
-          f"(measured/planned {measured_gib / planned:.2f})")  # fmt: skip
+    print(
+        f"memory plan, update phase: {planned:.2f} GiB planned, {measured_gib:.2f} GiB measured "
+        f"(measured/planned {measured_gib / planned:.2f})"
+    )
 
 
 def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
@@ -160,9 +177,16 @@ def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
 
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(args.length // 4, args.length + 1, (args.seqs,), generator=g).tolist()
-    seqs = [TrainSequence(torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist(), n // 4,
-                          advantage=1.0 if i % 2 else -1.0, weight=1.0, labeled=True)
-            for i, n in enumerate(lengths)]  # fmt: skip
+    seqs = [
+        TrainSequence(
+            torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist(),
+            n // 4,
+            advantage=1.0 if i % 2 else -1.0,
+            weight=1.0,
+            labeled=True,
+        )
+        for i, n in enumerate(lengths)
+    ]
     batch = {"sequences": len(seqs), "tokens": sum(n - n // 4 for n in lengths)}
     speed = {}
     for packed in (True, False):
@@ -171,8 +195,10 @@ def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
     policy.cfg = cfg
     why = f" ({attention.KERNEL['why']})" if attention.KERNEL["why"] else ""
     print(f"packed rows ran: {attention.KERNEL['name']}{why}")
-    print(f"mixed lengths {min(lengths)}-{max(lengths)}: packed {speed[True]:.0f} tokens/s, padded "
-          f"{speed[False]:.0f} tokens/s, packed/padded {speed[True] / speed[False]:.2f}")  # fmt: skip
+    print(
+        f"mixed lengths {min(lengths)}-{max(lengths)}: packed {speed[True]:.0f} tokens/s, padded "
+        f"{speed[False]:.0f} tokens/s, packed/padded {speed[True] / speed[False]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -200,12 +200,21 @@ def test_loss_options_defaults_keep_todays_loss():
         assert (lo.objective, lo.rollout_is, lo.rollout_is_lower, lo.overlong) == ("grpo", None, None, "none")
     cfg = load_config(
         os.path.join(ROOT, "configs", "toy.yaml"),
-        ["loss.objective=gspo", "loss.rollout_is=sequence_mask", "loss.rollout_is_lower=0.25",
-         "loss.overlong=soft_penalty", "loss.overlong_buffer=4"],
-    )  # fmt: skip
+        [
+            "loss.objective=gspo",
+            "loss.rollout_is=sequence_mask",
+            "loss.rollout_is_lower=0.25",
+            "loss.overlong=soft_penalty",
+            "loss.overlong_buffer=4",
+        ],
+    )
     lo = cfg.loss
-    assert (lo.objective, lo.rollout_is, lo.rollout_is_lower, lo.overlong) == ("gspo", "sequence_mask", 0.25,
-                                                                              "soft_penalty")  # fmt: skip
+    assert (lo.objective, lo.rollout_is, lo.rollout_is_lower, lo.overlong) == (
+        "gspo",
+        "sequence_mask",
+        0.25,
+        "soft_penalty",
+    )
     assert (lo.gspo_clip_eps, lo.gspo_clip_eps_high) == (3e-4, 4e-4)  # the GSPO paper's range
     # YAML 1.1 reads a bare `off` as false: accepted
     # (trapo.algorithm.importance.resolve_mode: false is off, true truncate)

@@ -84,17 +84,32 @@ def test_invalid_unicode_is_named_by_file_and_line(tmp_path):
 
 @pytest.mark.parametrize(
     "gold, problem",
-    [("see the solution above", "prose"), ("The answer is 5", "prose"), ("", "empty"), ("  ", "empty"),
-     (None, "empty"), ("5", None), ("\\frac{1}{2}", None), ("red, green, blue", None), ("\\text{Monday}", None),
-     ("x = 2", None), ("infinitely many", None), ("\\text{not a number}", None)],
-)  # fmt: skip
+    [
+        ("see the solution above", "prose"),
+        ("The answer is 5", "prose"),
+        ("", "empty"),
+        ("  ", "empty"),
+        (None, "empty"),
+        ("5", None),
+        ("\\frac{1}{2}", None),
+        ("red, green, blue", None),
+        ("\\text{Monday}", None),
+        ("x = 2", None),
+        ("infinitely many", None),
+        ("\\text{not a number}", None),
+    ],
+)
 def test_gold_problem_by_hand(gold, problem):
     assert gold_problem(gold) == problem
 
 
 def test_a_labeled_row_whose_gold_cannot_be_graded_is_an_error_or_dropped_when_asked(tmp_path):
-    rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "see the solution above"},
-            {"question": "3+3?", "answer": "", "labeled": True}, {"question": "u?", "labeled": False}]  # fmt: skip
+    rows = [
+        {"question": "1+1?", "answer": "2"},
+        {"question": "2+2?", "answer": "see the solution above"},
+        {"question": "3+3?", "answer": "", "labeled": True},
+        {"question": "u?", "labeled": False},
+    ]
     questions = load_questions([write_jsonl(tmp_path / "t.jsonl", rows)])
     with pytest.raises(DataError, match=r"t.jsonl line 2: a labeled row's gold is prose .*\(2 such rows in all\)"):
         gradable(questions, drop=False)

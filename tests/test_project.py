@@ -18,7 +18,8 @@ def test_deepspeed_config_is_valid_zero3():
         zero2 = json.load(f)
     assert DeepSpeedZeroConfig(**zero2["zero_optimization"]).stage == 2
     assert {k: v for k, v in zero2.items() if k != "zero_optimization"} == {
-        k: v for k, v in cfg.items() if k != "zero_optimization"}  # the same precision and clipping  # fmt: skip
+        k: v for k, v in cfg.items() if k != "zero_optimization"
+    }  # the same precision and clipping
 
 
 def test_entry_point_help_names_the_launch_command():
@@ -146,10 +147,19 @@ def test_a_hung_rank_stops_the_others_after_dist_timeout_minutes(tmp_path):
         port = s.getsockname()[1]
     procs = []
     for rank in (0, 1):
-        env = runtime.subprocess_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                                     MASTER_PORT=str(port))  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-c", HANG], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        env = runtime.subprocess_env(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", HANG],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     start = time.time()
     out, err = procs[0].communicate(timeout=120)
     procs[1].kill()

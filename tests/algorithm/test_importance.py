@@ -128,14 +128,27 @@ def test_top_p_bias_is_the_nucleus_mass():
 
 def test_step_values_report_masked_fractions_and_overlong_penalty():
     t = dict.fromkeys(UPDATE_SUMS, 0.0)
-    t.update(labeled_questions=1, labeled_pass_sum=1.0, unlabeled_questions=0, unlabeled_pass_sum=0.0,
-             unlabeled_in_loss=0, pseudo_known=0, pseudo_right=0.0, response_tokens=10, truncated=1, responses=8,
-             grading_timeouts=0, grading_budget_cut=0, grading_failed=0)  # fmt: skip
+    t.update(
+        labeled_questions=1,
+        labeled_pass_sum=1.0,
+        unlabeled_questions=0,
+        unlabeled_pass_sum=0.0,
+        unlabeled_in_loss=0,
+        pseudo_known=0,
+        pseudo_right=0.0,
+        response_tokens=10,
+        truncated=1,
+        responses=8,
+        grading_timeouts=0,
+        grading_budget_cut=0,
+        grading_failed=0,
+    )
     off = step_values(t, world=1, updates=1, applied=True, majority=True)
     assert off["rollout_is_masked_frac"] is None and off["rollout_is_masked_seq_frac"] is None
     assert off["overlong_penalty_mean"] is None
-    t.update(is_tokens=40.0, is_masked=10.0, is_masked_seqs=3.0, is_seqs=8.0, overlong_penalty=-2.0,
-             overlong_responses=8.0)  # fmt: skip
+    t.update(
+        is_tokens=40.0, is_masked=10.0, is_masked_seqs=3.0, is_seqs=8.0, overlong_penalty=-2.0, overlong_responses=8.0
+    )
     v = step_values(t, world=1, updates=1, applied=True, majority=True)
     assert v["rollout_is_masked_frac"] == 0.25 and v["rollout_is_masked_seq_frac"] == 3 / 8
     assert v["overlong_penalty_mean"] == -0.25

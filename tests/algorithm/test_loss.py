@@ -209,8 +209,18 @@ def test_objectives_compose_with_gate_token_weights_and_denominators(objective):
     tw_clean = torch.where(mask.bool(), tw, 0.0)
     for agg, denom in (("dr_grpo", None), ("token_mean", None), ("seq_mean", None), ("token_mean", 8.0)):
         logprobs, old, adv, m = _example()
-        loss, metrics = policy_loss(logprobs, old, adv, m, objective=objective, agg=agg, denom=denom,
-                                    weights=gate, token_weights=tw, entropy_coef=0.0)  # fmt: skip
+        loss, metrics = policy_loss(
+            logprobs,
+            old,
+            adv,
+            m,
+            objective=objective,
+            agg=agg,
+            denom=denom,
+            weights=gate,
+            token_weights=tw,
+            entropy_coef=0.0,
+        )
         loss.backward()
         per_token = gate[:, None] * tw_clean  # the factor on each token's term and gradient
         if agg == "seq_mean":
@@ -270,8 +280,14 @@ def test_objectives_on_policy_equal_grpo_values(objective):
     results = []
     for obj in ("grpo", objective):
         lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 5.0]], requires_grad=True)
-        loss, m = policy_loss(lp, lp.detach(), torch.tensor([1.0, -2.0]), torch.tensor([[1, 1, 1], [1, 1, 0]]),
-                              objective=obj, agg="token_mean")  # fmt: skip
+        loss, m = policy_loss(
+            lp,
+            lp.detach(),
+            torch.tensor([1.0, -2.0]),
+            torch.tensor([[1, 1, 1], [1, 1, 0]]),
+            objective=obj,
+            agg="token_mean",
+        )
         loss.backward()
         results.append((loss.item(), lp.grad, m["clip_frac"].item()))
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-7) and results[1][2] == 0.0

@@ -244,9 +244,22 @@ def test_toy_run_logs_entropy_selection(toy_dir, tmp_path):
     assert len(picked) == 12 and min(picked) >= max(s for s, on in zip(row["score"], row["selected"]) if not on)
     assert m[2]["trained_sequences"] == (m[2]["labeled_questions"] + m[2]["unlabeled_in_loss"]) * 8
     assert all(r["unlabeled_in_loss"] == 0 for r in m[:2])
-    print("toy entropy run:", {k: sel[k] for k in ("score_selected", "score_rejected", "tcs_selected",
-                                                    "tcs_rejected", "precision_selected", "precision_rejected")},
-          "step-3 unlabeled_in_loss", m[2]["unlabeled_in_loss"])  # fmt: skip
+    print(
+        "toy entropy run:",
+        {
+            k: sel[k]
+            for k in (
+                "score_selected",
+                "score_rejected",
+                "tcs_selected",
+                "tcs_rejected",
+                "precision_selected",
+                "precision_rejected",
+            )
+        },
+        "step-3 unlabeled_in_loss",
+        m[2]["unlabeled_in_loss"],
+    )
 
 
 def test_tensorboard_scalars_carry_the_strategy_score():

@@ -81,10 +81,15 @@ def sources(tmp_path):
     )
     files["deepmath"] = str(d / "deepmath.parquet")
     mmlu = [
-        {"question": f"Which option names law {i} of thermodynamics?", "options": ["first", "second", "third"],
-         "answer": "ABC"[i % 3], "answer_index": i % 3, "category": "physics"}
+        {
+            "question": f"Which option names law {i} of thermodynamics?",
+            "options": ["first", "second", "third"],
+            "answer": "ABC"[i % 3],
+            "answer_index": i % 3,
+            "category": "physics",
+        }
         for i in range(12)
-    ]  # fmt: skip
+    ]
     mmlu.append(dict(mmlu[0], question=rows[0][0], options=[]))  # a labeled math question again
     pq.write_table(pa.Table.from_pylist(mmlu), d / "mmlu.parquet")
     files["mmlu_pro"] = str(d / "mmlu.parquet")
@@ -164,8 +169,21 @@ def test_slices_take_contiguous_rows_labeled_first(sources, tmp_path):
 
 def test_unlabeled_from_takes_the_ood_pool_without_a_labeled_question(sources, tmp_path):
     out = tmp_path / "ood.parquet"
-    m = run([sources["verl"], "--labeled", "8", "--unlabeled", "12", "--split", "slices",
-             "--unlabeled-from", sources["mmlu_pro"], "--out", str(out)])  # fmt: skip
+    m = run(
+        [
+            sources["verl"],
+            "--labeled",
+            "8",
+            "--unlabeled",
+            "12",
+            "--split",
+            "slices",
+            "--unlabeled-from",
+            sources["mmlu_pro"],
+            "--out",
+            str(out),
+        ]
+    )
     qs = load_questions([str(out)])
     assert [q.question for q in qs if q.labeled] == [q for q, _ in _math_rows(8)]
     unlabeled = [q for q in qs if not q.labeled]
@@ -178,8 +196,23 @@ def test_tokenizer_drops_long_prompts(sources, tmp_path, toy_dir):
     long_q = "Compute the value of " + " plus ".join(str(i) for i in range(60)) + "."
     src = write_verl(tmp_path / "long.parquet", _math_rows(6) + [(long_q, "1770")])
     out = tmp_path / "t.parquet"
-    m = run([src, "--labeled", "2", "--unlabeled", "all", "--out", str(out), "--template", "chat",
-             "--tokenizer", os.path.join(toy_dir, "seed-0", "model"), "--max-prompt-tokens", "60"])  # fmt: skip
+    m = run(
+        [
+            src,
+            "--labeled",
+            "2",
+            "--unlabeled",
+            "all",
+            "--out",
+            str(out),
+            "--template",
+            "chat",
+            "--tokenizer",
+            os.path.join(toy_dir, "seed-0", "model"),
+            "--max-prompt-tokens",
+            "60",
+        ]
+    )
     assert m["counts"]["prompt_too_long"] == 1 and m["counts"]["kept"] == 6
 
 
@@ -190,7 +223,7 @@ def test_contamination_exact_and_ngram():
     assert c.check("Prefix: two three four five six seven eight nine ten eleven twelve thirteen fourteen") == (
         "contaminated_ngram"
     )
-    twelve = " ".join(bench[0].split()[:NGRAM - 1])  # fmt: skip
+    twelve = " ".join(bench[0].split()[: NGRAM - 1])
     assert c.check("zero " + twelve) is None  # 12 shared words are not enough
 
 
@@ -214,8 +247,10 @@ def test_unknown_layout_is_one_line_without_traceback(tmp_path):
     pq.write_table(pa.table({"text": ["a"], "label": ["b"]}), bad)
     res = subprocess.run(
         [sys.executable, "-m", "trapo", "prepare", str(bad), "--labeled", "1", "--out", str(tmp_path / "o.parquet")],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().count("\n") == 0
     assert "columns text, label match no known layout" in res.stderr and "openr1: problem, answer" in res.stderr

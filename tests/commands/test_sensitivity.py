@@ -17,7 +17,12 @@ TOY = os.path.join(ROOT, "configs", "studies", "toy")
 
 def test_knob_values_are_read_from_the_conditions():
     assert sensitivity.knob_values(load_study(os.path.join(TOY, "top_p.yaml"))) == {
-        "p0.1": 0.1, "p0.3": 0.3, "p0.5": 0.5, "p0.7": 0.7, "p1.0": 1.0}  # fmt: skip
+        "p0.1": 0.1,
+        "p0.3": 0.3,
+        "p0.5": 0.5,
+        "p0.7": 0.7,
+        "p1.0": 1.0,
+    }
     assert sensitivity.knob_values(load_study(os.path.join(TOY, "warmup.yaml")))["w12"] == 6.0  # the toy's halving
     assert sensitivity.knob_values(load_study(os.path.join(TOY, "select_method.yaml"))) is None
     # the set is ORDER; the directory also holds the curriculum study, which writes its own report
@@ -39,16 +44,37 @@ def test_run_times_come_from_each_runs_start_and_summary(tmp_path):
 
 def fake_study(name, knob, conditions, seeds=(0, 1, 2)):
     """An analysis as study.analyse writes it: per condition per-seed accuracies, one claim."""
-    conds = {c: {s: {"per_seed": [acc + 0.01 * i for i in seeds], "mean": acc + 0.01} for s in ("validation",
-             "test", "test_ood")} for c, acc in conditions.items()}  # fmt: skip
+    conds = {
+        c: {
+            s: {"per_seed": [acc + 0.01 * i for i in seeds], "mean": acc + 0.01}
+            for s in ("validation", "test", "test_ood")
+        }
+        for c, acc in conditions.items()
+    }
     better, worse = list(conditions)[:2]
     diffs = [a - b for a, b in zip(conds[better]["test"]["per_seed"], conds[worse]["test"]["per_seed"])]
     interval = paired_interval([d + 0.001 * i for i, d in enumerate(diffs)])
-    claim = {"name": f"{better}_beats_{worse}", "better": better, "worse": worse, "split": "test",
-             "means": f"{better} above {worse}", "interval": interval, "verdict": verdict(interval)}  # fmt: skip
+    claim = {
+        "name": f"{better}_beats_{worse}",
+        "better": better,
+        "worse": worse,
+        "split": "test",
+        "means": f"{better} above {worse}",
+        "interval": interval,
+        "verdict": verdict(interval),
+    }
     values = {c: float(c[1:]) for c in conditions} if knob else None
-    return {"study": name, "title": f"{name} (toy)", "knob": knob, "seeds": list(seeds), "steps": 32,
-            "conditions": conds, "claims": [claim], "knob_values": values, "file": f"{name}.yaml"}  # fmt: skip
+    return {
+        "study": name,
+        "title": f"{name} (toy)",
+        "knob": knob,
+        "seeds": list(seeds),
+        "steps": 32,
+        "conditions": conds,
+        "claims": [claim],
+        "knob_values": values,
+        "file": f"{name}.yaml",
+    }
 
 
 def test_the_page_and_plots_are_written_from_the_results_file_alone(tmp_path):

@@ -97,10 +97,25 @@ def test_a_host_count_other_than_the_jobs_node_count_stops_in_one_line(tmp_path)
 @pytest.mark.toy_run
 def test_time_limit_signal_saves_exits_75_and_requeues(toy_dir, tmp_path):
     env = slurm_env(tmp_path, "localhost", "2", CONFIG="configs/toy.yaml")
-    args = [f"toy.dir={toy_dir}", *TOY, f"output_dir={tmp_path / 'runs'}", "train.rollout_batch_size=16",
-            "train.update_batch_size=16", "max_steps=8", "save_steps=0", "progress_bar=false"]  # fmt: skip
-    job = subprocess.Popen(["bash", SCRIPT, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)  # fmt: skip
+    args = [
+        f"toy.dir={toy_dir}",
+        *TOY,
+        f"output_dir={tmp_path / 'runs'}",
+        "train.rollout_batch_size=16",
+        "train.update_batch_size=16",
+        "max_steps=8",
+        "save_steps=0",
+        "progress_bar=false",
+    ]
+    job = subprocess.Popen(
+        ["bash", SCRIPT, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     # another job's rank on the same node, which the signal must not reach
     decoy = [sys.executable, "-c", "import time; time.sleep(600)", "trapo_train.py --local_rank=0"]
     other = subprocess.Popen(decoy, start_new_session=True)

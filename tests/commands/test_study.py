@@ -22,8 +22,15 @@ STUDIES = sorted(glob.glob(os.path.join(ROOT, "configs", "studies", "*", "*.yaml
 
 
 def reproduce(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "trapo", "reproduce", *args], cwd=ROOT, capture_output=True,
-                          text=True, env=runtime.subprocess_env(), timeout=900, **kw)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trapo", "reproduce", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=runtime.subprocess_env(),
+        timeout=900,
+        **kw,
+    )
 
 
 def test_the_five_studies_ship_for_the_toy_and_the_gpu_config():
@@ -48,9 +55,13 @@ def test_the_centre_of_the_three_sweeps_is_one_set_of_runs(tmp_path):
     centres = []
     for name, centre in (("top_p", "p0.1"), ("gamma", "g0.5"), ("warmup", "w3")):
         out = reproduce("--study", f"configs/studies/toy/{name}.yaml", "--print", "--out", str(tmp_path / name))
-        runs = {line.split("run_name=")[1].split()[0] for line in out.stdout.splitlines()
-                if "selection.top_p=0.1" in line and "selection.threshold=0.5" in line
-                and "selection.warmup_epochs=2" in line}  # fmt: skip
+        runs = {
+            line.split("run_name=")[1].split()[0]
+            for line in out.stdout.splitlines()
+            if "selection.top_p=0.1" in line
+            and "selection.threshold=0.5" in line
+            and "selection.warmup_epochs=2" in line
+        }
         centres.append(runs)
         assert len(runs) == 6, (name, centre)
     assert centres[0] == centres[1] == centres[2]
@@ -167,12 +178,18 @@ def test_every_field_of_a_study_file_is_checked_when_it_is_read(tmp_path):
 @pytest.mark.toy_run
 def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
     study = {
-        "name": "tiny", "title": "tiny", "scale": "toy", "base": "configs/toy_trap.yaml", "knob": "selection.top_p",
-        "common": ["mode=trapo", "selection.warmup_epochs=1", "eval.n=1", "rollout.backend=hf"], "seeds": [0],
+        "name": "tiny",
+        "title": "tiny",
+        "scale": "toy",
+        "base": "configs/toy_trap.yaml",
+        "knob": "selection.top_p",
+        "common": ["mode=trapo", "selection.warmup_epochs=1", "eval.n=1", "rollout.backend=hf"],
+        "seeds": [0],
         "steps": 6,
-        "eval_every": 2, "conditions": {"a": ["selection.top_p=0.1"], "b": ["selection.top_p=1.0"]},
+        "eval_every": 2,
+        "conditions": {"a": ["selection.top_p=0.1"], "b": ["selection.top_p=1.0"]},
         "claims": [{"name": "a_beats_b", "better": "a", "worse": "b", "split": "test", "means": "a smoke test"}],
-    }  # fmt: skip
+    }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(study))
     out = tmp_path / "studies" / "tiny"
@@ -190,8 +207,14 @@ def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
         str(out),
     ]
     runs = tmp_path / "studies" / "runs"
-    first = subprocess.Popen(args, cwd=ROOT, env=runtime.subprocess_env(), start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    first = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 600
     finished, partial = None, None
     while time.time() < deadline and first.poll() is None:
@@ -215,7 +238,8 @@ def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
     assert "| a_beats_b | a smoke test |" in (out / "results.md").read_text()
     # the same study, never killed, in a store of its own: the same results
     straight = tmp_path / "straight" / "tiny"
-    again = subprocess.run([*args[:-1], str(straight)], cwd=ROOT, env=runtime.subprocess_env(), capture_output=True,
-                           text=True, timeout=900)  # fmt: skip
+    again = subprocess.run(
+        [*args[:-1], str(straight)], cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=900
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((straight / "results.json").read_text()) == res

@@ -137,8 +137,10 @@ def test_complete_marker_records_every_file_and_damage_is_named(tmp_path):
     root = tmp_path / "checkpoints"
     path = _committed(root, 4)
     marker = json.loads((path / ckpt.COMPLETE).read_text())
-    assert marker == {"step": 4, "files": {"ds/shard.pt": [1000, zlib.crc32(b"x" * 1000)],
-                                           "hf.safetensors": [1000, zlib.crc32(b"x" * 1000)]}}  # fmt: skip
+    assert marker == {
+        "step": 4,
+        "files": {"ds/shard.pt": [1000, zlib.crc32(b"x" * 1000)], "hf.safetensors": [1000, zlib.crc32(b"x" * 1000)]},
+    }
     assert ckpt.damaged(path) is None
     shard = path / "ds" / "shard.pt"
     shard.write_bytes(b"x" * 999)  # truncated

@@ -81,9 +81,13 @@ def test_greedy_equals_transformers_generate_with_left_padding(tiny):
     ours = engine.generate(prompts, n=1, temperature=0.0, max_tokens=10)
     for prompt, (r,) in zip(prompts, ours):
         ref = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False, max_new_tokens=10, eos_token_id=stop, pad_token_id=stop,
-        )[0, len(prompt):].tolist()  # fmt: skip
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=stop,
+            pad_token_id=stop,
+        )[0, len(prompt) :].tolist()
         ref = ref[: ref.index(stop) + 1] if stop in ref else ref
         assert r.token_ids == ref
         assert r.truncated == (len(ref) == 10 and ref[-1] != stop)

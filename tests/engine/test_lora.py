@@ -46,8 +46,11 @@ def test_merged_weights_give_the_adapted_models_logprobs():
             if ".lora_B." in name:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
     scale = lora.scalings(adapted)
-    assert scale == {f"model.layers.{i}.{m}": 2.0 for i in range(2)
-                     for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}  # fmt: skip
+    assert scale == {
+        f"model.layers.{i}.{m}": 2.0
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    }
     state = dict(lora.merged(((n, p.detach().clone()) for n, p in adapted.named_parameters()), scale))
     before = {n: p.detach().clone() for n, p in adapted.named_parameters()}
     plain = toy_model(seed=5)
@@ -68,8 +71,10 @@ def test_merge_weight_is_w_plus_scaled_ba():
 
 
 def test_an_incomplete_layer_is_an_error_not_a_missing_weight():
-    parts = [("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", torch.ones(2, 2)),
-             ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", torch.ones(1, 2))]  # fmt: skip
+    parts = [
+        ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", torch.ones(2, 2)),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", torch.ones(1, 2)),
+    ]
     with pytest.raises(RuntimeError, match="incomplete layers"):
         list(lora.merged(parts, {"model.layers.0.self_attn.q_proj": 1.0}))
 

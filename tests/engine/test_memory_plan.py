@@ -185,8 +185,14 @@ def test_hf_backend_plan_by_hand():
     assert not any(name.endswith(": offloaded") for name in rollout)  # generation reads the bf16 partitions
     assert plan.fits
     # a batch too large for the card: the problem names the setting
-    big = plan_for(8, 80, "rollout.backend=hf", "rollout.hf_max_batch=512", "train.rollout_batch_size=512",
-                   "train.update_batch_size=512")  # fmt: skip
+    big = plan_for(
+        8,
+        80,
+        "rollout.backend=hf",
+        "rollout.hf_max_batch=512",
+        "train.rollout_batch_size=512",
+        "train.update_batch_size=512",
+    )
     assert not big.fits and any("rollout.hf_max_batch" in p for p in big.problems), big.problems
 
 
@@ -196,8 +202,12 @@ LORA_1GPU = os.path.join(ROOT, "configs", "trapo_1k_3k_lora_1gpu.yaml")
 def test_lora_7b_on_one_80_gib_card_by_hand_and_full_fine_tuning_refused():
     # Adapters, rank 32 on the 7 projections, per layer r x (in + out): q, o 3584 + 3584 each; k, v 3584 + 512
     # each; gate, up 3584 + 18944 each; down 18944 + 3584 -> 32 x 90,112 = 2,883,584; x 28 = 80,740,352.
-    assert BUILTIN["Qwen2.5-Math-7B"].lora_params(32, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                       "up_proj", "down_proj"]) == 80_740_352  # fmt: skip
+    assert (
+        BUILTIN["Qwen2.5-Math-7B"].lora_params(
+            32, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        )
+        == 80_740_352
+    )
     assert BUILTIN["Qwen2.5-Math-7B"].lora_params(8, ["q_proj", "v_proj"]) == 28 * 8 * (7168 + 4096)
     plan = plan_for(1, 80, config=LORA_1GPU)
     assert plan.fits, plan.problems
@@ -239,8 +249,10 @@ def test_zero2_holds_the_frozen_base_whole_and_gathers_nothing_and_is_for_lora_o
         and next(v for k, v in figures(z3, "update").items() if k.startswith("backward: gathered"))[0] > 0
     )
     # on 2 GPUs the replicated base costs half a base more per GPU than ZeRO-3's partition
-    assert z2.peak("update") - z3.peak("update") == p - next(
-        v for k, v in figures(z3, "update").items() if k.startswith("backward: gathered"))[0] + 2 * a - a  # fmt: skip
+    assert (
+        z2.peak("update") - z3.peak("update")
+        == p - next(v for k, v in figures(z3, "update").items() if k.startswith("backward: gathered"))[0] + 2 * a - a
+    )
     with pytest.raises(ConfigError, match="ZeRO stage 2 is for LoRA runs"):
         plan_for(2, 80, f"train.deepspeed_config={path}", "model.lora.rank=0", config=LORA_1GPU)
 

@@ -87,13 +87,22 @@ def test_packed_attention_matches_padded_forward_and_gradients():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.config.use_cache = False
     rng = random.Random(0)
-    seqs = [TrainSequence([rng.randrange(1, 64) for _ in range(n)], p, 1.0, 1.0, True) for n, p in
-            [(30, 5), (7, 3), (64, 10), (9, 6), (2, 1)]]  # fmt: skip
+    seqs = [
+        TrainSequence([rng.randrange(1, 64) for _ in range(n)], p, 1.0, 1.0, True)
+        for n, p in [(30, 5), (7, 3), (64, 10), (9, 6), (2, 1)]
+    ]
 
     def logprobs(ids, rows, **kw):
         logits = model(input_ids=ids, **kw).logits[:, :-1].log_softmax(-1)
@@ -104,13 +113,19 @@ def test_packed_attention_matches_padded_forward_and_gradients():
     grad_a = torch.autograd.grad(a.sum(), list(model.parameters()))
     model.set_attn_implementation(register_attention())
     packed = collate_packed(seqs, 0)
-    b = logprobs(packed["packed_ids"], packed["packed_response"], position_ids=packed["packed_positions"],
-                 attention_mask=None, packed_bounds=packed["packed_bounds"])  # fmt: skip
+    b = logprobs(
+        packed["packed_ids"],
+        packed["packed_response"],
+        position_ids=packed["packed_positions"],
+        attention_mask=None,
+        packed_bounds=packed["packed_bounds"],
+    )
     grad_b = torch.autograd.grad(b.sum(), list(model.parameters()))
     assert a.shape == b.shape == (sum(len(s.ids) - s.prompt_len for s in seqs),)
     assert torch.allclose(a, b, atol=1e-5)
     assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(grad_a, grad_b))
     # Without the bounds the row would be one long sequence: attention crosses sequences and differs.
-    c = logprobs(packed["packed_ids"], packed["packed_response"], position_ids=packed["packed_positions"],
-                 attention_mask=None)  # fmt: skip
+    c = logprobs(
+        packed["packed_ids"], packed["packed_response"], position_ids=packed["packed_positions"], attention_mask=None
+    )
     assert (a - c).abs().max() > 1e-2

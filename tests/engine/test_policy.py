@@ -15,12 +15,18 @@ def test_reference_logprobs_need_a_reference_model():
 def test_unpushed_maps_fused_engine_parameters_to_checkpoint_names():
     from trapo.engine.vllm_rollout import unpushed
 
-    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
-             "model.layers.0.mlp.gate_up_proj.weight", "lm_head.weight"]  # fmt: skip
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.0.mlp.gate_up_proj.weight",
+        "lm_head.weight",
+    ]
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    full = {"model.embed_tokens.weight", "lm_head.weight"} | {
-        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"} | {
-        f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")}  # fmt: skip
+    full = (
+        {"model.embed_tokens.weight", "lm_head.weight"}
+        | {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"}
+        | {f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")}
+    )
     assert unpushed(names, packed, full) == []
     assert unpushed(names, packed, full - {"model.layers.0.self_attn.k_proj.weight"}) == [
         "model.layers.0.self_attn.qkv_proj.weight"

@@ -171,8 +171,11 @@ def packed_vs_padded(cfg) -> None:
     for _ in range(24):  # lengths from 3 to ~200 tokens: several micro-batches either way
         prompt = [rng.randrange(3, 300) for _k in range(rng.randrange(2, 12))]
         response = [rng.randrange(3, 300) for _k in range(int(rng.lognormvariate(3.0, 0.9)) + 1)]
-        seqs.append(TrainSequence(prompt + response, len(prompt), advantage=rng.choice([-1.0, 0.5, 1.0]),
-                                  weight=1.0, labeled=True))  # fmt: skip
+        seqs.append(
+            TrainSequence(
+                prompt + response, len(prompt), advantage=rng.choice([-1.0, 0.5, 1.0]), weight=1.0, labeled=True
+            )
+        )
     results = {}
     for packed in (False, True):
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed, micro_batch_tokens=256))
@@ -181,8 +184,15 @@ def packed_vs_padded(cfg) -> None:
         for group, batch in policy._microbatches(seqs):
             stats = policy._token_stats(batch, entropy=True)
             mask = batch["response_mask"]
-            loss, _ = policy_loss(stats.logprobs, stats.logprobs.detach(), batch["advantages"], mask,
-                                  weights=batch["weights"], entropy=stats.entropy, denom=4096.0)  # fmt: skip
+            loss, _ = policy_loss(
+                stats.logprobs,
+                stats.logprobs.detach(),
+                batch["advantages"],
+                mask,
+                weights=batch["weights"],
+                entropy=stats.entropy,
+                denom=4096.0,
+            )
             policy.engine.backward(loss)
             losses += float(loss)
             for row, i in enumerate(group):
@@ -191,16 +201,20 @@ def packed_vs_padded(cfg) -> None:
         grads = {n: safe_get_full_grad(p).clone() for n, p in policy.engine.module.named_parameters()}
         results[packed] = (torch.cat(logprobs), torch.cat(entropies), losses, grads, len(policy._groups(seqs)))
     (lp0, h0, l0, g0, mb0), (lp1, h1, l1, g1, mb1) = results[False], results[True]
-    print(json.dumps({
-        "tokens": lp0.numel(),
-        "microbatches": [mb0, mb1],
-        "logprob": float((lp0 - lp1).abs().max()),
-        "entropy": float((h0 - h1).abs().max()),
-        "loss": abs(l0 - l1),
-        "loss_value": l0,
-        "grad": max(float((g0[n] - g1[n]).abs().max()) for n in g0),
-        "grad_scale": max(float(g0[n].abs().max()) for n in g0),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "tokens": lp0.numel(),
+                "microbatches": [mb0, mb1],
+                "logprob": float((lp0 - lp1).abs().max()),
+                "entropy": float((h0 - h1).abs().max()),
+                "loss": abs(l0 - l1),
+                "loss_value": l0,
+                "grad": max(float((g0[n] - g1[n]).abs().max()) for n in g0),
+                "grad_scale": max(float(g0[n].abs().max()) for n in g0),
+            }
+        )
+    )
 
 
 def placement(model_dir) -> None:

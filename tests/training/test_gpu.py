@@ -21,8 +21,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU node: pytest -m gpu)"),
 ]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-GPU_RUN = {"model.dtype": "bfloat16", "rollout.enable_sleep_mode": "true", "train.offload_during_rollout": "true",
-           "rollout.gpu_memory_utilization": 0.3}  # fmt: skip
+GPU_RUN = {
+    "model.dtype": "bfloat16",
+    "rollout.enable_sleep_mode": "true",
+    "train.offload_during_rollout": "true",
+    "rollout.gpu_memory_utilization": 0.3,
+}
 BF16_HEALTH = 5e-2  # engine vs policy log-prob difference per token; stale weights after a wake jump far above
 needs_vllm = pytest.mark.skipif(not installed("vllm"), reason="needs vLLM (the hf backend cases run without it)")
 HF_RUN = {"model.dtype": "bfloat16", "rollout.backend": "hf"}
@@ -56,8 +60,14 @@ def test_packed_rows_run_the_varlen_kernel_and_match_per_sequence_attention():
     from trapo.engine import attention
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
     model.set_attn_implementation(attention.register_attention())
     with torch.no_grad():  # the choice checks gradients under enable_grad whatever the caller's mode
@@ -90,8 +100,10 @@ def test_bf16_sleep_offload_health_after_every_wake_and_resume(toy_dir, tmp_path
 def test_two_ranks_and_tensor_parallel_rollouts_on_gpu(toy_dir, tmp_path):
     for tp in (1, 2):
         name = f"tp{tp}"
-        train(overrides(toy_dir, tmp_path, run_name=name, max_steps=2, **GPU_RUN,
-                        **{"rollout.tensor_parallel_size": tp}), nproc=2)  # fmt: skip
+        train(
+            overrides(toy_dir, tmp_path, run_name=name, max_steps=2, **GPU_RUN, **{"rollout.tensor_parallel_size": tp}),
+            nproc=2,
+        )
         assert all(r["logprob_diff_rollout_vs_policy"] < BF16_HEALTH for r in metrics(tmp_path / name))
 
 

@@ -78,8 +78,25 @@ def test_eval_backend_hf_greedy_writes_what_vllm_writes(toy_dir, tmp_path):
     """Greedy decoding in fp32: both backends take the same argmax at every step, so they write the same texts."""
     model = os.path.join(toy_dir, "seed-0", "model")
     test = os.path.join(toy_dir, "seed-0", "test.jsonl")
-    common = ["-m", "trapo", "eval", "--model", model, "--benchmarks", test, "--n", "1", "--temperature", "0",
-              "--template", "plain", "--max-tokens", "12", "--max-prompt-tokens", "16"]  # fmt: skip
+    common = [
+        "-m",
+        "trapo",
+        "eval",
+        "--model",
+        model,
+        "--benchmarks",
+        test,
+        "--n",
+        "1",
+        "--temperature",
+        "0",
+        "--template",
+        "plain",
+        "--max-tokens",
+        "12",
+        "--max-prompt-tokens",
+        "16",
+    ]
     texts = {}
     for backend in ("hf", "vllm"):
         out = run([sys.executable, *common, "--backend", backend, "--out", str(tmp_path / backend)])

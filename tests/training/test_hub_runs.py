@@ -45,8 +45,24 @@ def test_a_hub_model_trains_records_its_commit_and_a_moved_revision_stops_the_re
 def test_eval_takes_a_hub_id_and_names_one_it_cannot_have(toy_dir, tmp_path, hub_cache):
     hub_cache.add("toyorg/toy-adder", os.path.join(toy_dir, "seed-0", "model"), A)
     test = os.path.join(toy_dir, "seed-0", "test.jsonl")
-    common = ["--benchmarks", test, "--n", "1", "--temperature", "0", "--template", "plain", "--limit", "4",
-              "--max-tokens", "12", "--max-prompt-tokens", "16", "--backend", "hf"]  # fmt: skip
+    common = [
+        "--benchmarks",
+        test,
+        "--n",
+        "1",
+        "--temperature",
+        "0",
+        "--template",
+        "plain",
+        "--limit",
+        "4",
+        "--max-tokens",
+        "12",
+        "--max-prompt-tokens",
+        "16",
+        "--backend",
+        "hf",
+    ]
     out = run([sys.executable, "-m", "trapo", "eval", "--model", "toyorg/toy-adder", *common, "--out", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

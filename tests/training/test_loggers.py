@@ -12,11 +12,26 @@ from trapo.training.tensorboard_writer import read_scalars
 
 # Two metrics.jsonl rows as the trainer writes them: nested dicts, a flag, values that are not scalars.
 STEPS = [
-    {"step": 1, "epoch": 1, "loss": 0.5, "skipped": False, "timing": {"rollout": 1.25, "update": 2.0},
-     "eval": None, "note": "text", "grading_timeouts": 0},
-    {"step": 2, "epoch": 1, "loss": math.nan, "skipped": True, "timing": {"rollout": 1.5, "update": 2.5},
-     "eval": {"mean": 0.25, "aime+24": 0.125}, "grading_timeouts": 3},
-]  # fmt: skip
+    {
+        "step": 1,
+        "epoch": 1,
+        "loss": 0.5,
+        "skipped": False,
+        "timing": {"rollout": 1.25, "update": 2.0},
+        "eval": None,
+        "note": "text",
+        "grading_timeouts": 0,
+    },
+    {
+        "step": 2,
+        "epoch": 1,
+        "loss": math.nan,
+        "skipped": True,
+        "timing": {"rollout": 1.5, "update": 2.5},
+        "eval": {"mean": 0.25, "aime+24": 0.125},
+        "grading_timeouts": 3,
+    },
+]
 # What every backend must hold: "step" is the x axis; NaN, None and strings are left out; True -> 1.0.
 EXPECTED = {
     "epoch": [(1, 1.0), (2, 1.0)],
@@ -29,19 +44,37 @@ EXPECTED = {
     "grading_timeouts": [(1, 0.0), (2, 3.0)],
 }
 # A selection.jsonl row closing epoch 1 at step 2: 4 unlabeled questions, 2 selected (one right, one wrong).
-ROW = {"epoch": 1, "tcs": [0.9, 0.8, 0.1, 0.2], "pseudo_correct": [True, False, True, None],
-       "selected": [True, True, False, False]}  # fmt: skip
-EPOCH = {"size": 2.0, "unlabeled": 4.0, "share": 0.5, "precision_selected": 0.5, "precision_rejected": 1.0,
-         "tcs_selected": (0.9 + 0.8) / 2, "tcs_rejected": (0.1 + 0.2) / 2, "tcs_cut": 0.8}  # fmt: skip
+ROW = {
+    "epoch": 1,
+    "tcs": [0.9, 0.8, 0.1, 0.2],
+    "pseudo_correct": [True, False, True, None],
+    "selected": [True, True, False, False],
+}
+EPOCH = {
+    "size": 2.0,
+    "unlabeled": 4.0,
+    "share": 0.5,
+    "precision_selected": 0.5,
+    "precision_rejected": 1.0,
+    "tcs_selected": (0.9 + 0.8) / 2,
+    "tcs_rejected": (0.1 + 0.2) / 2,
+    "tcs_cut": 0.8,
+}
 
 
 def config(tmp_path, *extra):
     return load_config(None, ["toy.enabled=true", f"output_dir={tmp_path}", "run_name=r", *extra])
 
 
-ALL = ["logging.tensorboard=true", "logging.wandb.enabled=true", "logging.wandb.mode=offline",
-       "logging.wandb.project=proj", "logging.wandb.tags=[toy, a]", "logging.mlflow.enabled=true",
-       "logging.mlflow.experiment=exp"]  # fmt: skip
+ALL = [
+    "logging.tensorboard=true",
+    "logging.wandb.enabled=true",
+    "logging.wandb.mode=offline",
+    "logging.wandb.project=proj",
+    "logging.wandb.tags=[toy, a]",
+    "logging.mlflow.enabled=true",
+    "logging.mlflow.experiment=exp",
+]
 
 
 @pytest.fixture

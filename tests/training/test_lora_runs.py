@@ -61,8 +61,17 @@ def test_lora_trains_resumes_exactly_and_saves_a_merged_model(toy_dir, tmp_path)
 def test_the_make_train_toy_learns_with_lora(tmp_path):
     """The issue's command: `make train`'s toy (configs/toy.yaml) with rank-8 adapters for 12 steps."""
     lora = ["model.lora.rank=8", "model.lora.alpha=16", "max_steps=12"]
-    train(["--config", "configs/toy.yaml", *lora, f"toy.dir={tmp_path / 'assets'}", f"output_dir={tmp_path}",
-           "progress_bar=false", "save_steps=0"])  # fmt: skip
+    train(
+        [
+            "--config",
+            "configs/toy.yaml",
+            *lora,
+            f"toy.dir={tmp_path / 'assets'}",
+            f"output_dir={tmp_path}",
+            "progress_bar=false",
+            "save_steps=0",
+        ]
+    )
     summary = json.loads((tmp_path / "toy" / "summary.json").read_text())
     # avg@8 at T 0.6 (eval.heldout_k): the toy's warm start answers right greedily already (configs/toy.yaml)
     before, after = summary["heldout_avg_before"], summary["heldout_avg_after"]
@@ -86,10 +95,17 @@ def test_a_resume_onto_another_base_names_both(toy_dir, tmp_path):
     weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01  # another model of the same shape
     save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
     moved = train(
-        lora_run(toy_dir, tmp_path, str(other), run_name="r", max_steps=4, resume_from="latest",
-                 resume_changes="[model.path]"),
+        lora_run(
+            toy_dir,
+            tmp_path,
+            str(other),
+            run_name="r",
+            max_steps=4,
+            resume_from="latest",
+            resume_changes="[model.path]",
+        ),
         check=False,
-    )  # fmt: skip
+    )
     lines = [line for line in moved.stderr.splitlines() if "adapters were trained on the base" in line]
     assert moved.returncode == 2 and "Traceback" not in moved.stderr, moved.stderr[-2000:]
     assert len(lines) == 1 and model in lines[0] and str(other) in lines[0] and f"model.path={model}" in lines[0]

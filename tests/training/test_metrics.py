@@ -52,17 +52,35 @@ def test_step_sums_by_name():
 def totals(**kw):
     base = dict.fromkeys(UPDATE_SUMS, 0.0)
     base.update(
-        labeled_questions=4, labeled_pass_sum=3.0, unlabeled_questions=8, unlabeled_pass_sum=2.0,
-        unlabeled_in_loss=5, pseudo_known=4, pseudo_right=3.0, response_tokens=1000, truncated=6, responses=96,
-        grading_timeouts=0, grading_budget_cut=0, grading_failed=0,
-    )  # fmt: skip
+        labeled_questions=4,
+        labeled_pass_sum=3.0,
+        unlabeled_questions=8,
+        unlabeled_pass_sum=2.0,
+        unlabeled_in_loss=5,
+        pseudo_known=4,
+        pseudo_right=3.0,
+        response_tokens=1000,
+        truncated=6,
+        responses=96,
+        grading_timeouts=0,
+        grading_budget_cut=0,
+        grading_failed=0,
+    )
     base.update(kw)
     return base
 
 
 def test_step_values_from_cross_rank_totals():
-    t = totals(loss=1.2, pg_loss=0.8, entropy=50.0, clip_frac=10.0, trained_tokens=200.0, trained_sequences=72.0,
-               logprob_diff=0.5, logprob_tokens=200.0)  # fmt: skip
+    t = totals(
+        loss=1.2,
+        pg_loss=0.8,
+        entropy=50.0,
+        clip_frac=10.0,
+        trained_tokens=200.0,
+        trained_sequences=72.0,
+        logprob_diff=0.5,
+        logprob_tokens=200.0,
+    )
     v = step_values(t, world=2, updates=3, applied=True, majority=True)
     assert v["loss"] == pytest.approx(1.2 / 2 / 3) and v["pg_loss"] == pytest.approx(0.8 / 2 / 3)
     assert v["entropy"] == pytest.approx(0.25) and v["clip_frac"] == pytest.approx(0.05)  # token-weighted
@@ -115,7 +133,7 @@ def test_summary_text():
                 "precision_selected": 0.84,
                 "precision_rejected": None,
             },
-        }  # fmt: skip
+        }
     )
     assert text.splitlines() == [
         "trained 80 steps",

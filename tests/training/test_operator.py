@@ -25,8 +25,13 @@ def at(row, key):
     return row
 
 
-LOGGERS = {"logging.tensorboard": "true", "logging.wandb.enabled": "true", "logging.wandb.mode": "offline",
-           "logging.mlflow.enabled": "true", "logging.rollouts_every": 1}  # fmt: skip
+LOGGERS = {
+    "logging.tensorboard": "true",
+    "logging.wandb.enabled": "true",
+    "logging.wandb.mode": "offline",
+    "logging.mlflow.enabled": "true",
+    "logging.rollouts_every": 1,
+}
 
 
 def test_quiet_terminal_loggers_and_rollout_dumps(toy_dir, tmp_path, monkeypatch):
@@ -94,8 +99,14 @@ def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path, s
     straight = metrics(straight_run)
 
     args = overrides(toy_dir, tmp_path, run_name="stopped", **common)
-    proc = subprocess.Popen([sys.executable, "trapo_train.py", *args], cwd=ROOT, env=runtime.subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "trapo_train.py", *args],
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     rows = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (rows.is_file() and rows.read_text().count("\n") >= 1) and time.time() < deadline:
@@ -123,10 +134,20 @@ def test_rollout_importance_correction_and_offload_switches(toy_dir, tmp_path):
     optimizer's fp32 master weights and Adam moments go to host buffers and come back exactly. Both runs
     also train GSPO with DAPO's soft overlong penalty; the first drops sequences by their geometric-mean
     ratio (sequence_mask), which on CPU fp32 is ~1 and drops none."""
-    loss_options = {"loss.objective": "gspo", "loss.overlong": "soft_penalty", "rollout.max_tokens": 12,
-                    "loss.overlong_buffer": 11}  # fmt: skip
-    args = {"loss.rollout_is": "sequence_mask", "train.offload_during_rollout": "true", "max_steps": 3,
-            "run_name": "is", **loss_options, **VLLM}  # fmt: skip
+    loss_options = {
+        "loss.objective": "gspo",
+        "loss.overlong": "soft_penalty",
+        "rollout.max_tokens": 12,
+        "loss.overlong_buffer": 11,
+    }
+    args = {
+        "loss.rollout_is": "sequence_mask",
+        "train.offload_during_rollout": "true",
+        "max_steps": 3,
+        "run_name": "is",
+        **loss_options,
+        **VLLM,
+    }
     train(overrides(toy_dir, tmp_path, **args))
     plain = {**args, "loss.rollout_is": "off", "train.offload_during_rollout": "false", "run_name": "plain"}
     train(overrides(toy_dir, tmp_path, **plain))
@@ -189,8 +210,15 @@ def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     args = overrides(toy_dir, tmp_path, run_name="two", max_steps=4)
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), "trapo_train.py", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=runtime.subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     rows = tmp_path / "two" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (rows.is_file() and rows.read_text().count("\n") >= 1) and time.time() < deadline:

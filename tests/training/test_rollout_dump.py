@@ -36,10 +36,18 @@ def test_rows_hold_what_was_generated_and_how_it_was_scored():
     rewards = [g.rewards[0], [0.5, 0.25, 0.0, 1.0], g.rewards[2]]  # a confidence reward replaced question b's
     rows = question_rows([4, 9, 2], QUESTIONS, ["P4", "P9", "P2"], TEXTS, rewards, g, gate=[1.0, 0.0, 1.0])
     assert rows[0] == {
-        "question": 4, "uid": "a", "labeled": True, "prompt": "P4", "responses": TEXTS[0],
-        "rewards": [1.0, 0.0, 0.0, 1.0], "answers": ["12", "13", None, "12.0"], "pseudo_label": None,
-        "gold": "12", "pseudo_correct": None, "in_loss": True,
-    }  # fmt: skip
+        "question": 4,
+        "uid": "a",
+        "labeled": True,
+        "prompt": "P4",
+        "responses": TEXTS[0],
+        "rewards": [1.0, 0.0, 0.0, 1.0],
+        "answers": ["12", "13", None, "12.0"],
+        "pseudo_label": None,
+        "gold": "12",
+        "pseudo_correct": None,
+        "in_loss": True,
+    }
     assert (rows[1]["pseudo_label"], rows[1]["gold"], rows[1]["pseudo_correct"]) == ("7", None, True)
     assert rows[1]["rewards"] == [0.5, 0.25, 0.0, 1.0] and rows[1]["in_loss"] is False  # gated out (M = 0)
     assert (rows[2]["pseudo_label"], rows[2]["pseudo_correct"], rows[2]["in_loss"]) == (None, None, True)
@@ -54,8 +62,14 @@ def test_due_every_n_steps_from_step_one():
 
 def test_dump_step_writes_on_due_steps_only_and_overwrites_whole(tmp_path):
     g = grade(QUESTIONS, TEXTS, timeout=5.0)
-    args = dict(prompts=[[1, 2], [3], [4]], decode=lambda ids: "-".join(map(str, ids)), texts=TEXTS,
-                rewards=g.rewards, grades=g, gate=[1.0, 1.0, 0.0])  # fmt: skip
+    args = dict(
+        prompts=[[1, 2], [3], [4]],
+        decode=lambda ids: "-".join(map(str, ids)),
+        texts=TEXTS,
+        rewards=g.rewards,
+        grades=g,
+        gate=[1.0, 1.0, 0.0],
+    )
     assert dump_step(2, tmp_path, 3, [0, 1, 2], QUESTIONS, **args) is None
     assert not (tmp_path / "rollouts").exists()
     path = dump_step(2, tmp_path, 4, [0, 1, 2], QUESTIONS, **args)

@@ -27,8 +27,13 @@ HOLD = (
 
 def holding(run_dir):
     """A process that holds `run_dir`'s lock until killed."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, env=runtime.subprocess_env(),
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)],
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -69,12 +74,14 @@ def test_a_resume_refuses_changes_that_alter_the_run_and_lists_each(tmp_path):
     line = str(err.value)
     assert "rollout.n: 8 -> 16" in line and "seed: 0 -> 3" in line and "resume_changes=[seed,rollout.n]" in line
     assert run_record.resume_changes(tmp_path, to_dict(changed), allowed=["seed", "rollout.n"]) == {
-        "seed": [0, 3], "rollout.n": [8, 16]
-    }  # fmt: skip
+        "seed": [0, 3],
+        "rollout.n": [8, 16],
+    }
     safe = dataclasses.replace(cfg, max_steps=50, eval=dataclasses.replace(cfg.eval, steps=5))
     assert run_record.resume_changes(tmp_path, to_dict(safe), allowed=[]) == {
-        "max_steps": [None, 50], "eval.steps": [0, 5]
-    }  # fmt: skip
+        "max_steps": [None, 50],
+        "eval.steps": [0, 5],
+    }
 
 
 def test_a_structural_change_is_refused_even_when_named_in_one_line(tmp_path):
@@ -199,8 +206,14 @@ def test_run_name_is_a_plain_name_and_resume_changes_names_real_keys():
 @pytest.mark.toy_run
 def test_a_second_run_into_a_live_runs_directory_is_one_line_and_the_first_is_untouched(toy_dir, tmp_path):
     args = overrides(toy_dir, tmp_path, run_name="busy", max_steps=12)
-    first = subprocess.Popen([sys.executable, "trapo_train.py", *args], cwd=ROOT, env=runtime.subprocess_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "trapo_train.py", *args],
+        cwd=ROOT,
+        env=runtime.subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lock = tmp_path / "busy" / ".lock"
     deadline = time.time() + 120
     while not (lock.is_file() and lock.read_text()) and time.time() < deadline:
@@ -236,7 +249,7 @@ def test_a_resume_with_a_changed_setting_stops_before_loading_and_keeps_the_firs
         "max_steps",
         "resume_from",
         "output_dir",
-    }  # fmt: skip (the copy moved the run directory: output_dir is recorded too)
+    }  # the copy moved the run directory: output_dir is recorded too
     assert [r["step"] for r in metrics(tmp_path / "straight")] == list(range(1, 7))
 
 

@@ -186,8 +186,11 @@ def test_eval_cli_writes_outputs_and_resumes_without_regenerating(toy_dir, tmp_p
     assert "generated 12 questions, reused 0" in first.stderr
     # the terminal gets the table and one closing line (no progress bar: stderr is a pipe here, not a tty);
     # vLLM's and torch's logs go to log.txt
-    noise = [line for line in (first.stdout + first.stderr).splitlines()
-             if any(w in line for w in ("FutureWarning", "UserWarning", "WARNING", "INFO"))]  # fmt: skip
+    noise = [
+        line
+        for line in (first.stdout + first.stderr).splitlines()
+        if any(w in line for w in ("FutureWarning", "UserWarning", "WARNING", "INFO"))
+    ]
     assert noise == [], noise[:5]
     assert "\r" not in first.stderr and "WARNING" in (tmp_path / "ev" / "log.txt").read_text()
     assert "| Model | AIME24 | ID Avg. | test |" in first.stdout
@@ -504,8 +507,10 @@ def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exa
     }
     assert [sum(q in kept for i in range(used) for q in order[i][r::2]) for r in range(2)] == per_rank
 
-    train(overrides(toy_dir, tmp_path, run_name="re", resume_from=tmp_path / "ds" / "checkpoints" / "step-2", **common),
-          nproc=2)  # fmt: skip
+    train(
+        overrides(toy_dir, tmp_path, run_name="re", resume_from=tmp_path / "ds" / "checkpoints" / "step-2", **common),
+        nproc=2,
+    )
     (again,) = metrics(tmp_path / "re")
     for key in ("loss", "pg_loss", "dynamic_sampling", "response_tokens", "pass_rate_labeled", "selection"):
         assert again.get(key) == m[2].get(key), key
