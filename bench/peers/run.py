@@ -39,14 +39,19 @@ def run_side(side: str, tokens: int, steps: int, toy: Path, peers_python: str) -
     if out.returncode != 0 or not lines:
         raise SystemExit(f"bench-peers: {side} at {tokens} tokens failed ({out.returncode}):\n{out.stderr[-3000:]}")
     result = json.loads(lines[-1])
+    if reason := not_comparable(side, tokens, result):
+        raise SystemExit(f"bench-peers: {reason}")
+    return result
+
+
+def not_comparable(side: str, tokens: int, result: dict) -> str | None:
+    """Why one side's measured steps (each process's first left out) cannot stand beside the others', or None."""
     lengths = result["mean_length"][1:]
     if lengths and min(lengths) != tokens:  # the comparison is only fair at equal lengths
-        raise SystemExit(f"bench-peers: {side} generated {lengths} tokens on average, not the forced {tokens}")
+        return f"{side} generated {lengths} tokens on average, not the forced {tokens}"
     if any(result.get("skipped", [])[1:]):  # a batch without signal skips our update, never TRL's
-        raise SystemExit(
-            f"bench-peers: {side} at {tokens} tokens skipped an update (every reward equal): not comparable"
-        )
-    return result
+        return f"{side} at {tokens} tokens skipped an update (every reward equal): not comparable"
+    return None
 
 
 def summarize(runs: list[dict]) -> dict:
