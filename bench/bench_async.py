@@ -42,13 +42,15 @@ BLOCK = "bench-async"
 PRECISION_BLOCK = "async-precision"  # in docs/async-rollouts.md
 
 
+TOY = {"toy.labeled": 16, "toy.unlabeled": 48, "toy.test": 16, "toy.sft_steps": 150}  # over configs/toy.yaml's
+
+
+def toy_overrides(toy_dir: str) -> list[str]:
+    return [f"toy.dir={toy_dir}", *(f"{k}={v}" for k, v in TOY.items())]
+
+
 def overrides(toy_dir: str, out: str, name: str, steps: int, tokens: int, extra: dict) -> list[str]:
     kv = {
-        "toy.dir": toy_dir,
-        "toy.labeled": 16,
-        "toy.unlabeled": 48,
-        "toy.test": 16,
-        "toy.sft_steps": 150,
         "output_dir": out,
         "run_name": name,
         "progress_bar": "false",
@@ -67,7 +69,7 @@ def overrides(toy_dir: str, out: str, name: str, steps: int, tokens: int, extra:
         "rollout.health.stop": "null",
         **extra,
     }
-    return [f"{k}={v}" for k, v in kv.items()]
+    return toy_overrides(toy_dir) + [f"{k}={v}" for k, v in kv.items()]
 
 
 def launch(args: list[str], *, threads: int, cores: list[str | None]) -> None:
@@ -183,8 +185,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         toy_dir = str(Path(tmp) / "toy")
         # the toy the runs load (configs/toy.yaml under their toy.* overrides), so that they find it built
-        toy_args = [a for a in overrides(toy_dir, tmp, "", 0, 0, {}) if a.startswith("toy.")]
-        build_assets(load_config(str(ROOT / "configs" / "toy.yaml"), toy_args).toy, log=lambda m: None)
+        build_assets(load_config(str(ROOT / "configs" / "toy.yaml"), toy_overrides(toy_dir)).toy, log=lambda m: None)
         sep = {"rollout.placement": "separate", "rollout.ranks": 1}
         runs = {
             "colocated, 2 threads": ({}, 2, [None]),
