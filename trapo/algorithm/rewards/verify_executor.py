@@ -7,7 +7,8 @@ deadline. It dies with the supervisor (PR_SET_PDEATHSIG).
 
 Numeric pre-filter: each side that parses to a scalar expression is
 evaluated at one fixed probe point (every single-letter variable gets its own
-irrational-looking value). Expressions that are equal must agree there, so
+irrational-looking value; integrals of polynomials are worked out first).
+Expressions that are equal must agree there, so
 values that differ by more than 1e-4 relative prove "not equal" (Math-Verify
 compares numbers after rounding to 6 decimals) and the slow symbolic path
 (sympy's simplify: docs/upstream-notes.md) is skipped. Values
@@ -144,6 +145,7 @@ class _Checker:
         if exact is not None:
             return complex(float(exact))
         sympy = self._sympy
+        expr = self._integrated(expr)
         if not (
             isinstance(expr, sympy.Expr)
             and not isinstance(expr, sympy.MatrixExpr)  # `3\begin{pmatrix}..` recurses in evalf until the limit
@@ -164,6 +166,19 @@ class _Checker:
         # whose exponents are unbounded, rather than give up and leave it to Math-Verify.
         big = self._mpmath.mpmathify(number._to_mpmath(53))
         return big if self._mpmath.isfinite(big) else None
+
+    def _integrated(self, expr):
+        """`expr` with its integrals of polynomials worked out, as Math-Verify's simplify would (`\\int y`
+        is x*y to it). An indefinite integral's variable is bound: a probe value put into it means nothing,
+        so without this the answer had no value, and each comparison with it ran simplify (seconds beside
+        a deep fraction). Other integrals stay: working them out may take longer than the timeout."""
+        sympy = self._sympy
+        if not isinstance(expr, sympy.Expr) or not expr.has(sympy.Integral):
+            return expr
+        integrals = expr.atoms(sympy.Integral)
+        if not all(i.function.is_polynomial(*i.variables) and not i.function.has(sympy.Integral) for i in integrals):
+            return expr
+        return expr.xreplace({i: i.doit() for i in integrals})
 
     def differ(self, gold: str, pred: str) -> bool:
         """True when the probe-point values prove gold != pred; False when they do not, or cannot be compared."""
