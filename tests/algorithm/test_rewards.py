@@ -375,6 +375,10 @@ def test_a_vote_settles_pairs_whose_probe_values_differ_without_sending_them(spy
     answers = [one] * 3 + ["\\frac{2}{x+1}"] * 2 + ["x^2+1", same]
     assert majority_votes([answers], SHORT, spy) == [(one, [True] * 3 + [False] * 3 + [True])]
     assert [p for pairs in spy.judged for p in pairs] == [(one, same)]
+    spy.judged.clear()
+    big = ["9^{9^5}", "8^{9^5}", "7^{9^5}"]  # beyond float range: their values cross the wire as mpmath numbers
+    assert majority_votes([[big[0]] * 2 + big[1:] + ["7"]], SHORT, spy) == [(big[0], [True, True, False, False, False])]
+    assert not any(spy.judged)  # every pair settled by its values, none sent
 
 
 def test_a_probe_value_crosses_the_wire_exactly():
@@ -383,7 +387,9 @@ def test_a_probe_value_crosses_the_wire_exactly():
         assert back == value and str(back) == str(value)  # -0.0 kept
     assert encode_value(None) == b"" and decode_value("") is None
     mpmath = pytest.importorskip("mpmath")
-    assert encode_value(mpmath.mpf("1e400000")) == b""  # beyond float range: compared in the executors
+    for big in (mpmath.mpf("1e400000"), mpmath.mpf("-2.6e354535373466"), mpmath.power(9, mpmath.power(9, 9))):
+        assert decode_value(encode_value(big).decode()) == big  # beyond float range, exactly: the vote compares it
+    assert encode_value(mpmath.mpc("1e400000", 1)) == b""  # a complex one: compared in the executors
 
 
 def test_identical_answers_cost_no_comparisons(spy):

@@ -172,7 +172,7 @@ class _Ballot:
     raw: dict[str, str]  # key -> its first spelling: what is compared, and returned as the label
     clusters: list[list[str]] = field(default_factory=list)  # keys; the first is the representative
     frozen: set[str] = field(default_factory=set)  # keys that exhausted the timeout: never compared again
-    values: dict[str, complex] = field(default_factory=dict)  # key -> its probe value, where parsing gave one
+    values: dict[str, object] = field(default_factory=dict)  # key -> its probe value (complex or mpmath), if any
 
 
 def _ballot(answers: Sequence[str | None], keys: Sequence | None = None) -> _Ballot:

@@ -17,7 +17,8 @@ Protocol on the supervisor's stdin/stdout:
   system-wide, the same in the parent and the supervisor);
 - per item, as soon as it is settled, a line `<index> <code>`, code one of
   1 equal, 0 not equal, r parsed (pred None; `r<real>,<imag>` with the answer's probe value where it is a
-  float-range number: `encode_value`), t the comparison of the two
+  float-range number, `rm<mantissa>,<exponent>` where it is a real beyond that range: `encode_value`),
+  t the comparison of the two
   (already parsed) answers timed out, g / p parsing the gold / pred timed
   out, b cut by the deadline, f failed (executors died on it twice: undecided) (see `verifier.Verdict`);
   a `*` after g, p or t says the supervisor remembered the answer or pair now (the parent mirrors it).
@@ -61,16 +62,26 @@ def _write_message(fd: int, obj) -> None:
 
 
 def encode_value(value) -> bytes:
-    """A parsed answer's probe value for its `r` line: exact float reprs (no spaces), or nothing where it
-    is None or beyond float range (an mpmath number: its comparisons stay in the executors)."""
+    """A parsed answer's probe value for its `r` line: exact float reprs (no spaces); a real number beyond
+    float range (an mpmath mpf, 9^{9^9}) as `m<mantissa>,<exponent>`, exactly; nothing where it is None or
+    a complex number beyond float range (its comparisons stay in the executors)."""
     if isinstance(value, complex):
         return f"{value.real!r},{value.imag!r}".encode()
+    parts = getattr(value, "_mpf_", None)  # mpmath's (sign, mantissa, exponent, bits): value = ±mantissa * 2^exponent
+    if parts is not None and parts[1]:
+        sign, mantissa, exponent, _ = parts
+        return f"m{-mantissa if sign else mantissa},{exponent}".encode()
     return b""
 
 
-def decode_value(payload: str) -> complex | None:
-    """`encode_value` read back: the same complex number, or None for an empty payload."""
+def decode_value(payload: str):
+    """`encode_value` read back: the same complex number, or mpmath number; None for an empty payload."""
     if not payload:
         return None
+    if payload.startswith("m"):
+        import mpmath  # only where an answer was that large: a vote over exponent towers
+
+        mantissa, exponent = (int(x) for x in payload[1:].split(","))
+        return mpmath.mpf(mpmath.libmp.from_man_exp(mantissa, exponent))
     real, imag = payload.split(",")
     return complex(float(real), float(imag))
