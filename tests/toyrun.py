@@ -1,6 +1,6 @@
 """Toy training runs for the tests: each run is a process per rank (a trainer owns a process: its distributed
 world and its vLLM engine), set up as a user's `python trapo_train.py` or the `deepspeed` launcher's ranks are,
-forked from a process that has done a trainer's imports already (tests/zygote.py)."""
+forked from a process that has done a trainer's imports already (trapo/commands/fork_server.py)."""
 
 import atexit
 import json
@@ -56,7 +56,7 @@ def overrides(toy_dir, out, **kv):
 
 def run(cmd, timeout=600, env=None):
     """`cmd` to its end, output captured. The trainer's scenarios and `python -m trapo` commands are forked
-    from the zygote (tests/zygote.py) where the environment allows; other programs start afresh (a script
+    from the zygote (trapo/commands/fork_server.py) where the environment allows; other programs start afresh (a script
     that changes what can be imported, tests/scripts/without_vllm.py, needs a fresh interpreter)."""
     env = env or runtime.subprocess_env()
     zygote = _zygote()
@@ -90,14 +90,16 @@ _ZYGOTES = []
 
 
 def _zygote():
-    """This pytest process's zygote (tests/zygote.py), started on first use; None with TRAPO_TESTS_ZYGOTE=0, and
-    on a GPU machine, where a fork after CUDA's start-up (an import may start it) is unsafe."""
+    """This pytest process's zygote (a `fork_server.ForkServer`), started on first use; None with
+    TRAPO_TESTS_ZYGOTE=0, and on a GPU machine, where a fork after CUDA's start-up (an import may start it) is
+    unsafe."""
     if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0" or runtime.has_gpu():
         return None
     if not _ZYGOTES:
-        from zygote import Zygote
+        from trapo.commands.fork_server import LAUNCHER_VARS, ForkServer
 
-        _ZYGOTES.append(Zygote(runtime.subprocess_env(), ROOT))
+        # a run's environment may differ from the zygote's in the launcher's variables and the test's name
+        _ZYGOTES.append(ForkServer(runtime.subprocess_env(), ROOT, LAUNCHER_VARS | {"PYTEST_CURRENT_TEST"}))
         atexit.register(_ZYGOTES[0].close)
     return _ZYGOTES[0]
 
@@ -110,7 +112,7 @@ class Ranks:
     tested where it matters: two nodes, SIGTERM to a deepspeed job, Slurm). As its launch.py, the first rank to
     fail has the others terminated and gives the run's exit code. The ranks share one process group, led by
     rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a launched job does. Each rank
-    is forked from this pytest process's zygote (tests/zygote.py), which imported torch, transformers,
+    is forked from this pytest process's zygote (trapo/commands/fork_server.py), which imported torch, transformers,
     DeepSpeed and vLLM once, where the environment allows; TRAPO_TESTS_ZYGOTE=0 starts every rank afresh."""
 
     def __init__(self, args, nproc=1, env=None, fresh=False):

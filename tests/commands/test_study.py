@@ -12,6 +12,7 @@ import time
 
 import pytest
 import yaml
+from toyrun import run
 
 from trapo import runtime
 from trapo.commands.reproduce.study import load_study
@@ -228,7 +229,7 @@ def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
     first.wait()
     assert finished is not None and partial is not None, "no moment with one run finished and one mid-way"
     kept = (finished / "summary.json").stat().st_mtime
-    second = subprocess.run(args, cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=900)
+    second = run(args, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert (finished / "summary.json").stat().st_mtime == kept  # a finished run is kept
     starts = (partial / "starts.jsonl").read_text().splitlines()
@@ -238,8 +239,6 @@ def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
     assert "| a_beats_b | a smoke test |" in (out / "results.md").read_text()
     # the same study, never killed, in a store of its own: the same results
     straight = tmp_path / "straight" / "tiny"
-    again = subprocess.run(
-        [*args[:-1], str(straight)], cwd=ROOT, env=runtime.subprocess_env(), capture_output=True, text=True, timeout=900
-    )
+    again = run([*args[:-1], str(straight)], timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((straight / "results.json").read_text()) == res

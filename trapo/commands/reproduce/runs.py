@@ -1,17 +1,16 @@
-"""The reproduction's runs (subprocesses and files): the one base model and its splits, the OOD
-setting's training file, one training run per method and seed (reused when finished), the base model's
-evaluation, and reading a finished run's evaluation curve and selection rows."""
+"""The reproduction's runs (child processes, forked from a pre-imported parent on CPU: `fork_server`, and
+files): the one base model and its splits, the OOD setting's training file, one training run per method and
+seed (reused when finished), the base model's evaluation, and reading a finished run's evaluation curve and
+selection rows."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from trapo import runtime
+from trapo.commands.fork_server import run_python
 from trapo.commands.reproduce.plan import CONFIG, EVAL_EVERY, LABELED_RATIO, METHODS, ROOT
 
 # ---------------------------------------------------------------- runs
@@ -73,8 +72,7 @@ def run_one(out: Path, root: Path, method: str, seed: int, steps: int, extra: li
         *extra,
     ]
     started = time.perf_counter()
-    cmd = [sys.executable, str(ROOT / "trapo_train.py"), "--config", str(CONFIG), *args]
-    proc = subprocess.run(cmd, env=runtime.subprocess_env(), capture_output=True, text=True, cwd=ROOT)
+    proc = run_python([str(ROOT / "trapo_train.py"), "--config", str(CONFIG), *args], cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} seed {seed} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     log(f"{method} seed {seed}: {time.perf_counter() - started:.0f} s")
@@ -86,8 +84,7 @@ def base_eval(out: Path, root: Path, cfg: dict, log) -> dict:
     dest = out / "base"
     if not (dest / "results.json").is_file():
         ev = cfg["eval"]
-        cmd = [
-            sys.executable,
+        args = [
             "-m",
             "trapo",
             "eval",
@@ -111,7 +108,7 @@ def base_eval(out: Path, root: Path, cfg: dict, log) -> dict:
             str(dest),
             "--overwrite",
         ]
-        proc = subprocess.run(cmd, env=runtime.subprocess_env(), capture_output=True, text=True, cwd=ROOT)
+        proc = run_python(args, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"base model evaluation failed:\n{proc.stderr[-3000:]}")
         log("base model evaluated")

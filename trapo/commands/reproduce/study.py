@@ -33,7 +33,6 @@ import dataclasses
 import json
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from trapo import runtime
+from trapo.commands import fork_server
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
 from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT, TINY_TOY
 from trapo.commands.reproduce.study_file import SPLITS, check_fields, check_knob
@@ -180,7 +179,7 @@ def run_one(run_dir: Path, argv: list[str], steps: int, log) -> Path:
     if run_dir.exists() and not list((run_dir / "checkpoints").glob("step-*")):
         shutil.rmtree(run_dir)  # it stopped before its first checkpoint: nothing to resume
     started = time.perf_counter()
-    proc = subprocess.run(argv, env=runtime.subprocess_env(), capture_output=True, text=True, cwd=ROOT)
+    proc = fork_server.run_python(argv[1:], cwd=ROOT)  # a toy study's launch, `python trapo_train.py ...` (`launches`)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir.name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     log(f"{run_dir.name}: {time.perf_counter() - started:.0f} s")

@@ -1,0 +1,263 @@
+"""A pre-imported parent that forks Python children: the runs of a sweep, and the tests' trainer processes.
+
+A trainer process spends about 6 s of CPU importing torch, transformers and DeepSpeed (and vLLM, 14 s in all)
+before its first step, where a toy run's step takes a fraction of a second: a sweep of toy runs on CPU (`trapo
+reproduce`, `trapo study`), and the test suite, were mostly imports. The fork server is a Python process that
+has imported what a trainer imports and then only forks. A child is a fork of it, set up as `python -u ARGS`
+would be: its own process and process group (or one it joins), the caller's files on its stdout and stderr,
+its environment, its working directory and argv, the script or module run as __main__. Its exit code comes
+back as a subprocess.Popen's would (minus the signal for a killed one). The child's code is the same; only
+the imports were done before the fork, in the server's environment: a child whose environment differs in
+more than the `per_run` variables starts as a plain process (`ForkServer.accepts`).
+
+The server never runs a torch op (a fork after torch has started its thread pools can hang in the child),
+and it is not used on a GPU machine: a fork after CUDA's start-up is unsafe, and an import may start it.
+TRAPO_FORK_RUNS=0 starts every child of a sweep afresh.
+
+    python -u -m trapo.commands.fork_server FD     # the server itself, on its end of a socket pair
+"""
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+from trapo import runtime
+
+# What may differ between the server's environment and a child's: the launcher's variables for each rank,
+# read by the trainer at run time, never at import.
+LAUNCHER_VARS = frozenset(
+    ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK", "LOCAL_RANK")
+)
+
+
+class ForkServer:
+    """The caller's side: one server process, the children forked from it, their exit codes as they come.
+    Safe to share between threads (a sweep's parallel jobs)."""
+
+    def __init__(self, env: dict[str, str], cwd: str | os.PathLike, per_run: frozenset[str] = LAUNCHER_VARS):
+        self.env, self.cwd, self.per_run = env, str(cwd), per_run
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "trapo.commands.fork_server", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.codes: dict[int, int] = {}
+        self.ready = False
+        self.lock = threading.Lock()  # one request, or one read of the socket, at a time
+
+    def accepts(self, env: dict[str, str]) -> bool:
+        """Whether a child in `env` can be forked from here: the server's environment but for `per_run` keys."""
+        if self.proc.poll() is not None:
+            return False
+        strip = lambda e: {k: v for k, v in e.items() if k not in self.per_run}  # noqa: E731
+        return strip(env) == strip(self.env)
+
+    def _receive(self, block: bool) -> None:
+        while select.select([self.sock], [], [], None if block else 0)[0]:
+            data = self.sock.recv(65536)
+            if not data:
+                raise RuntimeError("the fork server exited (its stderr is the caller's)")
+            message = json.loads(data)
+            if "exit" in message:
+                self.codes[message["exit"]] = message["code"]
+            elif "ready" in message:
+                self.ready = True
+            else:
+                self.started = message["pid"]
+            block = False
+
+    def start(self, argv: list[str], env: dict[str, str], out, err, process_group: int, cwd=None) -> "Forked":
+        """Fork a child running `argv` (what follows `python`: a script or `-m module`, then the arguments) with
+        `env` in `cwd` (default: the server's), writing to the files `out` and `err`; process_group: 0 for a new
+        group led by the child, else the group to join."""
+        request = {"argv": argv, "env": env, "cwd": str(cwd or self.cwd), "pgid": process_group}
+        with self.lock:
+            while not self.ready:
+                self._receive(block=True)
+            self.started = None
+            socket.send_fds(self.sock, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
+            while self.started is None:
+                self._receive(block=True)
+            return Forked(self, self.started, [sys.executable, "-u", *argv])
+
+    def exit_code(self, pid: int) -> int | None:
+        with self.lock:
+            self._receive(block=False)
+            return self.codes.pop(pid, None)
+
+    def close(self) -> None:
+        self.sock.close()  # the server exits on EOF; children still going carry on, as a Popen's children would
+        self.proc.wait()
+
+
+def run_python(args: list[str], cwd: str | os.PathLike) -> subprocess.CompletedProcess:
+    """`python ARGS` (a script or `-m module`, then its arguments) to its end in `cwd`, with the environment of
+    a child process (`runtime.subprocess_env()`), output captured as text: forked from this process's fork
+    server (started on first use, after what the sweep built first) on CPU, a fresh interpreter on GPU or with
+    TRAPO_FORK_RUNS=0."""
+    env = runtime.subprocess_env()
+    server = _server(env)
+    if server is None or not server.accepts(env):
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=cwd)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        # in the caller's process group, as a subprocess's: Ctrl-C in the terminal reaches the child too
+        code = server.start(args, env, out, err, process_group=os.getpgrp(), cwd=cwd).wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([sys.executable, *args], code, out.read(), err.read())
+
+
+_SERVERS: list[ForkServer] = []
+_STARTING = threading.Lock()
+
+
+def _server(env: dict[str, str]) -> ForkServer | None:
+    if os.environ.get("TRAPO_FORK_RUNS", "1") == "0" or runtime.has_gpu():
+        return None
+    with _STARTING:
+        if not _SERVERS:
+            _SERVERS.append(ForkServer(env, runtime.ROOT))
+            atexit.register(_SERVERS[0].close)
+    return _SERVERS[0]
+
+
+class Forked:
+    """A forked child, with the subprocess.Popen methods its callers use (poll, wait, signals)."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]):
+        self.server, self.pid, self.args, self.returncode = server, pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- the server's side
+
+
+def _run_child(sock: socket.socket, request: dict, out: int, err: int) -> None:
+    """In the forked child: become `python ARGS`, then exit with its code (never returns)."""
+    code = 1
+    try:
+        sock.close()
+        os.setpgid(0, request["pgid"])
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import runpy
+
+        argv = request["argv"]
+        if argv[0] == "-m":  # python -m module ARGS: runpy puts the module's file in argv[0]
+            sys.argv = argv[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:  # python script.py ARGS
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as stop:  # what the interpreter makes of sys.exit(x)
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a script: the traceback, code 1
+        traceback.print_exc()
+    try:
+        atexit._run_exitfuncs()  # the child's own exit handlers, as at a script's end
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code & 0xFF)
+
+
+def _serve(fd: int) -> None:
+    runtime.configure()
+    import deepspeed  # noqa: F401
+    import torch  # noqa: F401
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # the hf backend only (as on a GPU machine without vLLM)
+        pass
+
+    import trapo.commands.eval  # noqa: F401
+    import trapo.commands.train  # noqa: F401
+    import trapo.training.trainer  # noqa: F401
+
+    sock = socket.socket(fileno=fd)
+    sock.send(json.dumps({"ready": True}).encode())
+    running: set[int] = set()
+    while True:
+        if select.select([sock], [], [], 0.02)[0]:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 65536, 2)
+            except OSError:
+                data = b""
+            if not data:
+                return  # the caller closed: children still going are left to finish
+            request = json.loads(data)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _run_child(sock, request, *fds)
+            try:  # here too, as a shell does: the group exists before the next rank asks to join it
+                os.setpgid(pid, request["pgid"] or pid)
+            except OSError:  # the child got there first
+                pass
+            for f in fds:
+                os.close(f)
+            running.add(pid)
+            sock.send(json.dumps({"pid": pid}).encode())
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+if __name__ == "__main__":
+    try:
+        _serve(int(sys.argv[1]))
+    except (BrokenPipeError, ConnectionResetError):  # the caller is gone: nothing left to tell it
+        pass
