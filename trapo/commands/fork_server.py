@@ -2,13 +2,13 @@
 
 A trainer process spends about 6 s of CPU importing torch, transformers and DeepSpeed (and vLLM, 14 s in all)
 before its first step, where a toy run's step takes a fraction of a second: a sweep of toy runs on CPU (`trapo
-reproduce`, `trapo study`), and the test suite, were mostly imports. The fork server is a Python process that
-has imported what a trainer imports and then only forks. A child is a fork of it, set up as `python -u ARGS`
-would be: its own process and process group (or one it joins), the caller's files on its stdout and stderr,
-its environment, its working directory and argv, the script or module run as __main__. Its exit code comes
-back as a subprocess.Popen's would (minus the signal for a killed one). The child's code is the same; only
-the imports were done before the fork, in the server's environment: a child whose environment differs in
-more than the `per_run` variables starts as a plain process (`ForkServer.accepts`).
+reproduce`, with or without `--study`), and the test suite, were mostly imports. The fork server is a Python
+process that has imported what a trainer imports and then only forks. A child is a fork of it, set up as `python
+-u ARGS` would be: its own process and process group (or one it joins), the caller's files on its stdout and
+stderr, its environment, its working directory and argv, the script or module run as __main__. Its exit code
+comes back as a subprocess.Popen's would (minus the signal for a killed one). The child's code is the same; only
+the imports were done before the fork, in the server's environment: a child whose environment differs in more
+than the `per_run` variables starts as a plain process (`ForkServer.accepts`).
 
 The server never runs a torch op (a fork after torch has started its thread pools can hang in the child),
 and it is not used on a GPU machine: a fork after CUDA's start-up is unsafe, and an import may start it.
@@ -172,6 +172,7 @@ def _run_child(sock: socket.socket, request: dict, out: int, err: int) -> None:
     """In the forked child: become `python ARGS`, then exit with its code (never returns)."""
     code = 1
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter (the server ignores it)
         sock.close()
         os.setpgid(0, request["pgid"])
         os.dup2(out, 1)
@@ -224,6 +225,9 @@ def _serve(fd: int) -> None:
     import trapo.commands.train  # noqa: F401
     import trapo.training.trainer  # noqa: F401
 
+    # Ctrl-C in the caller's terminal is for the caller and the children: the server ends when the caller
+    # closes its socket, children still running or not
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     sock.send(json.dumps({"ready": True}).encode())
     running: set[int] = set()
