@@ -56,24 +56,14 @@ def overrides(toy_dir, out, **kv):
 
 def run(cmd, timeout=600, env=None):
     """`cmd` to its end, output captured. The trainer's scenarios and `python -m trapo` commands are forked
-    from the zygote (trapo/commands/fork_server.py) where the environment allows; other programs start afresh (a script
-    that changes what can be imported, tests/scripts/without_vllm.py, needs a fresh interpreter)."""
+    from the zygote (a `fork_server.ForkServer`) where the environment allows; other programs start afresh (a
+    script that changes what can be imported, tests/scripts/without_vllm.py, needs a fresh interpreter)."""
     env = env or runtime.subprocess_env()
     zygote = _zygote()
     forkable = cmd[0] == sys.executable and (cmd[1] == SCENARIO or cmd[1:3] == ["-m", "trapo"])
     if not (forkable and zygote is not None and zygote.accepts(env)):
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = zygote.start(cmd[1:], env, out, err, process_group=0)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    return zygote.run(cmd[1:], env, timeout=timeout)
 
 
 def free_port() -> int:

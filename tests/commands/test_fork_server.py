@@ -1,9 +1,12 @@
 """The fork server: a sweep's children run as `python ARGS` would, forked from a parent that did the imports."""
 
 import os
+import subprocess
+import time
 
 import pytest
 
+from trapo import runtime
 from trapo.commands import fork_server
 
 CHILD = """\
@@ -26,6 +29,15 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     try:
         forked = fork_server.run_python([str(script), "3", "x y"], cwd=tmp_path / "work")
         broken = fork_server.run_python(["-m", "broken_child"], cwd=tmp_path / "work")
+        slow = tmp_path / "work" / "slow_child.py"
+        slow.write_text("import os, pathlib, time\npathlib.Path('pid').write_text(str(os.getpid()))\ntime.sleep(60)\n")
+        started = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            fork_server._SERVERS[0].run([str(slow)], runtime.subprocess_env(), cwd=tmp_path / "work", timeout=3)
+        assert time.monotonic() - started < 30  # killed with its group at the timeout, not waited for
+        pid = int((tmp_path / "work" / "pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone, and reaped by the server before run() raised
     finally:
         for server in fork_server._SERVERS:
             server.close()

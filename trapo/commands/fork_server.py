@@ -55,8 +55,9 @@ class ForkServer:
             stdout=subprocess.DEVNULL,
         )
         theirs.close()
-        self.codes: dict[int, int] = {}
-        self.ready = False
+        self.codes: dict[int, int] = {}  # exit codes of children no one has asked for yet
+        self.ready = False  # the server has done its imports
+        self.started: int | None = None  # the pid of the child the last request forked
         self.lock = threading.Lock()  # one request, or one read of the socket, at a time
 
     def accepts(self, env: dict[str, str]) -> bool:
@@ -94,6 +95,25 @@ class ForkServer:
                 self._receive(block=True)
             return Forked(self, self.started, [sys.executable, "-u", *argv])
 
+    def run(self, argv: list[str], env: dict[str, str], process_group: int = 0, cwd=None, timeout=None):
+        """`start`, then wait for the child's end (`timeout` seconds at most: then it is killed, with its group
+        when it leads one, and subprocess.TimeoutExpired raised): a subprocess.CompletedProcess with the output
+        as text."""
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            child = self.start(argv, env, out, err, process_group, cwd)
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                if process_group == 0:  # it leads its own group: what it started goes too
+                    os.killpg(child.pid, signal.SIGKILL)
+                else:
+                    child.kill()
+                child.wait()
+                raise
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
+
     def exit_code(self, pid: int) -> int | None:
         with self.lock:
             self._receive(block=False)
@@ -113,12 +133,8 @@ def run_python(args: list[str], cwd: str | os.PathLike) -> subprocess.CompletedP
     server = _server(env)
     if server is None or not server.accepts(env):
         return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=cwd)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        # in the caller's process group, as a subprocess's: Ctrl-C in the terminal reaches the child too
-        code = server.start(args, env, out, err, process_group=os.getpgrp(), cwd=cwd).wait()
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess([sys.executable, *args], code, out.read(), err.read())
+    # in the caller's process group, as a subprocess's: Ctrl-C in the terminal reaches the child too
+    return server.run(args, env, process_group=os.getpgrp(), cwd=cwd)
 
 
 _SERVERS: list[ForkServer] = []

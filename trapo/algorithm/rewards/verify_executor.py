@@ -173,10 +173,10 @@ class _Checker:
         so without this the answer had no value, and each comparison with it ran simplify (seconds beside
         a deep fraction). Other integrals stay: working them out may take longer than the timeout."""
         sympy = self._sympy
-        if not isinstance(expr, sympy.Expr) or not expr.has(sympy.Integral):
-            return expr
-        integrals = expr.atoms(sympy.Integral)
-        if not all(i.function.is_polynomial(*i.variables) and not i.function.has(sympy.Integral) for i in integrals):
+        integrals = expr.atoms(sympy.Integral) if isinstance(expr, sympy.Expr) else ()
+        if not integrals or not all(
+            i.function.is_polynomial(*i.variables) and not i.function.has(sympy.Integral) for i in integrals
+        ):
             return expr
         return expr.xreplace({i: i.doit() for i in integrals})
 
