@@ -2,7 +2,6 @@
 world and its vLLM engine), set up as a user's `python trapo_train.py` or the `deepspeed` launcher's ranks are,
 forked from a process that has done a trainer's imports already (trapo/commands/fork_server.py)."""
 
-import atexit
 import json
 import os
 import shutil
@@ -59,9 +58,9 @@ def run(cmd, timeout=600, env=None):
     from the zygote (a `fork_server.ForkServer`) where the environment allows; other programs start afresh (a
     script that changes what can be imported, tests/scripts/without_vllm.py, needs a fresh interpreter)."""
     env = env or runtime.subprocess_env()
-    zygote = _zygote()
     forkable = cmd[0] == sys.executable and (cmd[1] == SCENARIO or cmd[1:3] == ["-m", "trapo"])
-    if not (forkable and zygote is not None and zygote.accepts(env)):
+    zygote = _zygote(env) if forkable else None
+    if zygote is None:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return zygote.run(cmd[1:], env, timeout=timeout)
 
@@ -79,19 +78,20 @@ def free_port() -> int:
 _ZYGOTES = []
 
 
-def _zygote():
-    """This pytest process's zygote (a `fork_server.ForkServer`), started on first use; None with
-    TRAPO_TESTS_ZYGOTE=0, and on a GPU machine, where a fork after CUDA's start-up (an import may start it) is
-    unsafe."""
+def _zygote(env):
+    """The zygote (a `fork_server.ForkServer`) of this pytest process for a child in `env`, or None: start the
+    child afresh. None with TRAPO_TESTS_ZYGOTE=0, and on a GPU machine, where a fork after CUDA's start-up (an
+    import may start it) is unsafe. An environment's zygote starts at its second child (`ForkServers`): the
+    environment of an in-process test's runs changes with what it imported (tensorboardX sets CRC32C_SW_MODE) and
+    with what it sets itself (HF_HUB_CACHE), and one used once is cheaper fresh."""
     if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0" or runtime.has_gpu():
         return None
     if not _ZYGOTES:
-        from trapo.commands.fork_server import LAUNCHER_VARS, ForkServer
+        from trapo.commands.fork_server import LAUNCHER_VARS, ForkServers
 
-        # a run's environment may differ from the zygote's in the launcher's variables and the test's name
-        _ZYGOTES.append(ForkServer(runtime.subprocess_env(), ROOT, LAUNCHER_VARS | {"PYTEST_CURRENT_TEST"}))
-        atexit.register(_ZYGOTES[0].close)
-    return _ZYGOTES[0]
+        # a run's environment may differ from its zygote's in the launcher's variables and the test's name
+        _ZYGOTES.append(ForkServers(ROOT, LAUNCHER_VARS | {"PYTEST_CURRENT_TEST"}, fresh_first=1))
+    return _ZYGOTES[0].server(env)
 
 
 class Ranks:
@@ -128,8 +128,8 @@ class Ranks:
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             self.logs.append((out, err))
             group = self.pgid if self.procs else 0  # rank 0 leads a new process group, the others join it
-            zygote = None if fresh else _zygote()
-            if zygote is not None and zygote.accepts(rank_env):  # the same process, without its imports
+            zygote = None if fresh else _zygote(rank_env)
+            if zygote is not None:  # the same process, without its imports
                 self.procs.append(zygote.start(cmd[2:], rank_env, out, err, group))
             else:
                 self.procs.append(

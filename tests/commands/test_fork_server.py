@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -20,7 +21,7 @@ sys.exit(int(sys.argv[1]))
 
 @pytest.mark.toy_run  # the server imports what a trainer imports
 def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
-    monkeypatch.setattr(fork_server, "_SERVERS", [])  # this test's own server, started in its environment
+    monkeypatch.setattr(fork_server, "_SWEEP_SERVERS", [])  # this test's own servers, started in its environment
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     (tmp_path / "work").mkdir()
@@ -33,23 +34,77 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
         slow.write_text("import os, pathlib, time\npathlib.Path('pid').write_text(str(os.getpid()))\ntime.sleep(60)\n")
         started = time.monotonic()
         with pytest.raises(subprocess.TimeoutExpired):
-            fork_server._SERVERS[0].run([str(slow)], runtime.subprocess_env(), cwd=tmp_path / "work", timeout=3)
+            server = fork_server._sweep_servers().server(runtime.subprocess_env())
+            server.run([str(slow)], runtime.subprocess_env(), cwd=tmp_path / "work", timeout=3)
         assert time.monotonic() - started < 30  # killed with its group at the timeout, not waited for
         pid = int((tmp_path / "work" / "pid").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # gone, and reaped by the server before run() raised
+        # what the server's imports set, the caller's imports may set too (MLflow: another session id)
+        server = fork_server._sweep_servers().servers[0]
+        with tempfile.TemporaryFile() as out:
+            child = server.start([str(script), "0"], runtime.subprocess_env(), out, out, 0)
+            assert not server.idle()  # its exit code is still to come: closing the server would lose it
+            assert child.wait(timeout=30) == 0 and server.idle()
+        added = server.imported_env.keys() - server.env.keys()
+        assert added and server.accepts(runtime.subprocess_env() | dict.fromkeys(added, "the caller's own"))
+        # the caller's environment changed under it otherwise (a test's setting, a library the server lacks): a
+        # server of its own
+        monkeypatch.setenv("FORK_TEST", "changed")
+        changed = fork_server.run_python([str(script), "0"], cwd=tmp_path / "work")
+        assert len(fork_server._sweep_servers().servers) == 2
     finally:
-        for server in fork_server._SERVERS:
-            server.close()
+        for servers in fork_server._SWEEP_SERVERS:
+            servers.close()
+    assert changed.returncode == 0 and changed.stdout.startswith("preloaded True ppid "), changed
+    assert "argv ['0'] env changed" in changed.stdout
     assert forked.returncode == 3 and forked.stderr == "to stderr\n"
     line1, line2 = forked.stdout.splitlines()
     assert line1.startswith("preloaded True ppid ") and int(line1.split()[-1]) != os.getpid()  # the server's
     assert line2 == f"cwd {tmp_path / 'work'} argv ['3', 'x y'] env seen name __main__"
     assert broken.returncode == 1 and broken.stderr.rstrip().endswith("ValueError: the child failed"), broken.stderr
 
+    monkeypatch.setenv("FORK_TEST", "seen")
     monkeypatch.setenv("TRAPO_FORK_RUNS", "0")  # a fresh interpreter, the same answers
     fresh = fork_server.run_python([str(script), "3", "x y"], cwd=tmp_path / "work")
     assert fresh.returncode == 3 and fresh.stderr == forked.stderr
     assert fresh.stdout.splitlines() == [f"preloaded False ppid {os.getpid()}", line2]
     fresh_broken = fork_server.run_python(["-m", "broken_child"], cwd=tmp_path / "work")
     assert fresh_broken.returncode == 1 and fresh_broken.stderr.splitlines()[-1] == broken.stderr.splitlines()[-1]
+
+
+def test_an_environment_gets_its_server_after_its_fresh_first_children_and_an_idle_one_makes_room(monkeypatch):
+    started = []
+    monkeypatch.setattr(fork_server, "ForkServer", lambda env, cwd, per_run: started.append(env) or _StandIn(env))
+    servers = fork_server.ForkServers("/", per_run=frozenset({"RANK"}), fresh_first=1, limit=2)
+    a, a_rank1, b, c, d = {"X": "a"}, {"X": "a", "RANK": "1"}, {"X": "b"}, {"X": "c"}, {"X": "d"}
+    assert servers.server(a) is None  # the first child of an environment starts afresh
+    server_a = servers.server(a_rank1)
+    assert server_a.env == a and started == [a]  # the second: its server, without per-run keys
+    assert servers.server(a) is server_a and len(started) == 1
+    assert servers.server(b) is None
+    server_b = servers.server(b)
+    server_a.busy = True  # a child of a's still runs: a stays, though used less recently than b
+    assert servers.server(c) is None
+    server_c = servers.server(c)  # room made: the least recently used idle server closed
+    assert server_c.env == c and server_b.closed and not server_a.closed and servers.servers == [server_a, server_c]
+    server_c.busy = True
+    assert [servers.server(d), servers.server(d)] == [None, None] and len(started) == 3  # none idle: d stays fresh
+    server_a.alive = False  # a server that died: its children start afresh
+    assert servers.server(a) is None and servers.fresh[frozenset(a.items())] == 2
+
+
+class _StandIn:
+    """A server for the pool's bookkeeping alone (a real one is tested above)."""
+
+    def __init__(self, env):
+        self.env, self.alive, self.busy, self.closed = env, True, False, False
+
+    def accepts(self, env):
+        return self.alive and {k: v for k, v in env.items() if k != "RANK"} == self.env
+
+    def idle(self):
+        return not self.busy
+
+    def close(self):
+        self.closed = True

@@ -8,7 +8,8 @@ process that has imported what a trainer imports and then only forks. A child is
 stderr, its environment, its working directory and argv, the script or module run as __main__. Its exit code
 comes back as a subprocess.Popen's would (minus the signal for a killed one). The child's code is the same; only
 the imports were done before the fork, in the server's environment: a child whose environment differs in more
-than the `per_run` variables starts as a plain process (`ForkServer.accepts`).
+than the `per_run` variables and what the imports set (`ForkServer.accepts`) forks from a server started in its
+own, or starts as a plain process (`ForkServers`).
 
 The server never runs a torch op (a fork after torch has started its thread pools can hang in the child),
 and it is not used on a GPU machine: a fork after CUDA's start-up is unsafe, and an import may start it.
@@ -56,15 +57,27 @@ class ForkServer:
         )
         theirs.close()
         self.codes: dict[int, int] = {}  # exit codes of children no one has asked for yet
+        self.unclaimed: set[int] = set()  # children whose exit code no one has taken yet: running, or just ended
         self.ready = False  # the server has done its imports
+        self.imported_env: dict[str, str] = {}  # the server's environment after them
         self.started: int | None = None  # the pid of the child the last request forked
         self.lock = threading.Lock()  # one request, or one read of the socket, at a time
 
     def accepts(self, env: dict[str, str]) -> bool:
-        """Whether a child in `env` can be forked from here: the server's environment but for `per_run` keys."""
+        """Whether a child in `env` can be forked from here (waiting for the server's imports): `env` is the
+        server's environment but for `per_run` keys and the variables its imports set (vLLM's sets
+        PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR, MLflow's a session id): a caller that made
+        the same imports has them too, and a fresh child's imports would set them again."""
+        try:
+            with self.lock:
+                while not self.ready:
+                    self._receive(block=True)
+        except RuntimeError:  # it exited in its imports (their traceback went to the caller's stderr)
+            return False
         if self.proc.poll() is not None:
             return False
-        strip = lambda e: {k: v for k, v in e.items() if k not in self.per_run}  # noqa: E731
+        ignored = self.per_run | (self.imported_env.keys() - self.env.keys())
+        strip = lambda e: {k: v for k, v in e.items() if k not in ignored}  # noqa: E731
         return strip(env) == strip(self.env)
 
     def _receive(self, block: bool) -> None:
@@ -76,7 +89,7 @@ class ForkServer:
             if "exit" in message:
                 self.codes[message["exit"]] = message["code"]
             elif "ready" in message:
-                self.ready = True
+                self.ready, self.imported_env = True, message["env"]
             else:
                 self.started = message["pid"]
             block = False
@@ -93,6 +106,7 @@ class ForkServer:
             socket.send_fds(self.sock, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
             while self.started is None:
                 self._receive(block=True)
+            self.unclaimed.add(self.started)
             return Forked(self, self.started, [sys.executable, "-u", *argv])
 
     def run(self, argv: list[str], env: dict[str, str], process_group: int = 0, cwd=None, timeout=None):
@@ -117,38 +131,98 @@ class ForkServer:
     def exit_code(self, pid: int) -> int | None:
         with self.lock:
             self._receive(block=False)
-            return self.codes.pop(pid, None)
+            code = self.codes.pop(pid, None)
+            if code is not None:
+                self.unclaimed.discard(pid)
+            return code
+
+    def idle(self) -> bool:
+        """No child's exit code is still to come from it or to be taken: closing it loses nothing."""
+        with self.lock:
+            return not self.unclaimed
 
     def close(self) -> None:
         self.sock.close()  # the server exits on EOF; children still going carry on, as a Popen's children would
         self.proc.wait()
 
 
+class ForkServers:
+    """Fork servers by environment, each started when a child first needs it. A child forks from a server whose
+    environment is the child's but for the `per_run` keys: the server's imports ran in that environment. The
+    caller's environment can change while it runs (a library it imports sets a variable, as tensorboardX sets
+    CRC32C_SW_MODE; a test points HF_HUB_CACHE elsewhere), and one server would then see its later children all
+    start afresh. An environment gets its own server once `fresh_first` children of it have started afresh (a
+    server costs about what one child's imports cost: an environment used once is cheaper fresh). At most `limit`
+    servers run (each holds ~0.5 GB): a new one replaces the least recently used idle one, or if none is idle
+    the child starts afresh. Safe to share between threads."""
+
+    def __init__(self, cwd, per_run: frozenset[str] = LAUNCHER_VARS, fresh_first: int = 0, limit: int = 3):
+        self.cwd, self.per_run, self.fresh_first, self.limit = cwd, per_run, fresh_first, limit
+        self.servers: list[ForkServer] = []  # the least recently used first
+        self.fresh: dict[frozenset, int] = {}  # children started afresh so far, by environment
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def server(self, env: dict[str, str]) -> ForkServer | None:
+        """The server to fork a child in `env` from, started now if its turn has come; None: start it afresh."""
+        shared = {k: v for k, v in env.items() if k not in self.per_run}  # what the server's imports run in
+        key = frozenset(shared.items())
+        with self.lock:
+            server = next((s for s in self.servers if s.accepts(env)), None)  # a dead server accepts none
+            if server is None and self.fresh.get(key, 0) >= self.fresh_first and self._make_room():
+                server = ForkServer(shared, self.cwd, self.per_run)
+            if server is None:
+                self.fresh[key] = self.fresh.get(key, 0) + 1
+                return None
+            if server in self.servers:
+                self.servers.remove(server)
+            self.servers.append(server)  # now the most recently used
+            return server
+
+    def _make_room(self) -> bool:
+        """Whether a server can start: fewer than `limit` run, or the least recently used idle one closed."""
+        if len(self.servers) < self.limit:
+            return True
+        idle = next((s for s in self.servers if s.idle()), None)
+        if idle is None:
+            return False
+        self.servers.remove(idle)
+        idle.close()
+        return True
+
+    def close(self) -> None:
+        with self.lock:
+            for server in self.servers:
+                server.close()
+            self.servers.clear()
+
+
 def run_python(args: list[str], cwd: str | os.PathLike) -> subprocess.CompletedProcess:
     """`python ARGS` (a script or `-m module`, then its arguments) to its end in `cwd`, with the environment of
     a child process (`runtime.subprocess_env()`), output captured as text: forked from this process's fork
-    server (started on first use, after what the sweep built first) on CPU, a fresh interpreter on GPU or with
-    TRAPO_FORK_RUNS=0."""
+    server (started at the first child, after what the sweep built first: a sweep runs many) on CPU, a fresh
+    interpreter on GPU or with TRAPO_FORK_RUNS=0."""
     env = runtime.subprocess_env()
-    server = _server(env)
-    if server is None or not server.accepts(env):
+    server = _sweep_servers().server(env) if _forking() else None
+    if server is None:
         return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=cwd)
     # in the caller's process group, as a subprocess's: Ctrl-C in the terminal reaches the child too
     return server.run(args, env, process_group=os.getpgrp(), cwd=cwd)
 
 
-_SERVERS: list[ForkServer] = []
+def _forking() -> bool:
+    return os.environ.get("TRAPO_FORK_RUNS", "1") != "0" and not runtime.has_gpu()
+
+
+_SWEEP_SERVERS: list[ForkServers] = []  # this process's, made at its first forked child
 _STARTING = threading.Lock()
 
 
-def _server(env: dict[str, str]) -> ForkServer | None:
-    if os.environ.get("TRAPO_FORK_RUNS", "1") == "0" or runtime.has_gpu():
-        return None
+def _sweep_servers() -> ForkServers:
     with _STARTING:
-        if not _SERVERS:
-            _SERVERS.append(ForkServer(env, runtime.ROOT))
-            atexit.register(_SERVERS[0].close)
-    return _SERVERS[0]
+        if not _SWEEP_SERVERS:
+            _SWEEP_SERVERS.append(ForkServers(runtime.ROOT))
+    return _SWEEP_SERVERS[0]
 
 
 class Forked:
@@ -172,7 +246,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended after the poll: its exit code is on its way (as Popen's)
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -245,7 +322,7 @@ def _serve(fd: int) -> None:
     # closes its socket, children still running or not
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
-    sock.send(json.dumps({"ready": True}).encode())
+    sock.send(json.dumps({"ready": True, "env": dict(os.environ)}).encode())
     running: set[int] = set()
     while True:
         if select.select([sock], [], [], 0.02)[0]:
