@@ -41,7 +41,8 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # gone, and reaped by the server before run() raised
         # what the server's imports set, the caller's imports may set too (MLflow: another session id)
-        server = fork_server._sweep_servers().servers[0]
+        server = fork_server._sweep_servers().server(runtime.subprocess_env())
+        assert not server.idle()  # promised to this caller's child: another thread's pool call may not close it
         with tempfile.TemporaryFile() as out:
             child = server.start([str(script), "0"], runtime.subprocess_env(), out, out, 0)
             assert not server.idle()  # its exit code is still to come: closing the server would lose it
@@ -105,6 +106,9 @@ class _StandIn:
 
     def idle(self):
         return not self.busy
+
+    def promise(self):
+        pass
 
     def close(self):
         self.closed = True

@@ -58,6 +58,7 @@ class ForkServer:
         theirs.close()
         self.codes: dict[int, int] = {}  # exit codes of children no one has asked for yet
         self.unclaimed: set[int] = set()  # children whose exit code no one has taken yet: running, or just ended
+        self.promised = 0  # children a pool handed this server out for (`ForkServers.server`), not started yet
         self.ready = False  # the server has done its imports
         self.imported_env: dict[str, str] = {}  # the server's environment after them
         self.started: int | None = None  # the pid of the child the last request forked
@@ -107,6 +108,7 @@ class ForkServer:
             while self.started is None:
                 self._receive(block=True)
             self.unclaimed.add(self.started)
+            self.promised = max(0, self.promised - 1)
             return Forked(self, self.started, [sys.executable, "-u", *argv])
 
     def run(self, argv: list[str], env: dict[str, str], process_group: int = 0, cwd=None, timeout=None):
@@ -136,10 +138,16 @@ class ForkServer:
                 self.unclaimed.discard(pid)
             return code
 
-    def idle(self) -> bool:
-        """No child's exit code is still to come from it or to be taken: closing it loses nothing."""
+    def promise(self) -> None:
+        """One more child is coming (`start`): the server is not idle until it has started."""
         with self.lock:
-            return not self.unclaimed
+            self.promised += 1
+
+    def idle(self) -> bool:
+        """No child is promised to it, and no child's exit code is still to come from it or to be taken: closing it
+        loses nothing."""
+        with self.lock:
+            return not self.unclaimed and not self.promised
 
     def close(self) -> None:
         self.sock.close()  # the server exits on EOF; children still going carry on, as a Popen's children would
@@ -177,6 +185,7 @@ class ForkServers:
             if server in self.servers:
                 self.servers.remove(server)
             self.servers.append(server)  # now the most recently used
+            server.promise()  # not idle until the caller's child has started: no other thread's call closes it
             return server
 
     def _make_room(self) -> bool:
