@@ -121,7 +121,10 @@ class ForkServer:
                 child.wait(timeout)
             except subprocess.TimeoutExpired:
                 if process_group == 0:  # it leads its own group: what it started goes too
-                    os.killpg(child.pid, signal.SIGKILL)
+                    try:
+                        os.killpg(child.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # the group ended at the timeout: as Forked.send_signal
+                        pass
                 else:
                     child.kill()
                 child.wait()
