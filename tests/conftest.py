@@ -27,6 +27,23 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("toy_run") is None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def verify_zygote():
+    """This worker's Math-Verify zygote (trapo/algorithm/rewards/verify_zygote.py): every verifier of the session,
+    in this process or in the trainers it starts, forks its supervisor from it instead of paying sympy's imports
+    and Math-Verify's warm-up (~1 s of CPU) each time. None with TRAPO_TESTS_ZYGOTE=0 (as tests/toyrun.py)."""
+    from trapo.algorithm.rewards.verify_zygote import ENV, Zygote
+
+    if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0":
+        yield None
+        return
+    zygote = Zygote()
+    os.environ[ENV] = zygote.name
+    yield zygote
+    del os.environ[ENV]
+    zygote.close()
+
+
 def _session_root(tmp_path_factory, worker_id):
     """The session's temporary directory, shared by the pytest-xdist workers (each has its own below it)."""
     root = tmp_path_factory.getbasetemp()

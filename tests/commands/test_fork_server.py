@@ -8,6 +8,7 @@ import time
 import pytest
 
 from trapo import runtime
+from trapo.algorithm.rewards import verify_zygote
 from trapo.commands import fork_server
 
 CHILD = """\
@@ -18,10 +19,24 @@ print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
 """
 
+GRADING_CHILD = """
+from trapo.algorithm.rewards.verifier import MathVerifier
+verifier = MathVerifier(num_workers=1)
+verdicts = verifier.judge_many([("x^2+2x+1", "(x+1)^2")])
+print(type(verifier._supervisor.proc).__name__, verdicts)
+verifier.close()
+"""
+
 
 @pytest.mark.toy_run  # the server imports what a trainer imports
 def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(fork_server, "_SWEEP_SERVERS", [])  # this test's own servers, started in its environment
+    monkeypatch.setattr(fork_server, "_SWEEP_VERIFY_ZYGOTES", [])  # and the sweep's own Math-Verify zygote
+    monkeypatch.delenv(verify_zygote.ENV, raising=False)
+
+    def sweep_env():  # what run_python gives its children
+        return runtime.subprocess_env(**{verify_zygote.ENV: fork_server._sweep_verify_zygote().name})
+
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     (tmp_path / "work").mkdir()
@@ -30,25 +45,27 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     try:
         forked = fork_server.run_python([str(script), "3", "x y"], cwd=tmp_path / "work")
         broken = fork_server.run_python(["-m", "broken_child"], cwd=tmp_path / "work")
+        (tmp_path / "work" / "grading_child.py").write_text(GRADING_CHILD)
+        grading = fork_server.run_python(["grading_child.py"], cwd=tmp_path / "work")
         slow = tmp_path / "work" / "slow_child.py"
         slow.write_text("import os, pathlib, time\npathlib.Path('pid').write_text(str(os.getpid()))\ntime.sleep(60)\n")
         started = time.monotonic()
         with pytest.raises(subprocess.TimeoutExpired):
-            server = fork_server._sweep_servers().server(runtime.subprocess_env())
-            server.run([str(slow)], runtime.subprocess_env(), cwd=tmp_path / "work", timeout=3)
+            server = fork_server._sweep_servers().server(sweep_env())
+            server.run([str(slow)], sweep_env(), cwd=tmp_path / "work", timeout=3)
         assert time.monotonic() - started < 30  # killed with its group at the timeout, not waited for
         pid = int((tmp_path / "work" / "pid").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # gone, and reaped by the server before run() raised
         # what the server's imports set, the caller's imports may set too (MLflow: another session id)
-        server = fork_server._sweep_servers().server(runtime.subprocess_env())
+        server = fork_server._sweep_servers().server(sweep_env())
         assert not server.idle()  # promised to this caller's child: another thread's pool call may not close it
         with tempfile.TemporaryFile() as out:
-            child = server.start([str(script), "0"], runtime.subprocess_env(), out, out, 0)
+            child = server.start([str(script), "0"], sweep_env(), out, out, 0)
             assert not server.idle()  # its exit code is still to come: closing the server would lose it
             assert child.wait(timeout=30) == 0 and server.idle()
         added = server.imported_env.keys() - server.env.keys()
-        assert added and server.accepts(runtime.subprocess_env() | dict.fromkeys(added, "the caller's own"))
+        assert added and server.accepts(sweep_env() | dict.fromkeys(added, "the caller's own"))
         # the caller's environment changed under it otherwise (a test's setting, a library the server lacks): a
         # server of its own
         monkeypatch.setenv("FORK_TEST", "changed")
@@ -57,6 +74,10 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     finally:
         for servers in fork_server._SWEEP_SERVERS:
             servers.close()
+        for zygote in fork_server._SWEEP_VERIFY_ZYGOTES:
+            zygote.close()
+    # the runs' Math-Verify supervisors fork from the sweep's zygote, which grades
+    assert grading.stdout == "Forked [<Verdict.EQUAL: '1'>]\n", grading.stdout + grading.stderr
     assert changed.returncode == 0 and changed.stdout.startswith("preloaded True ppid "), changed
     assert "argv ['0'] env changed" in changed.stdout
     assert forked.returncode == 3 and forked.stderr == "to stderr\n"

@@ -9,7 +9,8 @@ stderr, its environment, its working directory and argv, the script or module ru
 comes back as a subprocess.Popen's would (minus the signal for a killed one). The child's code is the same; only
 the imports were done before the fork, in the server's environment: a child whose environment differs in more
 than the `per_run` variables and what the imports set (`ForkServer.accepts`) forks from a server started in its
-own, or starts as a plain process (`ForkServers`).
+own, or starts as a plain process (`ForkServers`). A sweep's runs also fork their Math-Verify supervisors from one
+warm parent (`trapo.algorithm.rewards.verify_zygote`).
 
 The server never runs a torch op (a fork after torch has started its thread pools can hang in the child),
 and it is not used on a GPU machine: a fork after CUDA's start-up is unsafe, and an import may start it.
@@ -19,6 +20,7 @@ TRAPO_FORK_RUNS=0 starts every child of a sweep afresh.
 """
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -32,6 +34,7 @@ import time
 import traceback
 
 from trapo import runtime
+from trapo.algorithm.rewards import verify_zygote
 
 # What may differ between the server's environment and a child's: the launcher's variables for each rank,
 # read by the trainer at run time, never at import.
@@ -215,7 +218,11 @@ def run_python(args: list[str], cwd: str | os.PathLike) -> subprocess.CompletedP
     server (started at the first child, after what the sweep built first: a sweep runs many) on CPU, a fresh
     interpreter on GPU or with TRAPO_FORK_RUNS=0."""
     env = runtime.subprocess_env()
-    server = _sweep_servers().server(env) if _forking() else None
+    server = None
+    if _forking():  # the runs' Math-Verify supervisors fork from one zygote too: the caller's, or this sweep's
+        if verify_zygote.ENV not in env:
+            env[verify_zygote.ENV] = _sweep_verify_zygote().name
+        server = _sweep_servers().server(env)
     if server is None:
         return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=cwd)
     # in the caller's process group, as a subprocess's: Ctrl-C in the terminal reaches the child too
@@ -227,6 +234,7 @@ def _forking() -> bool:
 
 
 _SWEEP_SERVERS: list[ForkServers] = []  # this process's, made at its first forked child
+_SWEEP_VERIFY_ZYGOTES: list[verify_zygote.Zygote] = []  # the same
 _STARTING = threading.Lock()
 
 
@@ -235,6 +243,13 @@ def _sweep_servers() -> ForkServers:
         if not _SWEEP_SERVERS:
             _SWEEP_SERVERS.append(ForkServers(runtime.ROOT))
     return _SWEEP_SERVERS[0]
+
+
+def _sweep_verify_zygote() -> verify_zygote.Zygote:
+    with _STARTING:
+        if not _SWEEP_VERIFY_ZYGOTES:
+            _SWEEP_VERIFY_ZYGOTES.append(verify_zygote.Zygote(runtime.subprocess_env()))
+    return _SWEEP_VERIFY_ZYGOTES[0]
 
 
 class Forked:
@@ -329,6 +344,9 @@ def _serve(fd: int) -> None:
     import trapo.commands.eval  # noqa: F401
     import trapo.commands.train  # noqa: F401
     import trapo.training.trainer  # noqa: F401
+
+    gc.collect()
+    gc.freeze()  # the children's collections skip what the imports made: ~0.3 s of CPU each in a toy run
 
     # Ctrl-C in the caller's terminal is for the caller and the children: the server ends when the caller
     # closes its socket, children still running or not

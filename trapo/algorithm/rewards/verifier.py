@@ -39,13 +39,11 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from trapo.algorithm.rewards.verify_protocol import decode_value
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # trapo/algorithm/rewards/verifier.py -> the repo
 
 _STALL_S = 30.0  # beyond the timeout: a supervisor silent this long is broken (it settles every item in time)
 _RESTART_WAITS = (1.0, 2.0, 4.0)  # seconds before each further try to start a replacement supervisor
@@ -82,17 +80,15 @@ class _SupervisorProcess:
     """The verify_worker process, as the parent sees it."""
 
     def __init__(self, num_workers: int, max_workers: int, spec: str = "math"):
-        # A fixed hash seed: Math-Verify's verdict on degenerate answers (`0` vs `4 0/0`) follows set and dict
-        # order, which would otherwise change from run to run. Executors fork from the supervisor: same seed.
-        # (sympy's own random order is reset before each item: verify_executor._run_item.)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-        # The worker imports this package: the directory that holds `trapo/` goes first on its path.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen(
+        # imported here: the package imports this module, and `python -m` of a module it imports warns
+        from trapo.algorithm.rewards import verify_zygote
+
+        # Forked from the zygote that the test suite or a sweep started, if any; else started here.
+        self.proc = verify_zygote.fork_supervisor(num_workers, max_workers, spec) or subprocess.Popen(
             [sys.executable, "-m", "trapo.algorithm.rewards.verify_worker", str(num_workers), str(max_workers), spec],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
+            env=verify_zygote.supervisor_env(os.environ),
             # Its own session: a Ctrl-C at the terminal reaches the trainer, which finishes its step
             # (grading included) before it stops; the worker ends when the trainer closes its stdin.
             start_new_session=True,

@@ -417,7 +417,15 @@ class Supervisor:
             self.shutdown()
 
 
-def _serve(workers: int, max_workers: int, spec: str = "math") -> None:
+def warm_up() -> None:
+    """Math-Verify's first parse of each kind of answer pays one-off set-up (its imports, regexes, the LaTeX
+    grammar): paid once, before executors are forked (and by `verify_zygote` before it forks supervisors)."""
+    warm = _Checker()
+    for answer in ("1", "\\frac{1}{2}", "x^2+1", "(1,2)", "[1,2)", "\\{1,2\\}", "1+2i", "x=1", "\\text{A}"):
+        warm.equal(answer, answer)
+
+
+def _serve(workers: int, max_workers: int, spec: str = "math", warm: bool = True) -> None:
     # The trainer decides when grading stops: a preemption signal (SIGTERM, a Ctrl-C, or the deepspeed
     # launcher terminating the whole process tree) lets it finish its step, grading included. This
     # process ends when the trainer closes the pipe or kills it; executors die with it (PDEATHSIG).
@@ -431,12 +439,8 @@ def _serve(workers: int, max_workers: int, spec: str = "math") -> None:
 
     make_checker = None
     if spec == "math":
-        # Math-Verify's first parse of each kind of answer pays one-off set-up
-        # (regexes, the LaTeX grammar): pay it here, once, before forking executors.
-        warm = _Checker()
-        for answer in ("1", "\\frac{1}{2}", "x^2+1", "(1,2)", "[1,2)", "\\{1,2\\}", "1+2i", "x=1", "\\text{A}"):
-            warm.equal(answer, answer)
-        del warm
+        if warm:  # else forked from a warm zygote
+            warm_up()
     else:  # a task verifier (`reward.verifier`): imported once here, its executors fork with it
         from trapo.algorithm.rewards.verifiers import TaskChecker, load_verifier
 
