@@ -42,6 +42,10 @@ LAUNCHER_VARS = frozenset(
     ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK", "LOCAL_RANK")
 )
 
+# A random id MLflow's import puts in os.environ (its telemetry session): the caller has it once it imported MLflow,
+# the server (which imports DeepSpeed without it, `dist.import_deepspeed`) does not; nothing reads it at import.
+SESSION_IDS = frozenset(("_MLFLOW_TELEMETRY_SESSION_ID",))
+
 
 class ForkServer:
     """The caller's side: one server process, the children forked from it, their exit codes as they come.
@@ -69,9 +73,9 @@ class ForkServer:
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a child in `env` can be forked from here (waiting for the server's imports): `env` is the
-        server's environment but for `per_run` keys and the variables its imports set (vLLM's sets
-        PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR, MLflow's a session id): a caller that made
-        the same imports has them too, and a fresh child's imports would set them again."""
+        server's environment but for `per_run` keys, `SESSION_IDS` and the variables its imports set (vLLM's
+        sets PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR): a caller that made the same imports has
+        them too, and a fresh child's imports would set them again."""
         try:
             with self.lock:
                 while not self.ready:
@@ -80,7 +84,7 @@ class ForkServer:
             return False
         if self.proc.poll() is not None:
             return False
-        ignored = self.per_run | (self.imported_env.keys() - self.env.keys())
+        ignored = self.per_run | SESSION_IDS | (self.imported_env.keys() - self.env.keys())
         strip = lambda e: {k: v for k, v in e.items() if k not in ignored}  # noqa: E731
         return strip(env) == strip(self.env)
 
@@ -331,7 +335,9 @@ def _run_child(sock: socket.socket, request: dict, out: int, err: int) -> None:
 
 def _serve(fd: int) -> None:
     runtime.configure()
-    import deepspeed  # noqa: F401
+    from trapo.engine.dist import import_deepspeed
+
+    import_deepspeed()  # as the trainer does: without MLflow's import (1.5 s), which a child makes if it logs there
     import torch  # noqa: F401
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
