@@ -5,13 +5,10 @@ exactly too."""
 
 import os
 import signal
-import subprocess
-import sys
+import time
 
 import pytest
-from toyrun import ROOT, VLLM, metrics, overrides, train
-
-from trapo import runtime
+from toyrun import VLLM, Ranks, metrics, overrides, train
 
 pytestmark = pytest.mark.toy_run
 
@@ -37,29 +34,18 @@ def same_rows(a: list[dict], b: list[dict]) -> None:
 
 def killed_after(args: list[str], run_dir, rows: int) -> None:
     """Start a training run and SIGKILL its whole process group once metrics.jsonl has `rows` rows."""
-    proc = subprocess.Popen(
-        [sys.executable, "trapo_train.py", *args],
-        cwd=ROOT,
-        env=runtime.subprocess_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    ranks = Ranks(args)
     path = run_dir / "metrics.jsonl"
     try:
-        while proc.poll() is None:
+        while ranks.procs[0].poll() is None:
             if path.is_file() and len(path.read_text().splitlines()) >= rows:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(ranks.pgid, signal.SIGKILL)
                 break
-            try:
-                proc.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
+            time.sleep(0.1)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+        if ranks.procs[0].poll() is None:
+            os.killpg(ranks.pgid, signal.SIGKILL)
+    assert ranks.wait().returncode == -signal.SIGKILL, "the run ended before it was killed"
 
 
 def test_curriculum_skips_saturated_labeled_questions_and_a_kill_mid_epoch_resumes_exactly(toy_dir, tmp_path):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from toyrun import ROOT, STRAIGHT, VLLM, free_port, metrics, overrides, train
+from toyrun import ROOT, STRAIGHT, VLLM, Ranks, free_port, metrics, overrides, train
 
 from trapo import runtime
 from trapo.training.loggers import read_wandb_history
@@ -98,22 +98,15 @@ def test_sigterm_saves_and_resumed_run_equals_uninterrupted(toy_dir, tmp_path, s
     common = {**STRAIGHT, "save_steps": 0}  # the checkpoint comes from the signal alone
     straight = metrics(straight_run)
 
-    args = overrides(toy_dir, tmp_path, run_name="stopped", **common)
-    proc = subprocess.Popen(
-        [sys.executable, "trapo_train.py", *args],
-        cwd=ROOT,
-        env=runtime.subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    ranks = Ranks(overrides(toy_dir, tmp_path, run_name="stopped", **common))
     rows = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (rows.is_file() and rows.read_text().count("\n") >= 1) and time.time() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # during step 2 (or, at the latest, between steps)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, err[-3000:]
+    ranks.procs[0].send_signal(signal.SIGTERM)  # during step 2 (or, at the latest, between steps)
+    stopped = ranks.wait(timeout=300)
+    err = stopped.stderr
+    assert stopped.returncode == 75, err[-3000:]
     stopped_at = len(rows.read_text().splitlines())
     assert 1 <= stopped_at < 4
     assert f"stopped by a signal after step {stopped_at}" in err and f"step-{stopped_at}" in err

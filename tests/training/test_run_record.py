@@ -13,7 +13,7 @@ import time
 
 import pytest
 import yaml
-from toyrun import ROOT, metrics, overrides, train
+from toyrun import ROOT, Ranks, metrics, overrides, train
 
 from trapo import runtime
 from trapo.config import Config, ConfigError, dump_config, load_config, to_dict
@@ -206,14 +206,7 @@ def test_run_name_is_a_plain_name_and_resume_changes_names_real_keys():
 @pytest.mark.toy_run
 def test_a_second_run_into_a_live_runs_directory_is_one_line_and_the_first_is_untouched(toy_dir, tmp_path):
     args = overrides(toy_dir, tmp_path, run_name="busy", max_steps=12)
-    first = subprocess.Popen(
-        [sys.executable, "trapo_train.py", *args],
-        cwd=ROOT,
-        env=runtime.subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = Ranks(args)
     lock = tmp_path / "busy" / ".lock"
     deadline = time.time() + 120
     while not (lock.is_file() and lock.read_text()) and time.time() < deadline:
@@ -221,9 +214,9 @@ def test_a_second_run_into_a_live_runs_directory_is_one_line_and_the_first_is_un
     second = train(args, check=False)
     lines = [line for line in second.stderr.splitlines() if line.strip()]
     assert second.returncode == 2 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
-    assert f"is in use by pid {first.pid}" in lines[0]
-    _, err = first.communicate(timeout=600)
-    assert first.returncode == 0, err[-3000:]
+    assert f"is in use by pid {first.pgid}" in lines[0]
+    out = first.wait(timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "busy")] == list(range(1, 13))
 
 
