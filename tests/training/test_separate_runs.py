@@ -6,14 +6,10 @@ import glob
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from toyrun import ROOT, Ranks, free_port, metrics, overrides, train
-
-from trapo import runtime
+from toyrun import Ranks, metrics, overrides, train
 
 # every test here starts trainers (make test-fast leaves them out), each two processes at once
 pytestmark = [pytest.mark.toy_run, pytest.mark.two_cores]
@@ -118,23 +114,9 @@ def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, 
 
 def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_path):
     args = overrides(toy_dir, tmp_path, run_name="dead", **RUN, **SEPARATE, dist_timeout_minutes=1)
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):  # as a launcher starts them, without one that would kill the trainer first
-        env = runtime.subprocess_env() | dict(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "trapo_train.py", *args],
-                cwd=ROOT,
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    trainer, rollout = procs
+    # as a launcher starts them, without one that would stop the trainer once the rollout rank died
+    ranks = Ranks(args, nproc=2)
+    trainer, rollout = ranks.procs
     log = tmp_path / "dead" / "metrics.jsonl"
     deadline = time.time() + 300
     while (
@@ -145,10 +127,11 @@ def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_pa
         time.sleep(0.1)
     rollout.send_signal(signal.SIGKILL)
     rollout.wait()
-    out, err = trainer.communicate(timeout=120)
-    assert trainer.returncode == 3, err[-2000:]
-    lines = [line for line in (out + err).splitlines() if "rollout link" in line]
-    assert len(lines) == 1 and "rollout rank 0 (link rank 1) stopped answering" in lines[0], out + err
+    trainer.wait(timeout=120)
+    out = ranks.wait()  # both have ended: their output
+    assert trainer.returncode == 3, out.stderr[-2000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "rollout link" in line]
+    assert len(lines) == 1 and "rollout rank 0 (link rank 1) stopped answering" in lines[0], out.stdout + out.stderr
     done = sorted(glob.glob(str(tmp_path / "dead" / "checkpoints" / "step-*" / "COMPLETE")))
     assert done and not glob.glob(str(tmp_path / "dead" / "checkpoints" / ".*tmp*"))
 
