@@ -200,19 +200,17 @@ def sums_benchmark(path: Path, n: int = 3) -> Path:
 def test_a_2048_token_model_is_evaluated_with_a_short_response_budget(tmp_path):
     """The prompt budget is the longest prompt, not a 2,048-token default: --max-tokens 8 fits a 2,048-token
     model; a budget past it is refused in one line naming the longest prompt, before the engine loads."""
-    import subprocess
     import sys
 
-    from trapo import runtime
+    import toyrun
 
     model = tiny_model(tmp_path / "m", 2048)
     bench = sums_benchmark(tmp_path / "sums.jsonl")
     common = ["-m", "trapo", "eval", "--model", str(model), "--benchmarks", str(bench), "--backend", "hf"]
     common += ["--n", "1", "--temperature", "0", "--template", "plain", "--no-progress"]
 
-    def run(*more):
-        cmd, env = [sys.executable, *common, *more], runtime.subprocess_env()
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=runtime.ROOT, timeout=300)
+    def run(*more):  # forked from the worker's fork server, as a toy run (tests/toyrun.py)
+        return toyrun.run([sys.executable, *common, *more], timeout=300)
 
     out = run("--max-tokens", "8", "--out", str(tmp_path / "ok"))
     assert out.returncode == 0, out.stderr[-3000:]
