@@ -103,15 +103,18 @@ class Ranks:
     fail has the others terminated and gives the run's exit code. The ranks share one process group, led by
     rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a launched job does. Each rank
     is forked from this pytest process's zygote (trapo/commands/fork_server.py), which imported torch, transformers,
-    DeepSpeed and vLLM once, where the environment allows; TRAPO_TESTS_ZYGOTE=0 starts every rank afresh."""
+    DeepSpeed and vLLM once, where the environment allows; TRAPO_TESTS_ZYGOTE=0 starts every rank afresh.
+    `script` replaces trapo_train.py (a test's own worker); `outputs` holds each rank's (stdout, stderr) once
+    `wait` has returned."""
 
-    def __init__(self, args, nproc=1, env=None, fresh=False):
+    def __init__(self, args, nproc=1, env=None, fresh=False, script="trapo_train.py"):
         env = env or runtime.subprocess_env()
         port = free_port()
         self.logs = []  # (stdout, stderr) files of each rank: pipes could fill while another rank is waited on
+        self.outputs: list[tuple[str, str]] = []
         self.procs = []
         for rank in range(nproc):
-            cmd = [sys.executable, "-u", "trapo_train.py", *args]
+            cmd = [sys.executable, "-u", script, *args]
             rank_env = env
             if nproc > 1:
                 cmd.append(f"--local_rank={rank}")
@@ -166,15 +169,14 @@ class Ranks:
                 p.wait()
         if code is None:
             code = next((p.returncode for p in self.procs if p.returncode), 0)
-        texts = []
         for out, err in self.logs:
             out.seek(0)
             err.seek(0)
-            texts.append((out.read(), err.read()))
+            self.outputs.append((out.read(), err.read()))
             out.close()
             err.close()
         return subprocess.CompletedProcess(
-            self.procs[0].args, code, "".join(o for o, _ in texts), "".join(e for _, e in texts)
+            self.procs[0].args, code, "".join(o for o, _ in self.outputs), "".join(e for _, e in self.outputs)
         )
 
 

@@ -7,7 +7,6 @@ This file is also the worker: `python test_zero3_generation.py with|without` as 
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -75,26 +74,14 @@ def worker(with_eval: bool) -> dict:
 
 
 def launch(mode: str) -> list[dict]:
-    """Both ranks' results; a rank that fails or waits past the timeout fails the test with its stderr."""
-    from trapo.engine.dist import free_port
+    """Both ranks' results (each forked from the worker's fork server, as a toy run's ranks: tests/toyrun.py); a
+    rank that fails (the other is then stopped) or waits past the timeout fails the test with its stderr."""
+    from toyrun import Ranks
 
-    world = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = []
-    for r in (0, 1):
-        env = runtime.subprocess_env(RANK=str(r), LOCAL_RANK=str(r), **world)
-        cmd = [sys.executable, os.path.abspath(__file__), mode]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    ended = []
-    for proc in procs:  # both, before any check: a rank that fails leaves the other to its collective's timeout
-        try:
-            ended.append(proc.communicate(timeout=240))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"a rank did not finish in 240 s ({mode} evaluation)")
-    for r, (proc, (_, err)) in enumerate(zip(procs, ended)):
-        assert proc.returncode == 0, f"rank {r} ({mode} evaluation):\n{err[-3000:]}"
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in ended]
+    ranks = Ranks([mode], nproc=2, script=os.path.abspath(__file__))
+    done = ranks.wait(timeout=240)
+    assert done.returncode == 0, f"{mode} evaluation:\n{done.stderr[-3000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in ranks.outputs]
 
 
 @pytest.mark.toy_run
