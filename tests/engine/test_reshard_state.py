@@ -3,14 +3,12 @@ each state tensor where torch's own `Optimizer.load_state_dict` puts it, each pa
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from toyrun import Ranks
 
 from trapo import runtime
-from trapo.engine.dist import free_port
 from trapo.engine.reshard import place_state
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "resume_moved.py")
@@ -80,18 +78,12 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_one_with_its_optimizer_state
     """A ZeRO-3 engine with three sub-groups per rank, saved on 2 ranks (gloo) after 2 steps and resumed on 1
     through trapo.engine.checkpoint.restore: every state tensor sits on its partition's device, each sub-group
     has its own step, and the next update counts it once."""
-    port, path = str(free_port()), str(tmp_path / "step-2")
-    savers = []
-    for rank in (0, 1):
-        ranks = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-        env = runtime.subprocess_env(**ranks, MASTER_PORT=port)
-        savers.append(subprocess.Popen([sys.executable, SCRIPT, "save", path], env=env, stderr=subprocess.PIPE))
-    for rank, proc in enumerate(savers):
-        _, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"rank {rank} saving:\n{err.decode()[-3000:]}"
+    path = str(tmp_path / "step-2")
+    # each process forked from the worker's fork server, as a toy run's ranks (tests/toyrun.py)
+    saved = Ranks(["save", path], nproc=2, script=SCRIPT).wait(timeout=240)
+    assert saved.returncode == 0, f"saving:\n{saved.stderr[-3000:]}"
     env = {k: v for k, v in runtime.subprocess_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [sys.executable, SCRIPT, "resume", path, "2"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    done = Ranks(["resume", path, "2"], env=env, script=SCRIPT).wait(timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     loaded, after = out["loaded"], out["after_step"]

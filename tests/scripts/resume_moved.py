@@ -74,4 +74,5 @@ def main(mode: str, directory: str, saved_world: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank=")]  # a launcher's (tests/toyrun.py Ranks)
+    main(args[0], args[1], *map(int, args[2:]))
