@@ -1,7 +1,6 @@
 """Math-Verify supervisors forked from a warm zygote (trapo/algorithm/rewards/verify_zygote.py) grade as started
 ones do, live and die as started ones do, and a verifier without a zygote that answers starts its own."""
 
-import os
 import time
 
 import pytest
@@ -96,4 +95,7 @@ def test_without_an_answering_zygote_the_verifier_starts_its_own(monkeypatch):
 def test_a_task_verifier_is_never_forked(own_zygote):
     # it imports the user's module, from the trainer's directory and path: the zygote has neither
     assert verify_zygote.fork_supervisor(1, 8, "digits_verifier:Digits") is None
-    assert os.environ[ENV] == own_zygote.name
+    forked = verify_zygote.fork_supervisor(1, 8, "math")  # while the default one is
+    assert isinstance(forked, Forked)
+    forked.stdin.close()  # the end of its input: it ends
+    assert ended(forked)
