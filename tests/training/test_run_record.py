@@ -214,7 +214,7 @@ def test_a_second_run_into_a_live_runs_directory_is_one_line_and_the_first_is_un
     second = train(args, check=False)
     lines = [line for line in second.stderr.splitlines() if line.strip()]
     assert second.returncode == 2 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
-    assert f"is in use by pid {first.pgid}" in lines[0]
+    assert f"is in use by pid {first.procs[0].pid}" in lines[0]
     out = first.wait(timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path / "busy")] == list(range(1, 13))

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 import uuid
 from pathlib import Path
 
@@ -164,6 +165,8 @@ def _supervise(conn: socket.socket, listener: socket.socket) -> None:
             os.environ.update(request["env"])
             _serve(request["workers"], request["max_workers"], "math", warm=False)
             code = 0
+        except BaseException:  # noqa: BLE001 - on the trainer's stderr, as a started supervisor's would be
+            traceback.print_exc()
         finally:
             os._exit(code)
     for fd in fds:
