@@ -58,11 +58,26 @@ def run(cmd, timeout=600, env=None):
     from the zygote (a `fork_server.ForkServer`) where the environment allows; other programs start afresh (a
     script that changes what can be imported, tests/scripts/without_vllm.py, needs a fresh interpreter)."""
     env = env or runtime.subprocess_env()
-    forkable = cmd[0] == sys.executable and (cmd[1] == SCENARIO or cmd[1:3] == ["-m", "trapo"])
-    zygote = _zygote(env) if forkable else None
+    zygote = _zygote(env) if _forkable(cmd) else None
     if zygote is None:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return zygote.run(cmd[1:], env, timeout=timeout)
+
+
+def start(cmd, env=None):
+    """`cmd` started, its output discarded, leading a process group of its own: os.killpg(p.pid, sig) reaches it and
+    what it started (a sweep's runs, which fork from its zygote into its group). Forked where `run` would fork it."""
+    env = env or runtime.subprocess_env()
+    zygote = _zygote(env) if _forkable(cmd) else None
+    if zygote is None:
+        out = subprocess.DEVNULL
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
+    with open(os.devnull, "w") as null:
+        return zygote.start(cmd[1:], env, null, null, 0)
+
+
+def _forkable(cmd):
+    return cmd[0] == sys.executable and (cmd[1] == SCENARIO or cmd[1:3] == ["-m", "trapo"])
 
 
 def free_port() -> int:
@@ -78,12 +93,26 @@ def free_port() -> int:
 _ZYGOTES = []
 
 
+def start_zygote():
+    """This pytest process's zygote for the suite's own environment, started now: its imports overlap the toy's
+    build (or the wait for another worker's), and the first of the many runs in that environment forks too."""
+    pool = _pool()
+    if pool is not None:
+        pool.prestart(runtime.subprocess_env())
+
+
 def _zygote(env):
     """The zygote (a `fork_server.ForkServer`) of this pytest process for a child in `env`, or None: start the
     child afresh. None with TRAPO_TESTS_ZYGOTE=0, and on a GPU machine, where a fork after CUDA's start-up (an
-    import may start it) is unsafe. An environment's zygote starts at its second child (`ForkServers`): the
+    import may start it) is unsafe. The suite's own environment's zygote starts with the toy's build
+    (`start_zygote`); another environment's starts at its second child (`ForkServers`): the
     environment of an in-process test's runs changes with what it imported (tensorboardX sets CRC32C_SW_MODE) and
     with what it sets itself (HF_HUB_CACHE), and one used once is cheaper fresh."""
+    pool = _pool()
+    return None if pool is None else pool.server(env)
+
+
+def _pool():
     if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0" or runtime.has_gpu():
         return None
     if not _ZYGOTES:
@@ -91,7 +120,7 @@ def _zygote(env):
 
         # a run's environment may differ from its zygote's in the launcher's variables and the test's name
         _ZYGOTES.append(ForkServers(ROOT, LAUNCHER_VARS | {"PYTEST_CURRENT_TEST"}, fresh_first=1))
-    return _ZYGOTES[0].server(env)
+    return _ZYGOTES[0]
 
 
 class Ranks:

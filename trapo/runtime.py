@@ -64,7 +64,9 @@ def configure(gpu: bool | None = None) -> None:
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a Python child process running project code: ours, `extra`, the repo importable."""
     env = {**settings(), **os.environ, **extra}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    # the repo first, once: a child's own children get the same PYTHONPATH, not one more copy at each level
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *rest])
     return env
 
 

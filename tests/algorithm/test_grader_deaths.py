@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from trapo.algorithm.rewards import verifier as verifier_module
 from trapo.algorithm.rewards.verifier import MathVerifier, Verdict
 
 PAIRS = [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x^2+2x+1", "(x+1)^2")]
@@ -95,6 +96,8 @@ def test_replacements_that_die_while_starting_are_retried_then_items_fail_withou
     # started supervisors: each spends its imports' second starting, where the killer below finds it (one forked
     # from the test suite's zygote is ready in milliseconds)
     monkeypatch.delenv("TRAPO_VERIFY_ZYGOTE", raising=False)
+    # the waits between tries shortened (7 s in all): what is tested is that each try is made, then the items fail
+    monkeypatch.setattr(verifier_module, "_RESTART_WAITS", (0.1, 0.2, 0.4))
     verifier = MathVerifier(num_workers=2, timeout=20.0)
     try:
         _replacements_die(verifier)

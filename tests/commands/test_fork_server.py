@@ -27,6 +27,14 @@ print(type(verifier._supervisor.proc).__name__, verdicts)
 verifier.close()
 """
 
+NESTED_CHILD = """
+import os, sys
+from trapo.commands import fork_server
+inner = fork_server.run_python([sys.argv[1], "0"], cwd=os.getcwd())
+inner_parent = inner.stdout.split()[3]  # the grandchild's first line: preloaded True ppid PID
+print("servers", len(fork_server._SWEEP_SERVERS), "parent", os.getppid(), "inner", inner.returncode, inner_parent)
+"""
+
 
 @pytest.mark.toy_run  # the server imports what a trainer imports
 def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
@@ -45,6 +53,8 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     try:
         forked = fork_server.run_python([str(script), "3", "x y"], cwd=tmp_path / "work")
         broken = fork_server.run_python(["-m", "broken_child"], cwd=tmp_path / "work")
+        (tmp_path / "work" / "nested_child.py").write_text(NESTED_CHILD)
+        nested = fork_server.run_python(["nested_child.py", str(script)], cwd=tmp_path / "work")
         (tmp_path / "work" / "grading_child.py").write_text(GRADING_CHILD)
         grading = fork_server.run_python(["grading_child.py"], cwd=tmp_path / "work")
         slow = tmp_path / "work" / "slow_child.py"
@@ -85,6 +95,9 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     assert line1.startswith("preloaded True ppid ") and int(line1.split()[-1]) != os.getpid()  # the server's
     assert line2 == f"cwd {tmp_path / 'work'} argv ['3', 'x y'] env seen name __main__"
     assert broken.returncode == 1 and broken.stderr.rstrip().endswith("ValueError: the child failed"), broken.stderr
+    # a child's own children (a sweep forked from a server) fork from its server: it starts none of its own
+    _, servers, _, parent, _, code, inner_parent = nested.stdout.split()
+    assert (servers, code, inner_parent) == ("0", "0", parent) and parent == line1.split()[-1], nested
 
     monkeypatch.setenv("FORK_TEST", "seen")
     monkeypatch.setenv("TRAPO_FORK_RUNS", "0")  # a fresh interpreter, the same answers

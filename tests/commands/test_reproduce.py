@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -139,14 +138,7 @@ def test_reproduce_smallest_configuration(tmp_path):
     ood_rows = [json.loads(x) for x in (out / "splits" / "ood-seed0.jsonl").read_text().splitlines()]
     assert sum(r["labeled"] for r in ood_rows) == 16 and all("+" in r["question"] for r in ood_rows if not r["labeled"])
     # rerunning reuses the finished runs, but not under another budget
-    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    again = run(cmd, timeout=900, env=env)
     assert again.returncode == 0 and again.stderr.count("reusing") == 6
-    other = subprocess.run(
-        [*cmd[:6], "2", cmd[7], "0", "--methods", "trapo", *cmd[11:]],  # 8 steps, the smallest other budget
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    other = run([*cmd[:6], "2", cmd[7], "0", "--methods", "trapo", *cmd[11:]], timeout=900, env=env)  # 8 steps
     assert other.returncode == 0 and "ran 16 steps, not 8: running again" in other.stderr, other.stderr[-2000:]

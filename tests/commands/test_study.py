@@ -12,7 +12,7 @@ import time
 
 import pytest
 import yaml
-from toyrun import run
+from toyrun import run, start
 
 from trapo import runtime
 from trapo.commands.reproduce.study import load_study
@@ -208,14 +208,7 @@ def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
         str(out),
     ]
     runs = tmp_path / "studies" / "runs"
-    first = subprocess.Popen(
-        args,
-        cwd=ROOT,
-        env=runtime.subprocess_env(),
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    first = start(args)  # leading a process group of its own, which its runs join
     deadline = time.time() + 600
     finished, partial = None, None
     while time.time() < deadline and first.poll() is None:

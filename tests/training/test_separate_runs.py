@@ -24,6 +24,7 @@ ONLY_SEPARATE = {
     "staleness_kl",
     "rollout_generate_s",
 }  # hf colocated pushes nothing, lags nothing
+NOISE = "logprob_diff_rollout_vs_policy"  # a mean of float rounding (~3e-7): kernels' last bits, not the run's
 
 
 def rows(run_dir, leave_out=NOT_COMPARED):
@@ -62,8 +63,10 @@ def test_staleness_0_writes_what_the_colocated_trainer_writes(toy_dir, tmp_path)
     train(overrides(toy_dir, tmp_path, run_name="colocated", **RUN))
     train(overrides(toy_dir, tmp_path, run_name="separate", **RUN, **SEPARATE), nproc=2)
     colocated, separate = tmp_path / "colocated", tmp_path / "separate"
-    leave_out = NOT_COMPARED | ONLY_SEPARATE
+    leave_out = NOT_COMPARED | ONLY_SEPARATE | {NOISE}
     assert rows(colocated, leave_out) == rows(separate, leave_out)  # loss, rewards, pass rates, gate...
+    # the same tokens, scored in another process: their logprobs may differ in the last bits (seen on an AMD EPYC)
+    assert [r[NOISE] for r in metrics(separate)] == pytest.approx([r[NOISE] for r in metrics(colocated)], rel=0.05)
     assert [row["rollout_staleness"] for row in metrics(separate)] == [0] * 8
     assert selections(colocated) == selections(separate)
     assert same_weights(colocated, separate)

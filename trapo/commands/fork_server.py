@@ -16,7 +16,7 @@ The server never runs a torch op (a fork after torch has started its thread pool
 and it is not used on a GPU machine: a fork after CUDA's start-up is unsafe, and an import may start it.
 TRAPO_FORK_RUNS=0 starts every child of a sweep afresh.
 
-    python -u -m trapo.commands.fork_server FD     # the server itself, on its end of a socket pair
+    python -u -m trapo.commands.fork_server FD [VAR ...]   # the server on its end of a socket pair; VAR: per_run
 """
 
 import atexit
@@ -42,9 +42,17 @@ LAUNCHER_VARS = frozenset(
     ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK", "LOCAL_RANK")
 )
 
-# A random id MLflow's import puts in os.environ (its telemetry session): the caller has it once it imported MLflow,
-# the server (which imports DeepSpeed without it, `dist.import_deepspeed`) does not; nothing reads it at import.
-SESSION_IDS = frozenset(("_MLFLOW_TELEMETRY_SESSION_ID",))
+# Variables that imports the server does not make put in os.environ, read by nothing the server imported: the
+# caller has them once it made those imports, a child that makes them sets them again. MLflow's telemetry session
+# id (the server imports DeepSpeed without MLflow, `dist.import_deepspeed`); tensorboardX's crc32c mode.
+IMPORT_SET = frozenset(("_MLFLOW_TELEMETRY_SESSION_ID", "CRC32C_SW_MODE"))
+
+# Read by the interpreter at its start only: a forked child's was the server's, started as `python -u`.
+STARTUP_VARS = frozenset(("PYTHONUNBUFFERED",))
+
+# The name a child finds its server by: a sweep forked from a server (a test's `trapo reproduce`, the GPU check's
+# dry run) forks its own children there too, instead of starting a server of its own (`run_python`).
+NAME_ENV = "TRAPO_FORK_SERVER"
 
 
 class ForkServer:
@@ -55,7 +63,7 @@ class ForkServer:
         self.env, self.cwd, self.per_run = env, str(cwd), per_run
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "trapo.commands.fork_server", str(theirs.fileno())],
+            [sys.executable, "-u", "-m", "trapo.commands.fork_server", str(theirs.fileno()), *sorted(per_run)],
             pass_fds=[theirs.fileno()],
             env=env,
             cwd=self.cwd,
@@ -69,11 +77,12 @@ class ForkServer:
         self.ready = False  # the server has done its imports
         self.imported_env: dict[str, str] = {}  # the server's environment after them
         self.started: int | None = None  # the pid of the child the last request forked
+        self.sid = os.getsid(0)  # the server's session: a child can join only a process group in it
         self.lock = threading.Lock()  # one request, or one read of the socket, at a time
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a child in `env` can be forked from here (waiting for the server's imports): `env` is the
-        server's environment but for `per_run` keys, `SESSION_IDS` and the variables its imports set (vLLM's
+        server's environment but for `per_run` keys, `IMPORT_SET` and the variables its imports set (vLLM's
         sets PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR): a caller that made the same imports has
         them too, and a fresh child's imports would set them again."""
         try:
@@ -82,9 +91,9 @@ class ForkServer:
                     self._receive(block=True)
         except RuntimeError:  # it exited in its imports (their traceback went to the caller's stderr)
             return False
-        if self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None:
             return False
-        ignored = self.per_run | SESSION_IDS | (self.imported_env.keys() - self.env.keys())
+        ignored = self.per_run | IMPORT_SET | STARTUP_VARS | {NAME_ENV} | (self.imported_env.keys() - self.env.keys())
         strip = lambda e: {k: v for k, v in e.items() if k not in ignored}  # noqa: E731
         return strip(env) == strip(self.env)
 
@@ -98,6 +107,7 @@ class ForkServer:
                 self.codes[message["exit"]] = message["code"]
             elif "ready" in message:
                 self.ready, self.imported_env = True, message["env"]
+                self.env, self.sid, self.per_run = message["base"], message["sid"], frozenset(message["per_run"])
             else:
                 self.started = message["pid"]
             block = False
@@ -159,9 +169,34 @@ class ForkServer:
         with self.lock:
             return not self.unclaimed and not self.promised
 
+    @classmethod
+    def connect(cls, name: str) -> "ForkServer | None":
+        """Another caller of the running server `name` (NAME_ENV in a child's environment), or None when it is
+        gone. Its children join process groups of the server's session only: None from another session."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect("\0" + name)
+        except OSError:
+            sock.close()
+            return None
+        self = cls.__new__(cls)
+        self.env, self.cwd, self.per_run, self.sock, self.proc = {}, os.getcwd(), frozenset(), sock, None
+        self.codes, self.unclaimed, self.promised, self.ready, self.imported_env = {}, set(), 0, False, {}
+        self.started, self.lock = None, threading.Lock()
+        try:
+            self._receive(block=True)  # its greeting: the environment it was started in, `per_run`, its session
+        except (RuntimeError, OSError):
+            sock.close()
+            return None
+        if self.sid != os.getsid(0):
+            sock.close()
+            return None
+        return self
+
     def close(self) -> None:
         self.sock.close()  # the server exits on EOF; children still going carry on, as a Popen's children would
-        self.proc.wait()
+        if self.proc is not None:  # a connected caller leaves the server to its owner
+            self.proc.wait()
 
 
 class ForkServers:
@@ -198,6 +233,15 @@ class ForkServers:
             server.promise()  # not idle until the caller's child has started: no other thread's call closes it
             return server
 
+    def prestart(self, env: dict[str, str]) -> None:
+        """A server for `env` started now, where none runs yet: the caller knows many children in `env` will come,
+        and has other work to do while the server imports (it does not wait for them here)."""
+        with self.lock:
+            if not self.servers and self._make_room():
+                self.servers.append(
+                    ForkServer({k: v for k, v in env.items() if k not in self.per_run}, self.cwd, self.per_run)
+                )
+
     def _make_room(self) -> bool:
         """Whether a server can start: fewer than `limit` run, or the least recently used idle one closed."""
         if len(self.servers) < self.limit:
@@ -222,15 +266,29 @@ def run_python(args: list[str], cwd: str | os.PathLike) -> subprocess.CompletedP
     server (started at the first child, after what the sweep built first: a sweep runs many) on CPU, a fresh
     interpreter on GPU or with TRAPO_FORK_RUNS=0."""
     env = runtime.subprocess_env()
-    server = None
-    if _forking():  # the runs' Math-Verify supervisors fork from one zygote too: the caller's, or this sweep's
-        if verify_zygote.ENV not in env:
-            env[verify_zygote.ENV] = _sweep_verify_zygote().name
-        server = _sweep_servers().server(env)
+    if _forking() and verify_zygote.ENV not in env:  # the runs' Math-Verify supervisors fork from one zygote too
+        env[verify_zygote.ENV] = _sweep_verify_zygote().name
+    server = server_for(env)
     if server is None:
         return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=cwd)
     # in the caller's process group, as a subprocess's: Ctrl-C in the terminal reaches the child too
     return server.run(args, env, process_group=os.getpgrp(), cwd=cwd)
+
+
+def server_for(env: dict[str, str]) -> ForkServer | None:
+    """The server to fork a child in `env` from (`ForkServer.start`), or None: start it afresh (on a GPU, with
+    TRAPO_FORK_RUNS=0, or while its environment's turn for a server has not come). The server this process was
+    forked from where it takes `env`, else one of this process's own (`ForkServers`)."""
+    if not _forking():
+        return None
+    with _STARTING:
+        if not _PARENT_SERVER:
+            name = os.environ.get(NAME_ENV)
+            _PARENT_SERVER.append(ForkServer.connect(name) if name else None)
+    parent = _PARENT_SERVER[0]
+    if parent is not None and parent.accepts(env):
+        return parent
+    return _sweep_servers().server(env)
 
 
 def _forking() -> bool:
@@ -238,6 +296,7 @@ def _forking() -> bool:
 
 
 _SWEEP_SERVERS: list[ForkServers] = []  # this process's, made at its first forked child
+_PARENT_SERVER: list[ForkServer | None] = []  # the server that forked this process, reached at its first child
 _SWEEP_VERIFY_ZYGOTES: list[verify_zygote.Zygote] = []  # the same
 _STARTING = threading.Lock()
 
@@ -292,12 +351,13 @@ class Forked:
 # ----------------------------------------------------------------------------- the server's side
 
 
-def _run_child(sock: socket.socket, request: dict, out: int, err: int) -> None:
+def _run_child(socks: list[socket.socket], name: str, request: dict, out: int, err: int) -> None:
     """In the forked child: become `python ARGS`, then exit with its code (never returns)."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter (the server ignores it)
-        sock.close()
+        for sock in socks:
+            sock.close()
         os.setpgid(0, request["pgid"])
         os.dup2(out, 1)
         os.dup2(err, 2)
@@ -306,6 +366,7 @@ def _run_child(sock: socket.socket, request: dict, out: int, err: int) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ[NAME_ENV] = name
         import runpy
 
         argv = request["argv"]
@@ -333,7 +394,8 @@ def _run_child(sock: socket.socket, request: dict, out: int, err: int) -> None:
         os._exit(code & 0xFF)
 
 
-def _serve(fd: int) -> None:
+def preload() -> None:
+    """What a trainer, `trapo eval` and their vLLM engine import, imported here once for every child."""
     runtime.configure()
     from trapo.engine.dist import import_deepspeed
 
@@ -343,7 +405,11 @@ def _serve(fd: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     try:
-        import vllm  # noqa: F401
+        # vllm.LLM is a lazy attribute, and the engine picks its CPU worker by name: each would be ~4 s of CPU
+        # in every child that starts an engine (the server runs on CPU only)
+        from vllm import LLM, SamplingParams  # noqa: F401
+        from vllm.inputs import TokensPrompt  # noqa: F401
+        from vllm.v1.worker import cpu_worker  # noqa: F401
     except ImportError:  # the hf backend only (as on a GPU machine without vLLM)
         pass
 
@@ -351,46 +417,76 @@ def _serve(fd: int) -> None:
     import trapo.commands.train  # noqa: F401
     import trapo.training.trainer  # noqa: F401
 
+
+def _serve(fd: int, per_run: list[str]) -> None:
+    started_in = dict(os.environ)
+    preload()
     gc.collect()
     gc.freeze()  # the children's collections skip what the imports made: ~0.3 s of CPU each in a toy run
 
     # Ctrl-C in the caller's terminal is for the caller and the children: the server ends when the caller
-    # closes its socket, children still running or not
+    # closes its socket (children still running or not), once the callers its children connected have closed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=fd)
-    sock.send(json.dumps({"ready": True, "env": dict(os.environ)}).encode())
-    running: set[int] = set()
-    while True:
-        if select.select([sock], [], [], 0.02)[0]:
+    owner = socket.socket(fileno=fd)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # for its children's calls (NAME_ENV)
+    name = f"trapo-fork-server-{os.getpid()}-{os.urandom(4).hex()}"
+    listener.bind("\0" + name)  # abstract: nothing on disk, gone with the server
+    listener.listen()
+    greeting = {"ready": True, "env": dict(os.environ), "base": started_in, "per_run": per_run, "sid": os.getsid(0)}
+    owner.send(json.dumps(greeting).encode())
+    callers = [owner]
+    running: dict[int, socket.socket] = {}  # each child's caller, told its exit code
+    while callers:
+        watched = [*callers, listener] if owner in callers else callers  # no new callers once the owner closed
+        for conn in select.select(watched, [], [], 0.02)[0]:
+            if conn is listener:
+                caller, _ = listener.accept()
+                callers.append(caller)
+                _tell(caller, greeting)
+                continue
             try:
-                data, fds, _, _ = socket.recv_fds(sock, 65536, 2)
+                data, fds, _, _ = socket.recv_fds(conn, 65536, 2)
             except OSError:
                 data = b""
-            if not data:
-                return  # the caller closed: children still going are left to finish
+            if not data:  # that caller closed; children still going are left to finish
+                callers.remove(conn)
+                conn.close()
+                if conn is owner:
+                    listener.close()  # its name is free: a late child's call finds no server, and starts its own
+                continue
             request = json.loads(data)
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _run_child(sock, request, *fds)
+                _run_child([*callers, listener], name, request, *fds)
             try:  # here too, as a shell does: the group exists before the next rank asks to join it
                 os.setpgid(pid, request["pgid"] or pid)
             except OSError:  # the child got there first
                 pass
             for f in fds:
                 os.close(f)
-            running.add(pid)
-            sock.send(json.dumps({"pid": pid}).encode())
-        for pid in list(running):
+            running[pid] = conn
+            _tell(conn, {"pid": pid}, conn is owner)
+        for pid, caller in list(running.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                running.discard(pid)
-                sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+                del running[pid]
+                if caller in callers:
+                    _tell(caller, {"exit": pid, "code": os.waitstatus_to_exitcode(status)}, caller is owner)
+
+
+def _tell(conn: socket.socket, message: dict, owner: bool = False) -> None:
+    """A message to a caller; one of the children's callers may be gone (the owner's loss ends the server)."""
+    try:
+        conn.send(json.dumps(message).encode())
+    except OSError:
+        if owner:
+            raise
 
 
 if __name__ == "__main__":
     try:
-        _serve(int(sys.argv[1]))
+        _serve(int(sys.argv[1]), sys.argv[2:])
     except (BrokenPipeError, ConnectionResetError):  # the caller is gone: nothing left to tell it
         pass

@@ -10,7 +10,8 @@ First the environment (nvidia-smi, nvcc, torch, CUDA and package versions), prin
 fail; then the kit, installed offline (`pip --no-index --target .gpucheck/site`) as a layer over the
 machine's own Python, so its torch is the one used (a venv made from that Python, itself a venv, would
 see the base interpreter's packages, not its torch). Each check runs in its own process with a time
-limit, so one failure does not stop the others.
+limit, so one failure does not stop the others (the dry run forks its Python checks from a pre-imported
+parent, trapo/commands/fork_server.py: its CPU times leave out their imports).
 
 With no PART it plans one device call (plan.py): each check's GPU time estimated from its shapes, taken
 in the order that tells most first (`ORDER`) while the estimates fit plan.LIMIT_S (480 s, the kit's install
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from trapo import runtime
 from trapo.commands.gpu_check import plan
+from trapo.commands.gpu_check.processes import DEADLINE, shell, tail
 
 ROOT = runtime.ROOT
 WORK = ROOT / ".gpucheck"
@@ -96,37 +98,6 @@ class Check:
 
 PART_BUDGET = 510  # seconds a part may run: a device call lasts 10 minutes, the kit install included
 CALL_BUDGET = 540  # seconds the planned call may run before a check is cut: the report must get back
-DEADLINE = [float("inf")]  # when the running part's budget ends (time.time())
-
-
-def shell(cmd: list[str] | str, env: dict, timeout: float, **kw) -> tuple[int, str]:
-    """(exit status, stdout + stderr); 124 when it ran past `timeout` seconds or the part's budget (its process
-    group killed)."""
-    timeout = max(1.0, min(timeout, DEADLINE[0] - time.time()))
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        shell=isinstance(cmd, str),
-        **kw,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return 124, out + f"\n(killed after {timeout:.0f} s)"
-
-
-def tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
 # ----------------------------------------------------------------------------- environment and kit
 
 
