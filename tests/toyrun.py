@@ -1,6 +1,6 @@
 """Toy training runs for the tests: each run is a process per rank (a trainer owns a process: its distributed
 world and its vLLM engine), set up as a user's `python trapo_train.py` or the `deepspeed` launcher's ranks are,
-forked from a process that has done a trainer's imports already (trapo/commands/fork_server.py)."""
+forked from a process that has done a trainer's imports already (trapo/commands/fork_server/)."""
 
 import json
 import os
@@ -93,6 +93,18 @@ def free_port() -> int:
 _ZYGOTES = []
 
 
+def launcher_env(env=None):
+    """`env` (default runtime.subprocess_env()) for a `deepspeed` launcher run whose ranks hand their runs to this
+    process's zygote (`fork_server.forward`: a child forked there, the rank standing in for it), where one runs
+    in that environment; else `env` as it is (each rank imports afresh)."""
+    from trapo.commands.fork_server import NAME_ENV
+
+    env = env or runtime.subprocess_env()
+    pool = _pool()
+    server = None if pool is None else pool.running(env)
+    return env if server is None else env | {NAME_ENV: server.name}
+
+
 def start_zygote():
     """This pytest process's zygote for the suite's own environment, started now: its imports overlap the toy's
     build (or the wait for another worker's), and the first of the many runs in that environment forks too."""
@@ -131,7 +143,7 @@ class Ranks:
     tested where it matters: two nodes, SIGTERM to a deepspeed job, Slurm). As its launch.py, the first rank to
     fail has the others terminated and gives the run's exit code. The ranks share one process group, led by
     rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a launched job does. Each rank
-    is forked from this pytest process's zygote (trapo/commands/fork_server.py), which imported torch, transformers,
+    is forked from this pytest process's zygote (trapo/commands/fork_server/), which imported torch, transformers,
     DeepSpeed and vLLM once, where the environment allows; TRAPO_TESTS_ZYGOTE=0 starts every rank afresh.
     `script` replaces trapo_train.py (a test's own worker); `outputs` holds each rank's (stdout, stderr) once
     `wait` has returned."""

@@ -1,7 +1,9 @@
 """The fork server: a sweep's children run as `python ARGS` would, forked from a parent that did the imports."""
 
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -33,6 +35,15 @@ from trapo.commands import fork_server
 inner = fork_server.run_python([sys.argv[1], "0"], cwd=os.getcwd())
 inner_parent = inner.stdout.split()[3]  # the grandchild's first line: preloaded True ppid PID
 print("servers", len(fork_server._SWEEP_SERVERS), "parent", os.getppid(), "inner", inner.returncode, inner_parent)
+"""
+
+RANK = """
+import sys
+from trapo.commands import fork_server
+code = fork_server.forward(sys.argv[1:])
+if code is None:
+    print("not forwarded", file=sys.stderr)
+sys.exit(99 if code is None else code)
 """
 
 
@@ -67,6 +78,8 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
         pid = int((tmp_path / "work" / "pid").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # gone, and reaped by the server before run() raised
+        # a launcher's rank under that server hands its run to a child forked there and stands in for it
+        rank, slow_rank = _stand_ins(tmp_path / "work", script, slow, sweep_env())
         # what the server's imports set, the caller's imports may set too (MLflow: another session id)
         server = fork_server._sweep_servers().server(sweep_env())
         assert not server.idle()  # promised to this caller's child: another thread's pool call may not close it
@@ -95,6 +108,9 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     assert line1.startswith("preloaded True ppid ") and int(line1.split()[-1]) != os.getpid()  # the server's
     assert line2 == f"cwd {tmp_path / 'work'} argv ['3', 'x y'] env seen name __main__"
     assert broken.returncode == 1 and broken.stderr.rstrip().endswith("ValueError: the child failed"), broken.stderr
+    assert rank.returncode == 4 and rank.stderr == "to stderr\n", rank.stderr  # its output and exit code, forked:
+    assert rank.stdout.splitlines() == [line1, line2.replace("['3', 'x y']", "['4', 'x y']")]
+    assert slow_rank == (-signal.SIGTERM, True), slow_rank  # a SIGTERM passed on, then a kill -9 that ends both
     # a child's own children (a sweep forked from a server) fork from its server: it starts none of its own
     _, servers, _, parent, _, code, inner_parent = nested.stdout.split()
     assert (servers, code, inner_parent) == ("0", "0", parent) and parent == line1.split()[-1], nested
@@ -106,6 +122,30 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     assert fresh.stdout.splitlines() == [f"preloaded False ppid {os.getpid()}", line2]
     fresh_broken = fork_server.run_python(["-m", "broken_child"], cwd=tmp_path / "work")
     assert fresh_broken.returncode == 1 and fresh_broken.stderr.splitlines()[-1] == broken.stderr.splitlines()[-1]
+
+
+def _stand_ins(work, script, slow, env):
+    """A rank (work/rank.py) run fresh under the sweep's server, standing in for `script`; then two for `slow`:
+    one sent SIGTERM (its exit code), one killed with SIGKILL (whether its child died too)."""
+    server = fork_server._sweep_servers().running(env)
+    env = env | {fork_server.NAME_ENV: server.name}
+    (work / "rank.py").write_text(RANK)
+    rank = subprocess.run(
+        [sys.executable, "-u", "rank.py", str(script), "4", "x y"], cwd=work, env=env, capture_output=True, text=True
+    )
+    codes = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        (work / "pid").unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, "-u", "rank.py", str(slow)], cwd=work, env=env)
+        deadline = time.monotonic() + 60
+        while not (work / "pid").is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int((work / "pid").read_text())
+        proc.send_signal(sig)
+        codes.append(proc.wait(timeout=30))
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}"):  # reaped by the server once it died
+        time.sleep(0.05)
+    return rank, (codes[0], codes[1] == -signal.SIGKILL and not os.path.exists(f"/proc/{child}"))
 
 
 def test_an_environment_gets_its_server_after_its_fresh_first_children_and_an_idle_one_makes_room(monkeypatch):

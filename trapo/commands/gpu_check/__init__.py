@@ -11,7 +11,7 @@ fail; then the kit, installed offline (`pip --no-index --target .gpucheck/site`)
 machine's own Python, so its torch is the one used (a venv made from that Python, itself a venv, would
 see the base interpreter's packages, not its torch). Each check runs in its own process with a time
 limit, so one failure does not stop the others (the dry run forks its Python checks from a pre-imported
-parent, trapo/commands/fork_server.py: its CPU times leave out their imports).
+parent, trapo/commands/fork_server/: its CPU times leave out their imports).
 
 With no PART it plans one device call (plan.py): each check's GPU time estimated from its shapes, taken
 in the order that tells most first (`ORDER`) while the estimates fit plan.LIMIT_S (480 s, the kit's install

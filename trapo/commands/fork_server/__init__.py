@@ -16,11 +16,11 @@ The server never runs a torch op (a fork after torch has started its thread pool
 and it is not used on a GPU machine: a fork after CUDA's start-up is unsafe, and an import may start it.
 TRAPO_FORK_RUNS=0 starts every child of a sweep afresh.
 
-    python -u -m trapo.commands.fork_server FD [VAR ...]   # the server on its end of a socket pair; VAR: per_run
+Its process is trapo/commands/fork_server/serve.py. On CPU, a launcher's rank whose caller runs a fork server
+(NAME_ENV in its environment) hands its run to a child forked there and stands in for it (`forward`).
 """
 
 import atexit
-import gc
 import json
 import os
 import select
@@ -31,15 +31,25 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 from trapo import runtime
 from trapo.algorithm.rewards import verify_zygote
 
 # What may differ between the server's environment and a child's: the launcher's variables for each rank,
-# read by the trainer at run time, never at import.
+# read by the trainer at run time, never at import (its CUDA_VISIBLE_DEVICES, by CUDA's start-up: never where a
+# fork server runs, on CPU).
 LAUNCHER_VARS = frozenset(
-    ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "RANK", "LOCAL_RANK")
+    (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "CROSS_RANK",
+        "CROSS_SIZE",
+        "LOCAL_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "CUDA_VISIBLE_DEVICES",
+    )
 )
 
 # Variables that imports the server does not make put in os.environ, read by nothing the server imported: the
@@ -63,7 +73,7 @@ class ForkServer:
         self.env, self.cwd, self.per_run = env, str(cwd), per_run
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "trapo.commands.fork_server", str(theirs.fileno()), *sorted(per_run)],
+            [sys.executable, "-u", "-m", "trapo.commands.fork_server.serve", str(theirs.fileno()), *sorted(per_run)],
             pass_fds=[theirs.fileno()],
             env=env,
             cwd=self.cwd,
@@ -77,6 +87,7 @@ class ForkServer:
         self.ready = False  # the server has done its imports
         self.imported_env: dict[str, str] = {}  # the server's environment after them
         self.started: int | None = None  # the pid of the child the last request forked
+        self.name = ""  # the server's name (NAME_ENV), known once it is ready
         self.sid = os.getsid(0)  # the server's session: a child can join only a process group in it
         self.lock = threading.Lock()  # one request, or one read of the socket, at a time
 
@@ -94,8 +105,7 @@ class ForkServer:
         if self.proc is not None and self.proc.poll() is not None:
             return False
         ignored = self.per_run | IMPORT_SET | STARTUP_VARS | {NAME_ENV} | (self.imported_env.keys() - self.env.keys())
-        strip = lambda e: {k: v for k, v in e.items() if k not in ignored}  # noqa: E731
-        return strip(env) == strip(self.env)
+        return _imports_see(env, ignored) == _imports_see(self.env, ignored)
 
     def _receive(self, block: bool) -> None:
         while select.select([self.sock], [], [], None if block else 0)[0]:
@@ -108,20 +118,23 @@ class ForkServer:
             elif "ready" in message:
                 self.ready, self.imported_env = True, message["env"]
                 self.env, self.sid, self.per_run = message["base"], message["sid"], frozenset(message["per_run"])
+                self.name = message["name"]
             else:
                 self.started = message["pid"]
             block = False
 
-    def start(self, argv: list[str], env: dict[str, str], out, err, process_group: int, cwd=None) -> "Forked":
+    def start(self, argv: list[str], env: dict[str, str], out, err, process_group: int, cwd=None, lifeline=None):
         """Fork a child running `argv` (what follows `python`: a script or `-m module`, then the arguments) with
         `env` in `cwd` (default: the server's), writing to the files `out` and `err`; process_group: 0 for a new
-        group led by the child, else the group to join."""
+        group led by the child, else the group to join. `lifeline`: the read end of a pipe whose write end only
+        the caller holds: the child dies when it closes (`forward`)."""
         request = {"argv": argv, "env": env, "cwd": str(cwd or self.cwd), "pgid": process_group}
+        fds = [out.fileno(), err.fileno(), *([] if lifeline is None else [lifeline])]
         with self.lock:
             while not self.ready:
                 self._receive(block=True)
             self.started = None
-            socket.send_fds(self.sock, [json.dumps(request).encode()], [out.fileno(), err.fileno()])
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             while self.started is None:
                 self._receive(block=True)
             self.unclaimed.add(self.started)
@@ -172,7 +185,7 @@ class ForkServer:
     @classmethod
     def connect(cls, name: str) -> "ForkServer | None":
         """Another caller of the running server `name` (NAME_ENV in a child's environment), or None when it is
-        gone. Its children join process groups of the server's session only: None from another session."""
+        gone. Its children can join process groups of the server's session only (`sid`)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.connect("\0" + name)
@@ -182,13 +195,10 @@ class ForkServer:
         self = cls.__new__(cls)
         self.env, self.cwd, self.per_run, self.sock, self.proc = {}, os.getcwd(), frozenset(), sock, None
         self.codes, self.unclaimed, self.promised, self.ready, self.imported_env = {}, set(), 0, False, {}
-        self.started, self.lock = None, threading.Lock()
+        self.started, self.lock, self.name = None, threading.Lock(), name
         try:
             self._receive(block=True)  # its greeting: the environment it was started in, `per_run`, its session
         except (RuntimeError, OSError):
-            sock.close()
-            return None
-        if self.sid != os.getsid(0):
             sock.close()
             return None
         return self
@@ -242,6 +252,11 @@ class ForkServers:
                     ForkServer({k: v for k, v in env.items() if k not in self.per_run}, self.cwd, self.per_run)
                 )
 
+    def running(self, env: dict[str, str]) -> ForkServer | None:
+        """The running server a child in `env` would fork from, if any (none is started, none is promised)."""
+        with self.lock:
+            return next((s for s in self.servers if s.accepts(env)), None)
+
     def _make_room(self) -> bool:
         """Whether a server can start: fewer than `limit` run, or the least recently used idle one closed."""
         if len(self.servers) < self.limit:
@@ -285,10 +300,57 @@ def server_for(env: dict[str, str]) -> ForkServer | None:
         if not _PARENT_SERVER:
             name = os.environ.get(NAME_ENV)
             _PARENT_SERVER.append(ForkServer.connect(name) if name else None)
-    parent = _PARENT_SERVER[0]
-    if parent is not None and parent.accepts(env):
+    parent = _PARENT_SERVER[0]  # its children join this process's group (`run_python`): in its session only
+    if parent is not None and parent.sid == os.getsid(0) and parent.accepts(env):
         return parent
     return _sweep_servers().server(env)
+
+
+# The signals a standing-in caller passes on to its child (`forward`): what a launcher or a shell sends a rank.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def forward(argv: list[str]) -> int | None:
+    """`python ARGV` (this process's own command line) run by a child forked from the fork server named in the
+    environment (NAME_ENV), this process standing in for it: the child writes where this process writes, gets
+    the signals this process gets (`FORWARDED`), dies with it (a kill -9 included), and its exit is this
+    process's exit code, or its death by a signal this process's. For a launcher's ranks on CPU under a caller
+    that runs a fork server (the tests' launcher runs, the GPU check's dry run): ~6-10 s of imports saved each.
+    None: run here (no such server, one that does not take this environment, a GPU, or this process has made
+    a trainer's imports already, as a forked child has)."""
+    name = os.environ.get(NAME_ENV)
+    if not name or "torch" in sys.modules or not _forking():
+        return None
+    server = ForkServer.connect(name)
+    env = dict(os.environ)
+    if server is None or not server.accepts(env):
+        return None
+    lifeline, held = os.pipe()  # `held` is open in this process only (not inherited): its end is the child's end
+    child = server.start(argv, env, sys.stdout, sys.stderr, 0, os.getcwd(), lifeline)
+    os.close(lifeline)
+    for number in FORWARDED:  # straight to the child: a handler may run while `wait` holds the server's lock
+        signal.signal(number, lambda received, _: _pass_on(child.pid, received))
+    code = child.wait()
+    if code < 0:  # killed by a signal: so is this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _pass_on(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except ProcessLookupError:  # it has ended: its exit code is on its way
+        pass
+
+
+def _imports_see(env: dict[str, str], ignored: set[str]) -> dict[str, str]:
+    """What of `env` the server's imports may have read: all but `ignored`, PYTHONPATH without repeated entries
+    (the deepspeed launcher puts its working directory first again)."""
+    seen = {k: v for k, v in env.items() if k not in ignored}
+    if "PYTHONPATH" in seen:
+        seen["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(seen["PYTHONPATH"].split(os.pathsep)))
+    return seen
 
 
 def _forking() -> bool:
@@ -346,147 +408,3 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-# ----------------------------------------------------------------------------- the server's side
-
-
-def _run_child(socks: list[socket.socket], name: str, request: dict, out: int, err: int) -> None:
-    """In the forked child: become `python ARGS`, then exit with its code (never returns)."""
-    code = 1
-    try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter (the server ignores it)
-        for sock in socks:
-            sock.close()
-        os.setpgid(0, request["pgid"])
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        os.close(out)
-        os.close(err)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.environ[NAME_ENV] = name
-        import runpy
-
-        argv = request["argv"]
-        if argv[0] == "-m":  # python -m module ARGS: runpy puts the module's file in argv[0]
-            sys.argv = argv[1:]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:  # python script.py ARGS
-            sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as stop:  # what the interpreter makes of sys.exit(x)
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a script: the traceback, code 1
-        traceback.print_exc()
-    try:
-        atexit._run_exitfuncs()  # the child's own exit handlers, as at a script's end
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code & 0xFF)
-
-
-def preload() -> None:
-    """What a trainer, `trapo eval` and their vLLM engine import, imported here once for every child."""
-    runtime.configure()
-    from trapo.engine.dist import import_deepspeed
-
-    import_deepspeed()  # as the trainer does: without MLflow's import (1.5 s), which a child makes if it logs there
-    import torch  # noqa: F401
-    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-    try:
-        # vllm.LLM is a lazy attribute, and the engine picks its CPU worker by name: each would be ~4 s of CPU
-        # in every child that starts an engine (the server runs on CPU only)
-        from vllm import LLM, SamplingParams  # noqa: F401
-        from vllm.inputs import TokensPrompt  # noqa: F401
-        from vllm.v1.worker import cpu_worker  # noqa: F401
-    except ImportError:  # the hf backend only (as on a GPU machine without vLLM)
-        pass
-
-    import trapo.commands.eval  # noqa: F401
-    import trapo.commands.train  # noqa: F401
-    import trapo.training.trainer  # noqa: F401
-
-
-def _serve(fd: int, per_run: list[str]) -> None:
-    started_in = dict(os.environ)
-    preload()
-    gc.collect()
-    gc.freeze()  # the children's collections skip what the imports made: ~0.3 s of CPU each in a toy run
-
-    # Ctrl-C in the caller's terminal is for the caller and the children: the server ends when the caller
-    # closes its socket (children still running or not), once the callers its children connected have closed
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    owner = socket.socket(fileno=fd)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # for its children's calls (NAME_ENV)
-    name = f"trapo-fork-server-{os.getpid()}-{os.urandom(4).hex()}"
-    listener.bind("\0" + name)  # abstract: nothing on disk, gone with the server
-    listener.listen()
-    greeting = {"ready": True, "env": dict(os.environ), "base": started_in, "per_run": per_run, "sid": os.getsid(0)}
-    owner.send(json.dumps(greeting).encode())
-    callers = [owner]
-    running: dict[int, socket.socket] = {}  # each child's caller, told its exit code
-    while callers:
-        watched = [*callers, listener] if owner in callers else callers  # no new callers once the owner closed
-        for conn in select.select(watched, [], [], 0.02)[0]:
-            if conn is listener:
-                caller, _ = listener.accept()
-                callers.append(caller)
-                _tell(caller, greeting)
-                continue
-            try:
-                data, fds, _, _ = socket.recv_fds(conn, 65536, 2)
-            except OSError:
-                data = b""
-            if not data:  # that caller closed; children still going are left to finish
-                callers.remove(conn)
-                conn.close()
-                if conn is owner:
-                    listener.close()  # its name is free: a late child's call finds no server, and starts its own
-                continue
-            request = json.loads(data)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                _run_child([*callers, listener], name, request, *fds)
-            try:  # here too, as a shell does: the group exists before the next rank asks to join it
-                os.setpgid(pid, request["pgid"] or pid)
-            except OSError:  # the child got there first
-                pass
-            for f in fds:
-                os.close(f)
-            running[pid] = conn
-            _tell(conn, {"pid": pid}, conn is owner)
-        for pid, caller in list(running.items()):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                del running[pid]
-                if caller in callers:
-                    _tell(caller, {"exit": pid, "code": os.waitstatus_to_exitcode(status)}, caller is owner)
-
-
-def _tell(conn: socket.socket, message: dict, owner: bool = False) -> None:
-    """A message to a caller; one of the children's callers may be gone (the owner's loss ends the server)."""
-    try:
-        conn.send(json.dumps(message).encode())
-    except OSError:
-        if owner:
-            raise
-
-
-if __name__ == "__main__":
-    try:
-        _serve(int(sys.argv[1]), sys.argv[2:])
-    except (BrokenPipeError, ConnectionResetError):  # the caller is gone: nothing left to tell it
-        pass
