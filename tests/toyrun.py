@@ -28,6 +28,8 @@ TOY = [
     "toy.sft_schedule=constant",
     "toy.sft_noise=0",
 ]
+# it blocks vLLM's import, where the zygote has made it: a fresh interpreter only
+FRESH = {os.path.join(ROOT, "tests", "scripts", "without_vllm.py")}
 VLLM = {"rollout.backend": "vllm"}  # for the tests of what vLLM does (the push, sleep, its engines, its resume)
 
 
@@ -54,9 +56,9 @@ def overrides(toy_dir, out, **kv):
 
 
 def run(cmd, timeout=600, env=None):
-    """`cmd` to its end, output captured. The trainer's scenarios and `python -m trapo` commands are forked
-    from the zygote (a `fork_server.ForkServer`) where the environment allows; other programs start afresh (a
-    script that changes what can be imported, tests/scripts/without_vllm.py, needs a fresh interpreter)."""
+    """`cmd` to its end, output captured. Python scripts and `python -m trapo` commands are forked from the
+    zygote (a `fork_server.ForkServer`) where the environment allows; other programs start afresh, as does a
+    script that changes what can be imported (`FRESH`)."""
     env = env or runtime.subprocess_env()
     zygote = _zygote(env) if _forkable(cmd) else None
     if zygote is None:
@@ -77,7 +79,8 @@ def start(cmd, env=None):
 
 
 def _forkable(cmd):
-    return cmd[0] == sys.executable and (cmd[1] == SCENARIO or cmd[1:3] == ["-m", "trapo"])
+    script = cmd[1].endswith(".py") and os.path.join(ROOT, cmd[1]) not in FRESH  # relative to ROOT, as run there
+    return cmd[0] == sys.executable and (script or cmd[1:3] == ["-m", "trapo"])
 
 
 def free_port() -> int:
@@ -128,10 +131,13 @@ def _pool():
     if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0" or runtime.has_gpu():
         return None
     if not _ZYGOTES:
+        from trapo import faults
         from trapo.commands.fork_server import LAUNCHER_VARS, ForkServers
 
-        # a run's environment may differ from its zygote's in the launcher's variables and the test's name
-        _ZYGOTES.append(ForkServers(ROOT, LAUNCHER_VARS | {"PYTEST_CURRENT_TEST"}, fresh_first=1))
+        # a run's environment may differ from its zygote's in the launcher's variables, the test's name and the
+        # fault a test switches on (read at run time: trapo/faults.py)
+        per_run = LAUNCHER_VARS | {"PYTEST_CURRENT_TEST", faults.VARIABLE}
+        _ZYGOTES.append(ForkServers(ROOT, per_run, fresh_first=1))
     return _ZYGOTES[0]
 
 

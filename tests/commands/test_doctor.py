@@ -1,10 +1,10 @@
 """trapo.commands.doctor's preflight (the CPU subset CI can run); the --plan mode is tested in test_memory_plan.py."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+from toyrun import run
 
 from trapo import runtime
 
@@ -12,14 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def doctor(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "trapo", "doctor", *args],
-        cwd=ROOT,
-        env=env or runtime.subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run([sys.executable, "-m", "trapo", "doctor", *args], timeout=600, env=env)  # forked where it can be
 
 
 def gpu_image_torch(folder) -> dict:

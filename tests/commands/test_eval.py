@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -280,10 +281,9 @@ def test_rope_theta_and_positions_reach_the_hf_backend(tmp_path):
 def test_rope_theta_and_positions_reach_the_vllm_backend(tmp_path):
     """vLLM serves 100 tokens of a 64-token model only when --max-position-embeddings reached it; the theta is
     read off its rotary layer."""
-    import subprocess
     import sys
 
-    from trapo import runtime
+    import toyrun
 
     model = tiny_model(tmp_path / "m", 64)
     script = (
@@ -300,8 +300,8 @@ def test_rope_theta_and_positions_reach_the_vllm_backend(tmp_path):
         "engine = open_engine(settings, sys.argv[1], tokenizer=tok, stop_token_ids=[tok.eos_token_id])\n"
         "print('CONFIG', json.dumps(engine.effective_config()))\n"
     )
-    cmd, env = [sys.executable, "-c", script, str(model)], runtime.subprocess_env()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=runtime.ROOT, timeout=300)
+    (tmp_path / "engine_config.py").write_text(script)
+    out = toyrun.run([sys.executable, str(tmp_path / "engine_config.py"), str(model)], timeout=300)  # forked
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("CONFIG ")).removeprefix("CONFIG "))
     assert config["rope_theta"] == pytest.approx(40000.0) and config["max_position_embeddings"] == 128
@@ -356,10 +356,10 @@ def test_every_numeric_flag_is_checked_before_the_model_is_fetched():
 def eval_until_the_engine(model: Path, *flags: str):
     """`trapo eval --backend hf` on `model` with the engine's factory replaced by one that fails: what the run
     says before any engine loads, then 'the engine was opened' if it got that far."""
-    import subprocess
     import sys
+    import tempfile
 
-    from trapo import runtime
+    import toyrun
 
     script = (
         "import sys\n"
@@ -372,10 +372,12 @@ def eval_until_the_engine(model: Path, *flags: str):
         "from trapo.commands.eval import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    cmd = [sys.executable, "-c", script, "--model", str(model), "--backend", "hf", "--template", "plain", *flags]
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, env=runtime.subprocess_env(), cwd=runtime.ROOT, timeout=300
-    )
+    with tempfile.TemporaryDirectory() as folder:  # a script, forked from the zygote (tests/toyrun.py)
+        path = os.path.join(folder, "eval_until_the_engine.py")
+        with open(path, "w") as f:
+            f.write(script)
+        flags = ["--model", str(model), "--backend", "hf", "--template", "plain", *flags]
+        out = toyrun.run([sys.executable, path, *flags], timeout=300)
     return out.returncode, [line for line in out.stderr.splitlines() if line.strip()]
 
 
