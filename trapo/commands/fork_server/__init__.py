@@ -69,18 +69,24 @@ class ForkServer:
     """The caller's side: one server process, the children forked from it, their exit codes as they come.
     Safe to share between threads (a sweep's parallel jobs)."""
 
-    def __init__(self, env: dict[str, str], cwd: str | os.PathLike, per_run: frozenset[str] = LAUNCHER_VARS):
+    def __init__(self, env: dict[str, str], cwd: str | os.PathLike, per_run: frozenset[str] = LAUNCHER_VARS, sock=None):
+        """A server started now in `env`, this caller its owner; given `sock`, a socket connected to a running
+        server (`connect`), one more caller of it (its greeting then gives `env` and `per_run`)."""
         self.env, self.cwd, self.per_run = env, str(cwd), per_run
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "trapo.commands.fork_server.serve", str(theirs.fileno()), *sorted(per_run)],
-            pass_fds=[theirs.fileno()],
-            env=env,
-            cwd=self.cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-        )
-        theirs.close()
+        self.proc = None  # the server's process, where this caller started it
+        if sock is None:
+            sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            argv = ["-u", "-m", "trapo.commands.fork_server.serve", str(theirs.fileno()), *sorted(per_run)]
+            self.proc = subprocess.Popen(
+                [sys.executable, *argv],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+            theirs.close()
+        self.sock = sock
         self.codes: dict[int, int] = {}  # exit codes of children no one has asked for yet
         self.unclaimed: set[int] = set()  # children whose exit code no one has taken yet: running, or just ended
         self.promised = 0  # children a pool handed this server out for (`ForkServers.server`), not started yet
@@ -192,10 +198,7 @@ class ForkServer:
         except OSError:
             sock.close()
             return None
-        self = cls.__new__(cls)
-        self.env, self.cwd, self.per_run, self.sock, self.proc = {}, os.getcwd(), frozenset(), sock, None
-        self.codes, self.unclaimed, self.promised, self.ready, self.imported_env = {}, set(), 0, False, {}
-        self.started, self.lock, self.name = None, threading.Lock(), name
+        self = cls({}, os.getcwd(), frozenset(), sock)
         try:
             self._receive(block=True)  # its greeting: the environment it was started in, `per_run`, its session
         except (RuntimeError, OSError):
