@@ -99,9 +99,10 @@ class ForkServer:
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a child in `env` can be forked from here (waiting for the server's imports): `env` is the
-        server's environment but for `per_run` keys, `IMPORT_SET` and the variables its imports set (vLLM's
-        sets PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR): a caller that made the same imports has
-        them too, and a fresh child's imports would set them again."""
+        server's environment but for `per_run` keys, `IMPORT_SET`, `STARTUP_VARS`, NAME_ENV and the variables its
+        imports set (vLLM's sets PYTORCH_NVML_BASED_CUDA_CHECK and TORCHINDUCTOR_CACHE_DIR): a caller that made
+        the same imports has them too, and a fresh child's imports would set them again. PYTHONPATH is compared
+        without repeated entries (`_imports_see`)."""
         try:
             with self.lock:
                 while not self.ready:
@@ -329,10 +330,16 @@ def forward(argv: list[str]) -> int | None:
     if server is None or not server.accepts(env):
         return None
     lifeline, held = os.pipe()  # `held` is open in this process only (not inherited): its end is the child's end
-    child = server.start(argv, env, sys.stdout, sys.stderr, 0, os.getcwd(), lifeline)
-    os.close(lifeline)
-    for number in FORWARDED:  # straight to the child: a handler may run while `wait` holds the server's lock
-        signal.signal(number, lambda received, _: _pass_on(child.pid, received))
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # a signal before the handlers are in waits for them
+    try:
+        child = server.start(argv, env, sys.stdout, sys.stderr, 0, os.getcwd(), lifeline)
+        for number in FORWARDED:  # straight to the child: a handler may run while `wait` holds the server's lock
+            signal.signal(number, lambda received, _: _pass_on(child.pid, received))
+    except (RuntimeError, OSError):  # the server ended since it answered: the run is here after all
+        return None
+    finally:
+        os.close(lifeline)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     code = child.wait()
     if code < 0:  # killed by a signal: so is this process
         signal.signal(-code, signal.SIG_DFL)
@@ -361,8 +368,8 @@ def _forking() -> bool:
 
 
 _SWEEP_SERVERS: list[ForkServers] = []  # this process's, made at its first forked child
-_PARENT_SERVER: list[ForkServer | None] = []  # the server that forked this process, reached at its first child
 _SWEEP_VERIFY_ZYGOTES: list[verify_zygote.Zygote] = []  # the same
+_PARENT_SERVER: list[ForkServer | None] = []  # the server that forked this process, reached at its first child
 _STARTING = threading.Lock()
 
 
