@@ -89,6 +89,11 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
             assert child.wait(timeout=30) == 0 and server.idle()
         added = server.imported_env.keys() - server.env.keys()
         assert added and server.accepts(sweep_env() | dict.fromkeys(added, "the caller's own"))
+        # what the deepspeed launcher gives a rank: its device list, its working directory on PYTHONPATH again
+        launched = sweep_env() | {"CUDA_VISIBLE_DEVICES": "0", "RANK": "1"}
+        launched["PYTHONPATH"] = os.pathsep.join([str(runtime.ROOT), launched["PYTHONPATH"]])
+        assert server.accepts(launched)
+        assert not server.accepts(launched | {"PYTHONPATH": os.pathsep.join([str(tmp_path), launched["PYTHONPATH"]])})
         # the caller's environment changed under it otherwise (a test's setting, a library the server lacks): a
         # server of its own
         monkeypatch.setenv("FORK_TEST", "changed")

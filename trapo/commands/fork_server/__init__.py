@@ -148,12 +148,12 @@ class ForkServer:
             self.promised = max(0, self.promised - 1)
             return Forked(self, self.started, [sys.executable, "-u", *argv])
 
-    def run(self, argv: list[str], env: dict[str, str], process_group: int = 0, cwd=None, timeout=None):
-        """`start`, then wait for the child's end (`timeout` seconds at most: then it is killed, with its group
-        when it leads one, and subprocess.TimeoutExpired raised): a subprocess.CompletedProcess with the output
-        as text."""
+    def run(self, argv, env: dict[str, str], process_group: int = 0, cwd=None, timeout=None, merged: bool = False):
+        """`start`, then wait for the child's end: a subprocess.CompletedProcess with the output as text (with
+        `merged`, stderr in stdout, as subprocess's stderr=STDOUT). Past `timeout` seconds it is killed, with its
+        group when it leads one, and subprocess.TimeoutExpired raised holding what it wrote, as subprocess.run's."""
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            child = self.start(argv, env, out, err, process_group, cwd)
+            child = self.start(argv, env, out, out if merged else err, process_group, cwd)
             try:
                 child.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -165,10 +165,8 @@ class ForkServer:
                 else:
                     child.kill()
                 child.wait()
-                raise
-            out.seek(0)
-            err.seek(0)
-            return subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
+                raise subprocess.TimeoutExpired(child.args, timeout, *_read(out, err)) from None
+            return subprocess.CompletedProcess(child.args, child.returncode, *_read(out, err))
 
     def exit_code(self, pid: int) -> int | None:
         with self.lock:
@@ -232,7 +230,7 @@ class ForkServers:
 
     def server(self, env: dict[str, str]) -> ForkServer | None:
         """The server to fork a child in `env` from, started now if its turn has come; None: start it afresh."""
-        shared = {k: v for k, v in env.items() if k not in self.per_run}  # what the server's imports run in
+        shared = self._shared(env)
         key = frozenset(shared.items())
         with self.lock:
             server = next((s for s in self.servers if s.accepts(env)), None)  # a dead server accepts none
@@ -252,9 +250,11 @@ class ForkServers:
         and has other work to do while the server imports (it does not wait for them here)."""
         with self.lock:
             if not self.servers and self._make_room():
-                self.servers.append(
-                    ForkServer({k: v for k, v in env.items() if k not in self.per_run}, self.cwd, self.per_run)
-                )
+                self.servers.append(ForkServer(self._shared(env), self.cwd, self.per_run))
+
+    def _shared(self, env: dict[str, str]) -> dict[str, str]:
+        """What a server's imports run in, for children in `env`: all of it but the `per_run` keys."""
+        return {k: v for k, v in env.items() if k not in self.per_run}
 
     def running(self, env: dict[str, str]) -> ForkServer | None:
         """The running server a child in `env` would fork from, if any (none is started, none is promised)."""
@@ -345,6 +345,13 @@ def forward(argv: list[str]) -> int | None:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
+
+
+def _read(*files) -> list[str]:
+    """What each of `files` (a child's output, written at the file level) holds, from its start."""
+    for f in files:
+        f.seek(0)
+    return [f.read() for f in files]
 
 
 def _pass_on(pid: int, number: int) -> None:

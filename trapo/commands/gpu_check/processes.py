@@ -1,12 +1,10 @@
 """A check's process (`make gpu-check`): run to its end within its time limit and the part's budget, its output
 captured; on CPU (the dry run) forked from a pre-imported parent where it is a trapo command or a script."""
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 from trapo import runtime
@@ -20,11 +18,9 @@ def shell(cmd: list[str] | str, env: dict, timeout: float, **kw) -> tuple[int, s
     """(exit status, stdout + stderr); 124 when it ran past `timeout` seconds or the part's budget (its process
     group killed)."""
     timeout = max(1.0, min(timeout, DEADLINE[0] - time.time()))
-    # a trapo command or a script, on CPU: forked from a server that has its imports (none on a GPU)
+    # a trapo module or a script, on CPU: forked from a server that has its imports (none on a GPU)
     forkable = isinstance(cmd, list) and cmd[0] == sys.executable and not kw
-    forkable = forkable and (
-        cmd[1:3] in (["-m", "trapo"], ["-m", "trapo.commands.gpu_check.shape_step"]) or cmd[1].endswith(".py")
-    )
+    forkable = forkable and ((cmd[1] == "-m" and cmd[2].split(".")[0] == "trapo") or cmd[1].endswith(".py"))
     server = fork_server.server_for(env) if forkable else None
     if server is not None:
         return forked(server, cmd[1:], env, timeout)
@@ -50,17 +46,11 @@ def shell(cmd: list[str] | str, env: dict, timeout: float, **kw) -> tuple[int, s
 
 def forked(server: fork_server.ForkServer, argv: list[str], env: dict, timeout: float) -> tuple[int, str]:
     """`shell` for a child forked from `server`: its own process group, as a started one's, killed at the timeout."""
-    with tempfile.TemporaryFile("w+") as out:
-        child = server.start(argv, env, out, out, 0, ROOT)
-        try:
-            code, note = child.wait(timeout), ""
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            code, note = 124, f"\n(killed after {timeout:.0f} s)"
-        out.seek(0)
-        return code, out.read() + note
+    try:
+        done = server.run(argv, env, cwd=ROOT, timeout=timeout, merged=True)
+    except subprocess.TimeoutExpired as late:
+        return 124, late.output + f"\n(killed after {timeout:.0f} s)"
+    return done.returncode, done.stdout
 
 
 def tail(text: str, lines: int = 25) -> str:
