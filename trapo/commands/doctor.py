@@ -292,8 +292,9 @@ def collectives(checks: Checks, gpu: bool, rank: int, world: int) -> None:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     ok = bool(torch.all(x == world * (world + 1) / 2))
-    busbw = x.numel() * 4 * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else float("nan")
-    figure = f"{x.numel() * 4 / 2**20:.0f} MB in {seconds * 1000:.1f} ms" + (f", bus {busbw:.1f} GB/s" if gpu else "")
+    figure = f"{x.numel() * 4 / 2**20:.0f} MB in {seconds * 1000:.1f} ms"
+    if gpu and world > 1:  # one rank moves no bytes between GPUs: no bus bandwidth to give
+        figure += f", bus {x.numel() * 4 * 2 * (world - 1) / world / seconds / 1e9:.1f} GB/s"
     checks.add("all-reduce", ok, figure, "NCCL/gloo: check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME and the network")
     parts = dist.all_gather(rank)
     checks.add("all-gather", parts == list(range(world)), f"ranks {parts}", "the launcher's ranks disagree")

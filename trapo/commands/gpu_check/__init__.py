@@ -321,11 +321,12 @@ def shape_step(check: Check, env: dict, dry_run: bool, lora: bool = False) -> No
     against = f"; plan: rollout {plan.get('rollout')} GiB, update {plan.get('update')} GiB" if plan else ""
     name = title if not dry_run else f"shape step{' with LoRA' if lora else ''} (tiny shape, dry run)"
     trains = f" ({result['trainable'] / 1e6:.1f}M trainable, ZeRO-{result['zero_stage']})" if lora else ""
+    trained, answers = result["trained_sequences"], result["answers"]  # a partial update measures less than one
     check.add(
         name,
-        True,
+        trained == answers,
         f"{result['params'] / 1e9:.2f}B params{trains}, mean answer "
-        f"{result['mean_response_tokens']:.0f} tokens: {phases}{against}",
+        f"{result['mean_response_tokens']:.0f} tokens, {trained} of {answers} answers trained: {phases}{against}",
         json.dumps(result),
     )
 

@@ -6,9 +6,10 @@ the memory plan's: one check of `make gpu-check`, run in a process of its own.
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (--dry-run: the toy's shape), the questions and
 tokenizer the toy's; rollout.backend=hf with 512-token answers (random weights rarely stop early), 64
 questions x 8, bf16, ZeRO-3, gradient checkpointing. Two steps: the second has Adam moments, as the
-plan's rollout and update phases assume. --lora: Qwen2.5-Math-7B's shape with the adapters and the
-DeepSpeed config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one
-GPU. Prints one JSON line.
+plan's rollout and update phases assume. Every answer is trained (mode naive_semi gates none out, and
+train.skip_zero_advantage=false keeps the zero advantages random weights earn), so the update is measured at
+its largest. --lora: Qwen2.5-Math-7B's shape with the adapters and the DeepSpeed config (ZeRO-2) of
+configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one GPU. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 from trapo.engine.memory_plan import BUILTIN, Arch
+
+QUESTIONS, ANSWERS = 64, 8  # per step: one rollout batch of 64 questions, 8 answers each
 
 
 def hf_shape(arch: Arch) -> dict:
@@ -108,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         f"model.dtype={'float32' if args.dry_run else 'bfloat16'}",  # bf16 on GPU; CPU trains in fp32
         "model.gradient_checkpointing=true",
         "rollout.backend=hf",
-        "rollout.n=8",
+        f"rollout.n={ANSWERS}",
         f"rollout.max_tokens={answer}",
-        "train.rollout_batch_size=64",
-        "train.update_batch_size=64",
+        f"train.rollout_batch_size={QUESTIONS}",
+        f"train.update_batch_size={QUESTIONS}",
         "train.micro_batch_tokens=16384",
         "max_steps=2",
         "save_steps=0",
@@ -120,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         "progress_bar=false",
         "eval.steps=0",
         "selection.warmup_epochs=1",
+        # Every answer in the update, its largest size at this shape: random weights earn every answer the
+        # same reward (zero advantage, skipped by default), and naive_semi gates no unlabeled answer out.
+        "train.skip_zero_advantage=false",
+        "mode=naive_semi",
         *(lora_overrides() if args.lora else []),
     ]
     cfg = load_config(str(runtime.ROOT / "configs" / "toy.yaml"), overrides)
@@ -133,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         "model_build_s": round(build_s, 1),
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad),
-        "mean_response_tokens": last["response_tokens"] / (64 * 8) if "response_tokens" in last else None,
+        "mean_response_tokens": last["response_tokens"] / (QUESTIONS * ANSWERS) if "response_tokens" in last else None,
         "timing_s": last["timing"],
         "peak_gib": last.get("peak_gb"),
+        "answers": QUESTIONS * ANSWERS,
+        "trained_sequences": last["trained_sequences"],
         "logprob_diff_rollout_vs_policy": last["logprob_diff_rollout_vs_policy"],
         "zero_stage": trainer.policy.engine.zero_optimization_stage(),
     }
