@@ -6,7 +6,9 @@ weight push (gather + reload) as a fraction of the step (target <= 5%), and
 its seconds per GB of weights pushed, for projecting to a large model.
 """
 
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -27,6 +29,7 @@ STEPS = 12
 
 def main() -> None:
     out = tempfile.mkdtemp(prefix="bench-step-")
+    atexit.register(shutil.rmtree, out, True)  # the run's checkpoints and logs are scratch
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), [f"output_dir={out}", "data.test_files=[]"])
     toy.prepare(cfg)
     t = Trainer(cfg)

@@ -18,8 +18,10 @@ Targets: efficiency >= 0.95, update >= 1.3x faster than today's.
 Run: make bench (or .venv/bin/python bench/bench_update.py).
 """
 
+import atexit
 import os
 import random
+import shutil
 import socket
 import statistics
 import sys
@@ -134,6 +136,7 @@ def main() -> None:
     from trapo.commands.toy import MODEL_SHAPE
 
     model_dir = tempfile.mkdtemp(prefix="bench-update-")
+    atexit.register(shutil.rmtree, model_dir, True)  # scratch weights
     config = Qwen2Config(vocab_size=320, **MODEL_SHAPE)  # the toy's shape
     Qwen2ForCausalLM(config).save_pretrained(model_dir)
     with socket.socket() as s:

@@ -4,8 +4,10 @@ Run by bench/peers/run.py with the project's Python; prints one JSON line: secon
 per step, the rollout (generation), the step's total and so the rest (grading, the update)."""
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -32,8 +34,10 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
     args = ap.parse_args()
+    output_dir = tempfile.mkdtemp(prefix="bench-peers-")
+    atexit.register(shutil.rmtree, output_dir, True)  # the run's checkpoints and logs are scratch
     overrides = [
-        f"output_dir={tempfile.mkdtemp(prefix='bench-peers-')}",
+        f"output_dir={output_dir}",
         f"toy.dir={args.toy}",
         "mode=supervised",  # labeled questions only: what TRL's GRPOTrainer trains on
         f"rollout.backend={args.backend}",
