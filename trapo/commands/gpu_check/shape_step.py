@@ -3,13 +3,14 @@ the memory plan's: one check of `make gpu-check`, run in a process of its own.
 
     python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora]
 
-The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 (--dry-run: the toy's shape), the questions and
-tokenizer the toy's; rollout.backend=hf with 512-token answers (random weights rarely stop early), 64
-questions x 8, bf16, ZeRO-3, gradient checkpointing. Two steps: the second has Adam moments, as the
-plan's rollout and update phases assume. Every answer is trained (mode naive_semi gates none out, and
-train.skip_zero_advantage=false keeps the zero advantages random weights earn), so the update is measured at
-its largest. --lora: Qwen2.5-Math-7B's shape with the adapters and the DeepSpeed config (ZeRO-2) of
-configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one GPU. Prints one JSON line.
+The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2, the questions and tokenizer the toy's;
+rollout.backend=hf with 512-token answers (random weights rarely stop early), 64 questions x 8, bf16, ZeRO-3,
+gradient checkpointing (--dry-run: the toy's shape, 16 questions x 8 answers of 32 tokens, fp32). Two steps:
+the second has Adam moments, as the plan's rollout and update phases assume. Every answer is trained (mode
+naive_semi gates none out, and train.skip_zero_advantage=false keeps the zero advantages random weights earn),
+so the update is measured at its largest. --lora: Qwen2.5-Math-7B's shape with the adapters and the DeepSpeed
+config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one GPU. Prints
+one JSON line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from trapo.engine.memory_plan import BUILTIN, Arch
 
-QUESTIONS, ANSWERS = 64, 8  # per step: one rollout batch of 64 questions, 8 answers each
+ANSWERS = 8  # per question
 
 
 def hf_shape(arch: Arch) -> dict:
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model_dir, train_file = build_model(work, args.dry_run, QWEN_MATH_7B if args.lora else R1_DISTILL_1P5B)
     build_s = time.perf_counter() - started
-    answer = 32 if args.dry_run else 512
+    # One rollout batch per step; the dry run only proves the script runs, in a quarter of the work.
+    questions, answer = (16, 32) if args.dry_run else (64, 512)
     overrides = [
         "toy.enabled=false",
         f"model.path={model_dir}",
@@ -113,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         "rollout.backend=hf",
         f"rollout.n={ANSWERS}",
         f"rollout.max_tokens={answer}",
-        f"train.rollout_batch_size={QUESTIONS}",
-        f"train.update_batch_size={QUESTIONS}",
+        f"train.rollout_batch_size={questions}",
+        f"train.update_batch_size={questions}",
         "train.micro_batch_tokens=16384",
         "max_steps=2",
         "save_steps=0",
@@ -140,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         "model_build_s": round(build_s, 1),
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad),
-        "mean_response_tokens": last["response_tokens"] / (QUESTIONS * ANSWERS) if "response_tokens" in last else None,
+        "mean_response_tokens": last["response_tokens"] / (questions * ANSWERS) if "response_tokens" in last else None,
         "timing_s": last["timing"],
         "peak_gib": last.get("peak_gb"),
-        "answers": QUESTIONS * ANSWERS,
+        "answers": questions * ANSWERS,
         "trained_sequences": last["trained_sequences"],
         "logprob_diff_rollout_vs_policy": last["logprob_diff_rollout_vs_policy"],
         "zero_stage": trainer.policy.engine.zero_optimization_stage(),
