@@ -69,6 +69,17 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def build_toy(toy_dir: Path) -> None:
+    """The toy's model and data, built (or reused) before any side is timed: a start-up must not hold the build."""
+    from trapo import runtime
+
+    runtime.configure()  # before torch is imported
+    from trapo.commands.toy import build_assets
+    from trapo.config import load_config
+
+    build_assets(load_config(str(ROOT / "configs" / "toy.yaml"), [f"toy.dir={toy_dir}"]).toy)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="64,256", help="forced response lengths, comma-separated")
@@ -77,7 +88,8 @@ def main() -> None:
     ap.add_argument("--peers-python", default=str(ROOT / ".venv-peers/bin/python"))
     ap.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md as it is")
     args = ap.parse_args()
-    toy_dir = ROOT / "outputs/toy-assets"  # built by the first side to run (ours-hf), then shared
+    toy_dir = ROOT / "outputs/toy-assets"  # shared by every side
+    build_toy(toy_dir)
     lines = [
         "toy job: 16 questions x 8 answers forced to N tokens, Dr.GRPO, one update per step, fp32, "
         "OMP_NUM_THREADS=1; medians of measured steps (each process's first left out), their mean reward",
