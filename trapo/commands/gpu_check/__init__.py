@@ -283,8 +283,11 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
     steps_ok = [r["step"] for r in resumed] == list(range(1, 9))
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(straight, resumed)]
     rewards = all(a["reward_labeled"] == b["reward_labeled"] for a, b in zip(straight, resumed))
-    health = max((r["logprob_diff_rollout_vs_policy"] or 0.0) for r in straight + resumed) if resumed else float("inf")
-    ok = code == 0 and steps_ok and max(diffs, default=1.0) < 1e-3 and health < 5e-2 and 2 <= killed_at < 8
+    measured = [r["logprob_diff_rollout_vs_policy"] for r in straight + resumed]
+    # a step that trained no token compared nothing (None); a run with no comparison at all fails
+    health = max((d for d in measured if d is not None), default=float("inf"))
+    resumed_same = max(diffs, default=1.0) < 1e-3 and rewards  # the same answers drawn, the same losses
+    ok = code == 0 and steps_ok and resumed_same and health < 5e-2 and 2 <= killed_at < 8
     check.add(
         name,
         ok,
