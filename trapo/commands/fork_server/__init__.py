@@ -300,11 +300,9 @@ def server_for(env: dict[str, str]) -> ForkServer | None:
     forked from where it takes `env`, else one of this process's own (`ForkServers`)."""
     if not _forking():
         return None
-    with _STARTING:
-        if not _PARENT_SERVER:
-            name = os.environ.get(NAME_ENV)
-            _PARENT_SERVER.append(ForkServer.connect(name) if name else None)
-    parent = _PARENT_SERVER[0]  # its children join this process's group (`run_python`): in its session only
+    name = os.environ.get(NAME_ENV)
+    parent = _first(_PARENT_SERVER, lambda: ForkServer.connect(name) if name else None)
+    # its children join this process's group (`run_python`): in its session only
     if parent is not None and parent.sid == os.getsid(0) and parent.accepts(env):
         return parent
     return _sweep_servers().server(env)
@@ -380,18 +378,20 @@ _PARENT_SERVER: list[ForkServer | None] = []  # the server that forked this proc
 _STARTING = threading.Lock()
 
 
-def _sweep_servers() -> ForkServers:
+def _first(made: list, make):
+    """made[0], made by `make()` at this process's first call (a thread that races it waits for it)."""
     with _STARTING:
-        if not _SWEEP_SERVERS:
-            _SWEEP_SERVERS.append(ForkServers(runtime.ROOT))
-    return _SWEEP_SERVERS[0]
+        if not made:
+            made.append(make())
+    return made[0]
+
+
+def _sweep_servers() -> ForkServers:
+    return _first(_SWEEP_SERVERS, lambda: ForkServers(runtime.ROOT))
 
 
 def _sweep_verify_zygote() -> verify_zygote.Zygote:
-    with _STARTING:
-        if not _SWEEP_VERIFY_ZYGOTES:
-            _SWEEP_VERIFY_ZYGOTES.append(verify_zygote.Zygote(runtime.subprocess_env()))
-    return _SWEEP_VERIFY_ZYGOTES[0]
+    return _first(_SWEEP_VERIFY_ZYGOTES, lambda: verify_zygote.Zygote(runtime.subprocess_env()))
 
 
 class Forked:
@@ -414,11 +414,8 @@ class Forked:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:  # it ended after the poll: its exit code is on its way (as Popen's)
-                pass
+        if self.poll() is None:  # as Popen's: an ended child is not signalled
+            _pass_on(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - started
     # One rollout batch per step; the dry run only proves the script runs, in a quarter of the work.
     questions, answer = (16, 32) if args.dry_run else (64, 512)
+    answers = questions * ANSWERS
     overrides = [
         "toy.enabled=false",
         f"model.path={model_dir}",
@@ -124,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         "run_name=shape-step",
         "progress_bar=false",
         "eval.steps=0",
-        "selection.warmup_epochs=1",
         # Every answer in the update, its largest size at this shape: random weights earn every answer the
         # same reward (zero advantage, skipped by default), and naive_semi gates no unlabeled answer out.
         "train.skip_zero_advantage=false",
@@ -142,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         "model_build_s": round(build_s, 1),
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad),
-        "mean_response_tokens": last["response_tokens"] / (questions * ANSWERS) if "response_tokens" in last else None,
+        "mean_response_tokens": last["response_tokens"] / answers if "response_tokens" in last else None,
         "timing_s": last["timing"],
         "peak_gib": last.get("peak_gb"),
-        "answers": questions * ANSWERS,
+        "answers": answers,
         "trained_sequences": last["trained_sequences"],
         "logprob_diff_rollout_vs_policy": last["logprob_diff_rollout_vs_policy"],
         "zero_stage": trainer.policy.engine.zero_optimization_stage(),
