@@ -55,12 +55,12 @@ def toy_dir(tmp_path_factory, worker_id):
     """A small toy task built once per session (tests/toyrun.py `TOY`): 16 labeled, 48 unlabeled, 16 test
     questions. The pytest-xdist workers share it: the first to take the lock builds it, the others then find
     it built (`build_assets` reuses a directory whose manifest matches)."""
-    from toyrun import TOY, start_zygote
+    from toyrun import TOY, start_server
 
     from trapo.commands.toy import build_assets
     from trapo.config import load_config
 
-    start_zygote()  # the toy runs' zygote imports while the toy is built, or while another worker builds it
+    start_server()  # the toy runs' parent imports while the toy is built, or while another worker builds it
     root = _session_root(tmp_path_factory, worker_id)
     # the toy the runs' overrides name (configs/toy.yaml under TOY), so that every run finds it built
     toy = load_config(os.path.join(runtime.ROOT, "configs", "toy.yaml"), [f"toy.dir={root / 'toy-shared'}", *TOY]).toy

@@ -1,6 +1,6 @@
 """Toy training runs for the tests: each run is a process per rank (a trainer owns a process: its distributed
 world and its vLLM engine), set up as a user's `python trapo_train.py` or the `deepspeed` launcher's ranks are,
-forked from a process that has done a trainer's imports already (trapo/commands/fork_server/)."""
+forked from a process that has done a trainer's imports already (tests/forking/servers.py)."""
 
 import json
 import os
@@ -28,7 +28,7 @@ TOY = [
     "toy.sft_schedule=constant",
     "toy.sft_noise=0",
 ]
-# it blocks vLLM's import, where the zygote has made it: a fresh interpreter only
+# it blocks vLLM's import, where the pre-imported parent has made it: a fresh interpreter only
 FRESH = {os.path.join(ROOT, "tests", "scripts", "without_vllm.py")}
 VLLM = {"rollout.backend": "vllm"}  # for the tests of what vLLM does (the push, sleep, its engines, its resume)
 
@@ -56,26 +56,26 @@ def overrides(toy_dir, out, **kv):
 
 
 def run(cmd, timeout=600, env=None):
-    """`cmd` to its end, output captured. Python scripts and `python -m trapo` commands are forked from the
-    zygote (a `fork_server.ForkServer`) where the environment allows; other programs start afresh, as does a
-    script that changes what can be imported (`FRESH`)."""
+    """`cmd` to its end, output captured. Python scripts and `python -m trapo` commands are forked from a
+    pre-imported parent (`_server`) where the environment allows; other programs start afresh, as does a script
+    that changes what can be imported (`FRESH`)."""
     env = env or runtime.subprocess_env()
-    zygote = _zygote(env) if _forkable(cmd) else None
-    if zygote is None:
+    server = _server(env) if _forkable(cmd) else None
+    if server is None:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return zygote.run(cmd[1:], env, timeout=timeout)
+    return server.run(cmd[1:], env, timeout=timeout)
 
 
 def start(cmd, env=None):
     """`cmd` started, its output discarded, leading a process group of its own: os.killpg(p.pid, sig) reaches it and
-    what it started (a sweep's runs, which fork from its zygote into its group). Forked where `run` would fork it."""
+    what it started (a sweep's runs, which stay in its group). Forked where `run` would fork it."""
     env = env or runtime.subprocess_env()
-    zygote = _zygote(env) if _forkable(cmd) else None
-    if zygote is None:
+    server = _server(env) if _forkable(cmd) else None
+    if server is None:
         out = subprocess.DEVNULL
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
     with open(os.devnull, "w") as null:
-        return zygote.start(cmd[1:], env, null, null, 0)
+        return server.start(cmd[1:], env, null, null, 0)
 
 
 def _forkable(cmd):
@@ -93,66 +93,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_ZYGOTES = []
+_SERVERS = []
 
 
-def launcher_env(env=None):
-    """`env` (default runtime.subprocess_env()) for a `deepspeed` launcher run whose ranks hand their runs to this
-    process's zygote (`fork_server.forward`: a child forked there, the rank standing in for it), where one runs
-    in that environment; else `env` as it is (each rank imports afresh)."""
-    from trapo.commands.fork_server import NAME_ENV
-
-    env = env or runtime.subprocess_env()
-    pool = _pool()
-    server = None if pool is None else pool.running(env)
-    return env if server is None else env | {NAME_ENV: server.name}
-
-
-def start_zygote():
-    """This pytest process's zygote for the suite's own environment, started now: its imports overlap the toy's
-    build (or the wait for another worker's), and the first of the many runs in that environment forks too."""
+def start_server():
+    """This pytest process's pre-imported parent for the suite's own environment, started now: its imports overlap
+    the toy's build (or the wait for another worker's), and the first of the many runs in that environment forks."""
     pool = _pool()
     if pool is not None:
         pool.prestart(runtime.subprocess_env())
 
 
-def _zygote(env):
-    """The zygote (a `fork_server.ForkServer`) of this pytest process for a child in `env`, or None: start the
-    child afresh. None with TRAPO_TESTS_ZYGOTE=0, and on a GPU machine, where a fork after CUDA's start-up (an
-    import may start it) is unsafe. The suite's own environment's zygote starts with the toy's build
-    (`start_zygote`); another environment's starts at its second child (`ForkServers`): the
-    environment of an in-process test's runs changes with what it imported (tensorboardX sets CRC32C_SW_MODE) and
-    with what it sets itself (HF_HUB_CACHE), and one used once is cheaper fresh."""
+def _server(env):
+    """The pre-imported parent (tests/forking/servers.py) of this pytest process for a child in `env`, or None:
+    start the child afresh. None with TRAPO_TESTS_FORK=0, and on a GPU machine, where a fork after CUDA's start-up
+    (an import may start it) is unsafe. The suite's own environment's parent starts with the toy's build
+    (`start_server`); another environment's starts at its second child: the environment of an in-process test's
+    runs changes with what it imported (tensorboardX sets CRC32C_SW_MODE) and with what it sets itself
+    (HF_HUB_CACHE), and one used once is cheaper fresh."""
     pool = _pool()
     return None if pool is None else pool.server(env)
 
 
 def _pool():
-    if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0" or runtime.has_gpu():
+    if os.environ.get("TRAPO_TESTS_FORK", "1") == "0" or runtime.has_gpu():
         return None
-    if not _ZYGOTES:
-        from trapo import faults
-        from trapo.commands.fork_server import LAUNCHER_VARS, ForkServers
+    if not _SERVERS:
+        from forking.servers import LAUNCHER_VARS, ForkServers
 
-        # a run's environment may differ from its zygote's in the launcher's variables, the test's name and the
+        from trapo import faults
+
+        # a run's environment may differ from its parent's in the launcher's variables, the test's name and the
         # fault a test switches on (read at run time: trapo/faults.py)
         per_run = LAUNCHER_VARS | {"PYTEST_CURRENT_TEST", faults.VARIABLE}
-        _ZYGOTES.append(ForkServers(ROOT, per_run, fresh_first=1))
-    return _ZYGOTES[0]
+        _SERVERS.append(ForkServers(ROOT, per_run, fresh_first=1))
+    return _SERVERS[0]
 
 
 class Ranks:
     """The processes of one training run: rank r runs `python -u trapo_train.py ARGS --local_rank=r` in the
     environment the `deepspeed` launcher gives its ranks (deepspeed/launcher/launch.py of 0.19.8: MASTER_ADDR,
     MASTER_PORT, WORLD_SIZE, CROSS_RANK, CROSS_SIZE, LOCAL_SIZE, RANK, LOCAL_RANK), started without the
-    launcher's two front processes, which cost ~6 s of a 2-rank toy run's 14 (what the launcher itself does is
-    tested where it matters: two nodes, SIGTERM to a deepspeed job, Slurm). As its launch.py, the first rank to
-    fail has the others terminated and gives the run's exit code. The ranks share one process group, led by
-    rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a launched job does. Each rank
-    is forked from this pytest process's zygote (trapo/commands/fork_server/), which imported torch, transformers,
-    DeepSpeed and vLLM once, where the environment allows; TRAPO_TESTS_ZYGOTE=0 starts every rank afresh.
-    `script` replaces trapo_train.py (a test's own worker); `outputs` holds each rank's (stdout, stderr) once
-    `wait` has returned."""
+    launcher's two front processes, each of which imports DeepSpeed (what the launcher itself does is tested
+    where it matters, with the user's trapo_train.py: two nodes, SIGTERM to a deepspeed job, Slurm). As its
+    launch.py, the first rank to fail has the others terminated and gives the run's exit code. The ranks share
+    one process group, led by rank 0 (`pgid`): os.killpg(ranks.pgid, sig) reaches them all, as a signal to a
+    launched job does. Each rank is forked from this pytest process's pre-imported parent (`_server`), which
+    imported torch, transformers, DeepSpeed and vLLM once, where the environment allows; TRAPO_TESTS_FORK=0
+    starts every rank afresh. `script` replaces trapo_train.py (a test's own worker); `outputs` holds each
+    rank's (stdout, stderr) once `wait` has returned."""
 
     def __init__(self, args, nproc=1, env=None, fresh=False, script="trapo_train.py"):
         env = env or runtime.subprocess_env()
@@ -178,9 +167,9 @@ class Ranks:
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             self.logs.append((out, err))
             group = self.pgid if self.procs else 0  # rank 0 leads a new process group, the others join it
-            zygote = None if fresh else _zygote(rank_env)
-            if zygote is not None:  # the same process, without its imports
-                self.procs.append(zygote.start(cmd[2:], rank_env, out, err, group))
+            server = None if fresh else _server(rank_env)
+            if server is not None:  # the same process, without its imports
+                self.procs.append(server.start(cmd[2:], rank_env, out, err, group))
             else:
                 self.procs.append(
                     subprocess.Popen(

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from toyrun import ROOT, STRAIGHT, VLLM, Ranks, free_port, launcher_env, metrics, overrides, train
+from toyrun import ROOT, STRAIGHT, VLLM, Ranks, free_port, metrics, overrides, train
 
 from trapo import runtime
 from trapo.training.loggers import read_wandb_history
@@ -206,7 +206,7 @@ def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
-        env=launcher_env(),  # each rank stands in for a run forked from the zygote, and passes the signal on
+        env=runtime.subprocess_env(),  # the user's own script through the real launcher: each rank imports afresh
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

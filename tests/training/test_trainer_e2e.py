@@ -11,7 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from toyrun import ROOT, SCENARIO, STRAIGHT, TOY, VLLM, free_port, launcher_env, metrics, overrides, run, train
+from toyrun import ROOT, SCENARIO, STRAIGHT, TOY, VLLM, free_port, metrics, overrides, run, train
+
+from trapo import runtime
 
 pytestmark = pytest.mark.toy_run  # every test here starts trainers (make test-fast leaves them out)
 
@@ -431,9 +433,8 @@ def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
         cmd = [launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank)]
         cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), "trapo_train.py"]
         cmd += overrides(toy_dir, tmp_path, run_name="nodes", save_steps=2, **VLLM, **kv)
-        # each rank's run forked from this test's zygote, the rank standing in for it (toyrun.launcher_env)
-        out = subprocess.PIPE
-        return subprocess.Popen(cmd, cwd=ROOT, env=launcher_env(), stdout=out, stderr=out, text=True)
+        out = subprocess.PIPE  # the user's own script through the real launcher: each rank imports afresh
+        return subprocess.Popen(cmd, cwd=ROOT, env=runtime.subprocess_env(), stdout=out, stderr=out, text=True)
 
     for max_steps in (2, 3):  # the second run resumes from the first's checkpoint
         port = free_port()  # both nodes meet on it

@@ -1,4 +1,4 @@
-"""The reproduction's runs (child processes, forked from a pre-imported parent on CPU: `fork_server`, and
+"""The reproduction's runs (child processes, forked from a pre-imported parent on CPU: `forking`, and
 files): the one base model and its splits, the OOD setting's training file, one training run per method and
 seed (reused when finished), the base model's evaluation, and reading a finished run's evaluation curve and
 selection rows."""
@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from trapo.commands.fork_server import run_python
+from trapo.commands.reproduce.forking import run_python
 from trapo.commands.reproduce.plan import CONFIG, EVAL_EVERY, LABELED_RATIO, METHODS, ROOT
 
 # ---------------------------------------------------------------- runs

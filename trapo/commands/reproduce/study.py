@@ -40,8 +40,8 @@ from pathlib import Path
 
 import yaml
 
-from trapo.commands import fork_server
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
+from trapo.commands.reproduce.forking import run_python
 from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT, TINY_TOY
 from trapo.commands.reproduce.study_file import SPLITS, check_fields, check_knob
 from trapo.config import ConfigError, load_config
@@ -179,7 +179,7 @@ def run_one(run_dir: Path, argv: list[str], steps: int, log) -> Path:
     if run_dir.exists() and not list((run_dir / "checkpoints").glob("step-*")):
         shutil.rmtree(run_dir)  # it stopped before its first checkpoint: nothing to resume
     started = time.perf_counter()
-    proc = fork_server.run_python(argv[1:], cwd=ROOT)  # a toy study's launch, `python trapo_train.py ...` (`launches`)
+    proc = run_python(argv[1:], cwd=ROOT)  # a toy study's launch, `python trapo_train.py ...` (`launches`)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir.name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     log(f"{run_dir.name}: {time.perf_counter() - started:.0f} s")
