@@ -19,7 +19,6 @@ os.environ["HF_HUB_CACHE"] = os.path.join(tempfile.gettempdir(), "trapo-tests-em
 
 import pytest  # noqa: E402
 
-
 def pytest_collection_modifyitems(items):
     """The tests that start trainers first, the rest after them in their order: under `make test`'s two workers
     the many short tests then fill the end, instead of one worker starting a minute-long run while the other

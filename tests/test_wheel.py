@@ -23,7 +23,7 @@ import toyrun
 from trapo import runtime
 
 ROOT = runtime.ROOT
-pytestmark = [pytest.mark.wheel, pytest.mark.toy_run, pytest.mark.xdist_group("wheel")]  # one build per session
+pytestmark = [pytest.mark.toy_run, pytest.mark.xdist_group("wheel")]  # one build per session
 
 # What a build reads: the package, the files setup.py ships into it, the build's own files.
 SOURCES = ["trapo", "configs", "data/benchmarks", "pyproject.toml", "setup.py", "MANIFEST.in", "README.md"]

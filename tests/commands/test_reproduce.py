@@ -98,7 +98,6 @@ def test_analyse_pairs_methods_within_seeds():
 
 
 @pytest.mark.toy_run
-@pytest.mark.two_cores
 def test_reproduce_smallest_configuration(tmp_path):
     env = runtime.subprocess_env()
     out = tmp_path / "rep"

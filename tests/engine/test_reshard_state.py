@@ -73,7 +73,6 @@ def test_a_shared_step_becomes_one_per_parameter_and_updates_as_torch_loads_it()
 
 
 @pytest.mark.toy_run
-@pytest.mark.two_cores
 def test_a_checkpoint_saved_on_two_ranks_resumes_on_one_with_its_optimizer_state_in_place(tmp_path):
     """A ZeRO-3 engine with three sub-groups per rank, saved on 2 ranks (gloo) after 2 steps and resumed on 1
     through trapo.engine.checkpoint.restore: every state tensor sits on its partition's device, each sub-group

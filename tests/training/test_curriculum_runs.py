@@ -80,7 +80,6 @@ def test_curriculum_skips_saturated_labeled_questions_and_a_kill_mid_epoch_resum
     same_rows(rows, metrics(tmp_path / "killed"))
 
 
-@pytest.mark.two_cores
 def test_curriculum_with_dynamic_sampling_on_two_ranks_and_vllm_resumes_exactly(toy_dir, tmp_path):
     """2 ranks, vLLM, rollout.dynamic_sampling: refills consume the curriculum's shorter epochs;
     resumed from step 6 the steps after it equal the straight run's."""

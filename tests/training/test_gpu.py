@@ -18,6 +18,7 @@ from trapo.engine.rollout import installed
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.toy_run,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on a GPU node: pytest -m gpu)"),
 ]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -197,7 +197,6 @@ def test_ctrl_c_during_start_up_is_one_line_naming_what_was_written_and_exit_130
     assert "KeyboardInterrupt" in (run_dir / "log.txt").read_text()  # where it was, for a bug report
 
 
-@pytest.mark.two_cores
 def test_sigterm_to_a_deepspeed_job_stops_both_ranks_after_the_same_step(toy_dir, tmp_path):
     """SIGTERM to the whole process group (a Ctrl-C, a cluster's preemption), launched with deepspeed."""
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")

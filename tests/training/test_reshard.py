@@ -34,7 +34,6 @@ def same(a, b):
 
 
 @pytest.mark.toy_run
-@pytest.mark.two_cores
 def test_a_checkpoint_moves_between_one_and_two_ranks_and_resumes_exactly(toy_dir, tmp_path):
     train(overrides(toy_dir, tmp_path, run_name="one", max_steps=8, **ARGS))
     train(overrides(toy_dir, tmp_path, run_name="two", max_steps=8, **ARGS), nproc=2)

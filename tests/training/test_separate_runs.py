@@ -12,7 +12,7 @@ import pytest
 from toyrun import Ranks, metrics, overrides, train
 
 # every test here starts trainers (make test-fast leaves them out), each two processes at once
-pytestmark = [pytest.mark.toy_run, pytest.mark.two_cores]
+pytestmark = pytest.mark.toy_run
 SHARED = pytest.mark.xdist_group("stale_run")  # the tests of the one stale_run: one xdist worker runs it once
 
 RUN = dict(mode="trapo", max_steps=8, save_steps=2)

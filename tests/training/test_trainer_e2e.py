@@ -73,7 +73,6 @@ def test_authors_verl_loss_settings_with_a_reference_model(toy_dir, tmp_path):
     assert moved < 2 and all(r["kl_ref"] > 1e-5 for r in m[moved + 1 :])
 
 
-@pytest.mark.two_cores
 def test_trapo_two_processes_gate_and_selection(toy_dir, tmp_path):
     """2 ranks on CPU: warm-up is labeled-only, then the selection opens the gate."""
     val = os.path.join(toy_dir, "seed-0", "test.jsonl")
@@ -129,7 +128,6 @@ def test_packed_micro_batches_equal_padded_ones_under_zero3(toy_dir):
     assert r["grad"] < 1e-5 * max(r["grad_scale"], 1.0)
 
 
-@pytest.mark.two_cores
 def test_two_ranks_packed_balanced_skipping_equal_todays_update(toy_dir, tmp_path):
     """2 ranks, one step, entropy and KL terms off: packing + rank balancing + skipping zero-advantage
     sequences give the same loss and the same updated weights as right-padded, unbalanced, unskipped."""
@@ -410,7 +408,6 @@ def test_engine_placement_check(toy_dir):
     assert res["interface"]  # a trapo.engine.rollout_engine.RolloutEngine
 
 
-@pytest.mark.two_cores
 def test_tensor_parallel_rollouts_two_ranks(toy_dir, tmp_path):
     """2 ranks with rollout.tensor_parallel_size=2: one engine shared by both ranks."""
     args = {"rollout.tensor_parallel_size": 2, "max_steps": 2, "run_name": "tp", "eval.steps": 2, **VLLM}
@@ -422,7 +419,6 @@ def test_tensor_parallel_rollouts_two_ranks(toy_dir, tmp_path):
     assert 0 <= m[1]["eval"]["mean"] <= 1  # validation shards per engine, not per rank
 
 
-@pytest.mark.two_cores
 def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
     """Two "nodes" of one process each (DeepSpeed launcher, hostfile, --no_ssh and a node rank per node)."""
     hostfile = tmp_path / "hostfile"
@@ -449,7 +445,6 @@ def test_two_nodes_on_localhost_then_resume(toy_dir, tmp_path):
     assert [r["step"] for r in metrics(tmp_path / "nodes")] == [1, 2, 3]
 
 
-@pytest.mark.two_cores
 def test_dynamic_sampling_two_ranks_refills_keeps_the_batch_size_and_resumes_exactly(toy_dir, tmp_path):
     """2 ranks, rollout.dynamic_sampling: groups with equal rewards leave the update, the
     epoch's next batches refill it to train.rollout_batch_size (the ranks then keep different numbers of
