@@ -435,7 +435,7 @@ def test_the_verifier_flag_grades_with_it_and_a_missing_one_is_refused_before_th
     import sys
 
     from trapo import runtime
-    from trapo.algorithm.rewards.verifier import MathVerifier
+    from trapo.engine.grading.verifier import MathVerifier
 
     exact = MathVerifier(num_workers=1, spec="exact")
     try:  # exact strings: `ab c.` is `ab c`, `Ab` is not `ab`; Math-Verify would read neither

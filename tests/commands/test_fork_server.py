@@ -10,7 +10,6 @@ import time
 import pytest
 
 from trapo import runtime
-from trapo.algorithm.rewards import verify_zygote
 from trapo.commands import fork_server
 
 CHILD = """\
@@ -22,7 +21,7 @@ sys.exit(int(sys.argv[1]))
 """
 
 GRADING_CHILD = """
-from trapo.algorithm.rewards.verifier import MathVerifier
+from trapo.engine.grading.verifier import MathVerifier
 verifier = MathVerifier(num_workers=1)
 verdicts = verifier.judge_many([("x^2+2x+1", "(x+1)^2")])
 print(type(verifier._supervisor.proc).__name__, verdicts)
@@ -50,11 +49,9 @@ sys.exit(99 if code is None else code)
 @pytest.mark.toy_run  # the server imports what a trainer imports
 def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(fork_server, "_SWEEP_SERVERS", [])  # this test's own servers, started in its environment
-    monkeypatch.setattr(fork_server, "_SWEEP_VERIFY_ZYGOTES", [])  # and the sweep's own Math-Verify zygote
-    monkeypatch.delenv(verify_zygote.ENV, raising=False)
 
     def sweep_env():  # what run_python gives its children
-        return runtime.subprocess_env(**{verify_zygote.ENV: fork_server._sweep_verify_zygote().name})
+        return runtime.subprocess_env()
 
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -102,10 +99,8 @@ def test_a_child_runs_as_python_would_forked_or_fresh(tmp_path, monkeypatch):
     finally:
         for servers in fork_server._SWEEP_SERVERS:
             servers.close()
-        for zygote in fork_server._SWEEP_VERIFY_ZYGOTES:
-            zygote.close()
-    # the runs' Math-Verify supervisors fork from the sweep's zygote, which grades
-    assert grading.stdout == "Forked [<Verdict.EQUAL: '1'>]\n", grading.stdout + grading.stderr
+    # a forked run grades: its Math-Verify supervisor starts as a user's run starts it
+    assert grading.stdout == "Popen [<Verdict.EQUAL: '1'>]\n", grading.stdout + grading.stderr
     assert changed.returncode == 0 and changed.stdout.startswith("preloaded True ppid "), changed
     assert "argv ['0'] env changed" in changed.stdout
     assert forked.returncode == 3 and forked.stderr == "to stderr\n"

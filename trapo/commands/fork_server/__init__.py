@@ -9,8 +9,7 @@ stderr, its environment, its working directory and argv, the script or module ru
 comes back as a subprocess.Popen's would (minus the signal for a killed one). The child's code is the same; only
 the imports were done before the fork, in the server's environment: a child whose environment differs in more
 than the `per_run` variables and what the imports set (`ForkServer.accepts`) forks from a server started in its
-own, or starts as a plain process (`ForkServers`). A sweep's runs also fork their Math-Verify supervisors from one
-warm parent (`trapo.algorithm.rewards.verify_zygote`).
+own, or starts as a plain process (`ForkServers`).
 
 The server never runs a torch op (a fork after torch has started its thread pools can hang in the child),
 and it is not used on a GPU machine: a fork after CUDA's start-up is unsafe, and an import may start it.
@@ -33,7 +32,6 @@ import threading
 import time
 
 from trapo import runtime
-from trapo.algorithm.rewards import verify_zygote
 
 # What may differ between the server's environment and a child's: the launcher's variables for each rank,
 # read by the trainer at run time, never at import (its CUDA_VISIBLE_DEVICES, by CUDA's start-up: never where a
@@ -285,8 +283,6 @@ def run_python(args: list[str], cwd: str | os.PathLike) -> subprocess.CompletedP
     server (started at the first child, after what the sweep built first: a sweep runs many) on CPU, a fresh
     interpreter on GPU or with TRAPO_FORK_RUNS=0."""
     env = runtime.subprocess_env()
-    if _forking() and verify_zygote.ENV not in env:  # the runs' Math-Verify supervisors fork from one zygote too
-        env[verify_zygote.ENV] = _sweep_verify_zygote().name
     server = server_for(env)
     if server is None:
         return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=cwd)
@@ -373,7 +369,6 @@ def _forking() -> bool:
 
 
 _SWEEP_SERVERS: list[ForkServers] = []  # this process's, made at its first forked child
-_SWEEP_VERIFY_ZYGOTES: list[verify_zygote.Zygote] = []  # the same
 _PARENT_SERVER: list[ForkServer | None] = []  # the server that forked this process, reached at its first child
 _STARTING = threading.Lock()
 
@@ -388,10 +383,6 @@ def _first(made: list, make):
 
 def _sweep_servers() -> ForkServers:
     return _first(_SWEEP_SERVERS, lambda: ForkServers(runtime.ROOT))
-
-
-def _sweep_verify_zygote() -> verify_zygote.Zygote:
-    return _first(_SWEEP_VERIFY_ZYGOTES, lambda: verify_zygote.Zygote(runtime.subprocess_env()))
 
 
 class Forked:
