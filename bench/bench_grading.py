@@ -25,8 +25,8 @@ runtime.configure()  # bounded threads before torch is imported
 import pyarrow.parquet as pq  # noqa: E402
 
 from trapo.algorithm.rewards import extract_answer, majority_votes, math_rewards  # noqa: E402
-from trapo.algorithm.rewards.verifier import MathVerifier  # noqa: E402
 from trapo.data import benchmarks_dir  # noqa: E402
+from trapo.engine.grading.verifier import MathVerifier  # noqa: E402
 
 QUESTIONS, G, TARGET_S = 64, 8, 1.0
 DATA = str(benchmarks_dir())
@@ -60,9 +60,9 @@ def make_batch(seed: int = 0, sample_seed: int | None = None) -> tuple[list[str]
 
 
 def ours(responses, golds, verifier):
-    rewards = math_rewards(responses, golds, verifier=verifier)
+    rewards = math_rewards(responses, golds, verifier)
     answers = [extract_answer(r) for r in responses]
-    votes = majority_votes([answers[i : i + G] for i in range(0, len(answers), G)], verifier=verifier)
+    votes = majority_votes([answers[i : i + G] for i in range(0, len(answers), G)], verifier)
     return rewards, votes
 
 

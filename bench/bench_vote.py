@@ -47,7 +47,7 @@ from pathlib import Path  # noqa: E402
 from trapo.algorithm.rewards import Tally, majority_votes  # noqa: E402
 from trapo.algorithm.rewards.answers import MAX_ANSWER_CHARS, normalize  # noqa: E402
 from trapo.algorithm.rewards.verifiable import answer_rewards, fast_verdict  # noqa: E402
-from trapo.algorithm.rewards.verifier import MathVerifier  # noqa: E402
+from trapo.engine.grading.verifier import MathVerifier  # noqa: E402
 
 ANSWERS = [f"9^{{9^{{9^{{{k}}}}}}}" for k in range(4, 12)]
 TARGET_RATIO = 2.5
@@ -262,13 +262,13 @@ def timed(side: str, answers: list[str], timeout: float, workers: int) -> tuple[
     vote over `answers`; "grading", each answer against MIXED_GOLD."""
     verifier = MathVerifier(num_workers=workers, timeout=timeout)
     verifier.start()
-    answer_rewards(["1"], ["1"], timeout, verifier)  # Math-Verify imported in the workers: start-up excluded
+    answer_rewards(["1"], ["1"], verifier, timeout)  # Math-Verify imported in the workers: start-up excluded
     tally = Tally()
     t0 = time.perf_counter()
     if side == "vote":
-        majority_votes([answers], timeout, verifier, tally=tally)
+        majority_votes([answers], verifier, timeout, tally=tally)
     else:
-        answer_rewards(answers, [MIXED_GOLD] * len(answers), timeout, verifier, tally=tally)
+        answer_rewards(answers, [MIXED_GOLD] * len(answers), verifier, timeout, tally=tally)
     seconds = time.perf_counter() - t0
     verifier.close()
     return seconds, tally
@@ -314,7 +314,7 @@ def towers(t: float, workers: int) -> tuple[list[str], bool]:
     verifier.start()
     tally = Tally()
     t0 = time.perf_counter()
-    ours = majority_votes([ANSWERS], t, verifier, tally=tally)[0]
+    ours = majority_votes([ANSWERS], verifier, t, tally=tally)[0]
     ours_s = time.perf_counter() - t0
     verifier.close()
     lines.append(
@@ -342,7 +342,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md as it is")
     args = parser.parse_args()
-    logging.getLogger("trapo.algorithm.rewards.verifier").setLevel(logging.ERROR)  # the timeouts are the point: counted
+    logging.getLogger("trapo.engine.grading.verifier").setLevel(logging.ERROR)  # the timeouts are the point: counted
     tower_lines, towers_met = towers(args.timeout, args.workers)
     mixed_lines, worst = mixed(args.mixed_timeout, args.workers)
     out = ROOT / "outputs/bench"

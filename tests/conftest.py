@@ -19,6 +19,7 @@ os.environ["HF_HUB_CACHE"] = os.path.join(tempfile.gettempdir(), "trapo-tests-em
 
 import pytest  # noqa: E402
 
+
 def pytest_collection_modifyitems(items):
     """The tests that start trainers first, the rest after them in their order: under `make test`'s two workers
     the many short tests then fill the end, instead of one worker starting a minute-long run while the other
@@ -27,20 +28,23 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def verify_zygote():
-    """This worker's Math-Verify zygote (trapo/algorithm/rewards/verify_zygote.py): every verifier of the session,
-    in this process or in the trainers it starts, forks its supervisor from it instead of paying sympy's imports
-    and Math-Verify's warm-up (~1 s of CPU) each time. None with TRAPO_TESTS_ZYGOTE=0 (as tests/toyrun.py)."""
-    from trapo.algorithm.rewards.verify_zygote import ENV, Zygote
+def grader_parent():
+    """This worker's grader parent (tests/forking/graders.py): every Math-Verify verifier of the session in this
+    process (and in a trainer it starts that calls `graders.install()`) forks its supervisor from it instead of
+    paying sympy's imports and Math-Verify's warm-up (~1 s of CPU) each time. None with TRAPO_TESTS_FORK=0 (as
+    tests/toyrun.py)."""
+    from forking import graders
 
-    if os.environ.get("TRAPO_TESTS_ZYGOTE", "1") == "0":
+    if os.environ.get("TRAPO_TESTS_FORK", "1") == "0":
         yield None
         return
-    zygote = Zygote()
-    os.environ[ENV] = zygote.name
-    yield zygote
-    del os.environ[ENV]
-    zygote.close()
+    parent = graders.GraderParent()
+    os.environ[graders.ENV] = parent.name
+    graders.install()
+    yield parent
+    graders.uninstall()
+    del os.environ[graders.ENV]
+    parent.close()
 
 
 def _session_root(tmp_path_factory, worker_id):

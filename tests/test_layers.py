@@ -14,6 +14,9 @@ PACKAGE = ROOT / "trapo"
 LAYERS = ["vocabulary", "algorithm", "engine", "training", "commands", "entry"]
 SHARED_FLAT = {"config", "data", "console", "runtime", "hub", "faults", "resources"}
 MAX_LINES = 500
+# The math layer starts no process: grading's processes are trapo/engine/grading/, handed to it as a judge.
+PROCESS_MODULES = {"subprocess", "socket", "signal", "multiprocessing", "select", "selectors", "concurrent"}
+OS_PROCESS = {"fork", "forkpty", "kill", "killpg", "waitpid", "pidfd_open", "system", "popen", "posix_spawn"}
 
 
 def module_name(path: Path) -> str:
@@ -49,6 +52,24 @@ def imported(source: str, name: str, is_package: bool, modules: set[str]) -> set
             for alias in node.names:
                 out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
     return out
+
+
+def process_use(source: str) -> list[str]:
+    """What `source` uses to start, signal or wait on processes: the process modules it imports (inside functions
+    too) and `os.fork`, `os.kill` and the like, as attributes of os or imported from it."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names if alias.name.split(".")[0] in PROCESS_MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module.split(".")[0] in PROCESS_MODULES:
+                out.add(node.module)
+            elif node.module == "os":
+                out |= {f"os.{alias.name}" for alias in node.names if alias.name in OS_PROCESS}
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            if node.attr in OS_PROCESS:
+                out.add(f"os.{node.attr}")
+    return sorted(out)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -118,6 +139,24 @@ def test_the_checks_see_a_lazy_upward_import_and_a_cycle():
     relative = imported("from ..data import x\nfrom . import eval\n", "trapo.commands", True, modules)
     assert relative == {"trapo.data", "trapo.commands.eval"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_math_layer_starts_no_process():
+    found = {
+        str(p.relative_to(ROOT)): used
+        for p in sorted((PACKAGE / "algorithm").rglob("*.py"))
+        if (used := process_use(p.read_text()))
+    }
+    assert found == {}, "processes, pipes and signals belong to the engine (trapo/engine/grading/ for grading)"
+
+
+def test_the_process_check_sees_lazy_imports_and_os_calls():
+    source = (
+        "import os, select\nfrom os import fork\nfrom trapo.algorithm.selection import select as s\n"
+        "def f(pid):\n    import signal\n    from multiprocessing import Pool\n    os.kill(pid, 9)\n"
+        "    return os.getpid(), os.path.join('a', 'b')\n"
+    )
+    assert process_use(source) == ["multiprocessing", "os.fork", "os.kill", "select", "signal"]
 
 
 def test_every_module_under_the_line_limit():

@@ -10,16 +10,18 @@ import random
 import time
 
 import pytest
+from forking import graders
 from math_verify import parse, verify
 
 from trapo.algorithm.rewards import extract_answer, majority_votes, math_rewards
 from trapo.algorithm.rewards.answers import PART_JOIN, fast_equal, normalize
-from trapo.algorithm.rewards.verifier import MathVerifier
-from trapo.algorithm.rewards.verify_executor import _Checker
 from trapo.data import Question
+from trapo.engine.grading.executor import _Checker
+from trapo.engine.grading.verifier import MathVerifier, default_verifier
 from trapo.training.grading import grade
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)
+judge = default_verifier()  # the rewards' judge: Math-Verify in worker processes (trapo/engine/grading/)
 
 
 def math_verify_reward(response: str, gold: str) -> float:
@@ -66,7 +68,7 @@ def test_reward_is_math_verify_on_the_whole_response(response, gold):
 
 
 def math_reward_of(response, gold):
-    return math_rewards([response], [gold])[0]
+    return math_rewards([response], [gold], judge)[0]
 
 
 def test_whole_response_cases_hold_both_verdicts():
@@ -145,7 +147,7 @@ def test_answers_read_as_math_verify_reads_the_whole_response():
 
 
 def test_several_boxes_vote_with_one_set():
-    assert majority_votes([["1,2", "\\{1, 2\\}", "3"]])[0] == ("1,2", [True, True, False])
+    assert majority_votes([["1,2", "\\{1, 2\\}", "3"]], judge)[0] == ("1,2", [True, True, False])
     question = Question("f:1", "x", None, False, None, "f row 1")
     texts = [["so \\boxed{1},\\boxed{2}", "thus \\boxed{\\{1, 2\\}}", "$\\boxed{2}$ and $\\boxed{1}$", "\\boxed{3}"]]
     g = grade([question], texts, timeout=5.0)
@@ -165,9 +167,9 @@ MATRIX_PAIRS = [
 def test_matrices_fall_through_to_math_verify():
     checker = _Checker()
     assert checker.value(MATRIX_PAIRS[0][1]) is None  # evalf recursed to the limit: no value, not "not equal"
-    ours = math_rewards([f"so \\boxed{{{p}}}" for _, p in MATRIX_PAIRS], [g for g, _ in MATRIX_PAIRS])
+    ours = math_rewards([f"so \\boxed{{{p}}}" for _, p in MATRIX_PAIRS], [g for g, _ in MATRIX_PAIRS], judge)
     assert ours == [math_verify_reward(f"\\boxed{{{p}}}", g) for g, p in MATRIX_PAIRS] == [1.0, 1.0, 1.0, 0.0]
-    votes = majority_votes([[MATRIX_PAIRS[0][1], MATRIX_PAIRS[0][0], "\\begin{pmatrix}1\\\\1\\end{pmatrix}"]])
+    votes = majority_votes([[MATRIX_PAIRS[0][1], MATRIX_PAIRS[0][0], "\\begin{pmatrix}1\\\\1\\end{pmatrix}"]], judge)
     assert votes == [(MATRIX_PAIRS[0][1], [True, True, False])]  # one answer, not two split votes
 
 
@@ -176,7 +178,7 @@ SPACED += [("1000", "1\\!000"), ("6", "1  5")]
 
 
 def test_spaced_digits_are_not_one_number():
-    ours = math_rewards([f"\\boxed{{{p}}}" for _, p in SPACED], [g for g, _ in SPACED])
+    ours = math_rewards([f"\\boxed{{{p}}}" for _, p in SPACED], [g for g, _ in SPACED], judge)
     assert ours == [math_verify_reward(f"\\boxed{{{p}}}", g) for g, p in SPACED] == [0, 0, 0, 0, 1, 1]
     assert normalize("2 \\quad 3") == normalize("2  3") == "2 3" and normalize("x + 1") == "x+1"
     assert fast_equal("1 5", "1 \\quad 5") is True and fast_equal("15", "1  5") is None
@@ -196,7 +198,7 @@ def test_verdicts_on_degenerate_answers_do_not_change_between_runs(monkeypatch):
     # Math-Verify's verdicts on these follow set order (the hash seed) and the order in which sympy's
     # assumptions try their rules (its own random generator): `0` vs `4 0/0` is equal in about half of
     # fresh processes. Two fresh verifiers, with different items before, in another order, must agree.
-    monkeypatch.delenv("TRAPO_VERIFY_ZYGOTE", raising=False)  # started supervisors, each its own interpreter
+    monkeypatch.delenv(graders.ENV, raising=False)  # started supervisors, each its own interpreter
     verdicts = []
     for before, pairs in (([], DEGENERATE), ([("x^2", "\\frac{0}{0}"), ("1/0", "y")], DEGENERATE[::-1])):
         verifier = MathVerifier(num_workers=1)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trapo.algorithm.rewards import Tally, answer_rewards, majority_votes
-from trapo.algorithm.rewards.verifier import MathVerifier, Verdict
+from trapo.algorithm.rewards import Tally, Verdict, answer_rewards, majority_votes
 from trapo.algorithm.rewards.verifiers import (
     ExactMatch,
     OptionLetters,
@@ -21,6 +20,7 @@ from trapo.algorithm.rewards.verifiers import (
     require_verifier,
 )
 from trapo.config import ConfigError, load_config
+from trapo.engine.grading.verifier import MathVerifier
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY_CONFIG = str(ROOT / "configs" / "toy.yaml")
@@ -123,7 +123,7 @@ def test_a_verifier_that_raises_is_wrong_counted_and_warned(user_module, caplog)
             answers, keys = extract_answers(texts, v, None, None, tally)
             assert answers == ["ab", "AB", None, "BOOM", None] and keys == ["ab", "AB", None, "BOOM", None]
             assert tally == Tally(failed=1)  # extract raised on the last one
-            rewards = answer_rewards(answers, ["ab"] * 5, 2.0, v, None, tally)
+            rewards = answer_rewards(answers, ["ab"] * 5, v, 2.0, None, tally)
         assert rewards == [1.0, 1.0, 0.0, 0.0, 0.0] and tally == Tally(failed=2)  # equal raised on BOOM
         assert v.errors == 2
         warned = [r.getMessage() for r in caplog.records if "raised" in r.getMessage()]
@@ -138,11 +138,11 @@ def test_a_verifier_that_sleeps_past_its_deadline_is_wrong_and_remembered(user_m
         v.start()
         tally = Tally()
         started = time.monotonic()
-        assert answer_rewards(["SLEEP", "ab"], ["ab", "ab"], 0.5, v, None, tally) == [0.0, 1.0]
+        assert answer_rewards(["SLEEP", "ab"], ["ab", "ab"], v, 0.5, None, tally) == [0.0, 1.0]
         assert tally.timeouts == 1 and time.monotonic() - started < 5
         assert v.memory()["pairs"] == [["ab", "SLEEP", 0.5]]
         started = time.monotonic()  # remembered: the vote's same comparison is answered at once
-        votes = majority_votes([["ab", "SLEEP", "ab", "AB"]], 0.5, v, None, tally, [["a", "S", "a", "a"]])
+        votes = majority_votes([["ab", "SLEEP", "ab", "AB"]], v, 0.5, None, tally, [["a", "S", "a", "a"]])
         assert time.monotonic() - started < 0.5 and tally.timeouts == 2
         assert votes == [("ab", [True, False, True, True])]  # grouped by key: equal is never asked inside a key
         # a budget already spent: cut, not waited on
@@ -158,7 +158,7 @@ def test_the_key_wins_over_equal_and_each_distinct_pair_is_compared_once(user_mo
         answers, keys = extract_answers(texts, v)
         assert keys == ["a", "a", "a", "b", "b", "c", "a", None]
         user_module.write_text("")
-        ((label, agree),) = majority_votes([answers], 5.0, v, None, None, [keys])
+        ((label, agree),) = majority_votes([answers], v, 5.0, None, None, [keys])
         # key a (ab, ax, AB, ab): one answer although equal("ax", "ab") is False -- the key wins; its label is
         # its first spelling; b and B (key b) and c are compared with it once each, and c with b once
         assert label == "ab" and agree == [True, True, True, False, False, False, True, False]
@@ -168,10 +168,10 @@ def test_the_key_wins_over_equal_and_each_distinct_pair_is_compared_once(user_mo
         plain = MathVerifier(num_workers=1, timeout=5.0, spec="user_verifiers:Letters")
         try:
             answers, keys = extract_answers(["ans: ax", "ans: ab", "ans: AB", "ans: ax", "ans: ax"], plain)
-            ((label, agree),) = majority_votes([answers], 5.0, plain, None, None, [keys])
+            ((label, agree),) = majority_votes([answers], plain, 5.0, None, None, [keys])
             assert (label, agree) == ("ax", [True, False, False, True, True])
             answers, keys = extract_answers(["ans: ax", "ans: ab", "ans: AB", "ans: ax"], plain)
-            assert majority_votes([answers], 5.0, plain, None, None, [keys]) == [(None, [False] * 4)]  # 2 vs 2
+            assert majority_votes([answers], plain, 5.0, None, None, [keys]) == [(None, [False] * 4)]  # 2 vs 2
         finally:
             plain.close()
     finally:
@@ -183,7 +183,7 @@ def test_builtins_grade_in_the_workers():
     try:
         answers, keys = extract_answers(["\\boxed{b}", "\\boxed{(B)}", "\\boxed{7}", "The final answer is C"], v)
         assert answers == ["B", "B", None, None] and keys == ["B", "B", None, None]
-        assert answer_rewards(answers, ["B"] * 4, 5.0, v) == [1.0, 1.0, 0.0, 0.0]
+        assert answer_rewards(answers, ["B"] * 4, v, 5.0) == [1.0, 1.0, 0.0, 0.0]
     finally:
         v.close()
 

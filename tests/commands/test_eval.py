@@ -372,7 +372,7 @@ def eval_until_the_engine(model: Path, *flags: str):
         "from trapo.commands.eval import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    with tempfile.TemporaryDirectory() as folder:  # a script, forked from the zygote (tests/toyrun.py)
+    with tempfile.TemporaryDirectory() as folder:  # a script, forked from a pre-imported parent (tests/toyrun.py)
         path = os.path.join(folder, "eval_until_the_engine.py")
         with open(path, "w") as f:
             f.write(script)
@@ -435,7 +435,7 @@ def test_the_verifier_flag_grades_with_it_and_a_missing_one_is_refused_before_th
     import sys
 
     from trapo import runtime
-    from trapo.algorithm.rewards.verifier import MathVerifier
+    from trapo.engine.grading.verifier import MathVerifier
 
     exact = MathVerifier(num_workers=1, spec="exact")
     try:  # exact strings: `ab c.` is `ab c`, `Ab` is not `ab`; Math-Verify would read neither

@@ -117,7 +117,9 @@ def test_reproduce_smallest_configuration(tmp_path):
         str(out),
         "rollout.backend=hf",  # what the runner does, not what vLLM does: the hf backend starts in half the time
     ]
-    done = run(cmd, timeout=900, env=env)  # forked from the tests' zygote: the base model's build needs torch
+    done = run(
+        cmd, timeout=900, env=env
+    )  # forked from the tests' pre-imported parent: the base model's build needs torch
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("results.md", "results.json", "accuracy_over_steps.png", "figure4.png", "paired_differences.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name

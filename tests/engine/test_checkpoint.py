@@ -44,8 +44,8 @@ def test_trainer_state_round_trip(tmp_path):
 
     from trapo.algorithm.entropy_control import EntropyControl
     from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
-    from trapo.algorithm.rewards.verifier import MathVerifier
     from trapo.config import Config
+    from trapo.engine.grading.verifier import MathVerifier
     from trapo.training.loggers import Loggers
     from trapo.training.rambling import RamblingGuard
     from trapo.training.sampling import Cursor

@@ -3,8 +3,8 @@
 import math
 import time
 
-from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.data import Question
+from trapo.engine.grading.verifier import MathVerifier
 from trapo.training.grading import grade
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from trapo.algorithm.rewards import math_rewards
 from trapo.data import Question
+from trapo.engine.grading.verifier import default_verifier
 from trapo.training.grading import Grades, grade
 from trapo.training.rollout_dump import due, dump_step, latest_dump, question_rows, write_rows
 
@@ -27,7 +28,7 @@ def test_grades_carry_each_answer_and_the_pseudo_label_without_changing_rewards(
     assert g.answers == [["12", "13", None, "12.0"], ["7", "7", "8", None], ["1", "2", None, None]]
     assert g.pseudo_labels == [None, "7", None]
     # the labeled rewards equal the reference path, math_rewards on the whole texts
-    assert g.rewards[0] == math_rewards(TEXTS[0], ["12"] * 4) == [1.0, 0.0, 0.0, 1.0]
+    assert g.rewards[0] == math_rewards(TEXTS[0], ["12"] * 4, default_verifier()) == [1.0, 0.0, 0.0, 1.0]
     assert g.rewards[1:] == [[1.0, 1.0, 0.0, 0.0], [0.0] * 4] and g.pseudo_correct[1] == 1.0
 
 

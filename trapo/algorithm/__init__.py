@@ -9,9 +9,10 @@
                   Guidance"), the gate M
 - selection.py    selection strategies at an epoch's end (TCS, random, entropy, self-certainty)
 - pass_at_k.py    avg@k and the unbiased pass@k
-- rewards/        answer extraction, Math-Verify with a hard deadline, majority vote, confidence rewards
+- rewards/        answer extraction, rewards against a gold, majority vote, confidence rewards; what compares
+                  two answers is a judge passed in (rewards/judge.py)
 
-May import: torch, numpy, Math-Verify, and the shared vocabulary (trapo.config, trapo.data, trapo.console,
-trapo.runtime, trapo.faults). Nothing here loads a model, starts DeepSpeed or vLLM, or touches a run directory;
-the one process it starts is the Math-Verify worker (rewards/verifier.py), which imports only this package.
+May import: torch, numpy, and the shared vocabulary (trapo.config, trapo.data, trapo.console, trapo.runtime,
+trapo.faults). Nothing here loads a model, starts DeepSpeed or vLLM, touches a run directory, or starts a
+process: Math-Verify's worker processes are trapo.engine.grading, handed to the rewards as their judge.
 """

@@ -429,7 +429,7 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
     )
     verifier = None  # Math-Verify: the process-wide one
     if args.verifier != "math":
-        from trapo.algorithm.rewards.verifier import MathVerifier
+        from trapo.engine.grading.verifier import MathVerifier
 
         verifier = MathVerifier(spec=args.verifier)
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})

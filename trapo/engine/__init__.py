@@ -1,5 +1,5 @@
 """What runs models on devices: the policy under DeepSpeed ZeRO-3, the rollout engines, and the state
-they share with disk and with other ranks.
+they share with disk and with other ranks; and the processes that grade answers.
 
 - policy.py        the policy: built from a Hugging Face directory, forwarded in token-budget micro-batches,
                    updated, its full weights gathered block by block
@@ -18,6 +18,8 @@ they share with disk and with other ranks.
 - checkpoint.py    atomic checkpoint directories (with checksums.py: verified before loading)
 - reshard.py       a checkpoint saved on N ranks loaded on M (DeepSpeed's universal form)
 - memory_plan.py   per-GPU bytes of a run from its config alone (memory_plan_separate.py: separate rollout GPUs)
+- grading/         Math-Verify (or a task verifier) in supervised worker processes with hard deadlines: the
+                   judge the reward functions are given
 
 May import: trapo.algorithm and the shared vocabulary (trapo.config, trapo.data, trapo.console,
 trapo.runtime, trapo.hub, trapo.faults); never trapo.training or trapo.commands.

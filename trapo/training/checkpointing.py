@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from trapo import console
-from trapo.algorithm.rewards.verifier import merged
 from trapo.config import ConfigError
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
+from trapo.engine.grading.verifier import merged
 from trapo.engine.policy import TrainingError
 from trapo.training import metrics, run_record, sampling
 

@@ -15,19 +15,21 @@ from __future__ import annotations
 import time
 
 from trapo.algorithm.pass_at_k import avg_at_k
-from trapo.algorithm.rewards import answer_rewards
+from trapo.algorithm.rewards import Judge, answer_rewards
 from trapo.algorithm.rewards.verifiers import extract_answers
 from trapo.config import Config
 from trapo.data import Benchmark, gold_problem, tokenize_prompts
 from trapo.engine import dist
+from trapo.engine.grading.verifier import default_verifier
 from trapo.engine.rollout import request_seed
 
 
-def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier=None) -> list[dict]:
-    """Per response: extracted answer and grade (`math_rewards`: Math-Verify, a letter gold compares letters;
-    or the task verifier `verifier` runs, `reward.verifier`)."""
-    answers, _ = extract_answers(texts, verifier, timeout)  # once: graded and kept
-    rewards = answer_rewards(answers, [gold] * len(texts), timeout, verifier)
+def grade_responses(texts: list[str], gold: str, timeout: float = 5.0, verifier: Judge | None = None) -> list[dict]:
+    """Per response: extracted answer and grade (`math_rewards`: Math-Verify, the process-wide one where
+    `verifier` is None, a letter gold compares letters; or the task verifier `verifier` runs, `reward.verifier`)."""
+    judge = default_verifier() if verifier is None else verifier
+    answers, _ = extract_answers(texts, judge, timeout)  # once: graded and kept
+    rewards = answer_rewards(answers, [gold] * len(texts), judge, timeout)
     return [{"answer": a, "correct": r == 1.0} for a, r in zip(answers, rewards)]
 
 

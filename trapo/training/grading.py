@@ -23,12 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trapo.algorithm.rewards import Tally, answer_rewards, decide_pairs, majority_votes
+from trapo.algorithm.rewards import Judge, Tally, answer_rewards, decide_pairs, majority_votes
 from trapo.algorithm.rewards.verifiers import extract_answers
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config
 from trapo.data import Question
 from trapo.engine.batch import build_sequences
+from trapo.engine.grading.verifier import default_verifier
 
 if TYPE_CHECKING:
     import torch
@@ -67,18 +68,20 @@ def grade(
     questions: list[Question],
     texts: list[list[str]],
     timeout: float,
-    verifier=None,
+    verifier: Judge | None = None,
     *,
     budget: float | None = None,
 ) -> Grades:
     """questions: [b]; texts: [b][G] response texts.
 
-    timeout: seconds one Math-Verify comparison may take. budget: seconds
+    timeout: seconds one Math-Verify comparison may take. verifier: the judge (`MathVerifier`, the run's
+    `reward.verifier`), None for the process-wide Math-Verify one. budget: seconds
     (wall clock) for the whole call, labeled rewards, votes and hidden-gold
     checks together, or None for no bound; once spent, comparisons not yet
     decided count as not equal and are not sent to the workers.
     """
     deadline = None if budget is None else time.monotonic() + max(0.0, budget)
+    judge = default_verifier() if verifier is None else verifier
     tally = Tally()
     b = len(questions)
     rewards: list[list[float]] = [[] for _ in range(b)]
@@ -88,7 +91,7 @@ def grade(
     # Each answer extracted once: the labeled rewards (`answer_rewards`, `math_rewards` on these answers),
     # the vote and the rollout dump all read the same strings. A task verifier extracts in its workers,
     # under the deadline, and keys each answer for the vote.
-    flat_answers, flat_keys = extract_answers([t for group in texts for t in group], verifier, timeout, deadline, tally)
+    flat_answers, flat_keys = extract_answers([t for group in texts for t in group], judge, timeout, deadline, tally)
     answers, keys, pos = [], [], 0
     for group in texts:
         answers.append(flat_answers[pos : pos + len(group)])
@@ -100,8 +103,8 @@ def grade(
         flat = answer_rewards(
             [a for i in labeled for a in answers[i]],
             [questions[i].answer for i in labeled for _ in answers[i]],
+            judge,
             timeout,
-            verifier,
             deadline,
             tally,
         )
@@ -115,7 +118,7 @@ def grade(
     unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
     if unlabeled:
         group_keys = None if flat_keys is None else [keys[i] for i in unlabeled]
-        votes = majority_votes([answers[i] for i in unlabeled], timeout, verifier, deadline, tally, group_keys)
+        votes = majority_votes([answers[i] for i in unlabeled], judge, timeout, deadline, tally, group_keys)
         checks = []  # (question position, hidden gold, pseudo-label)
         for i, (label, agree) in zip(unlabeled, votes):
             rewards[i] = [1.0 if a else 0.0 for a in agree]
@@ -127,7 +130,7 @@ def grade(
                     pseudo_correct[i] = 0.0
                 else:
                     checks.append((i, gold, label))
-        verdicts = decide_pairs([(g, lab) for _, g, lab in checks], timeout, verifier, deadline, tally)
+        verdicts = decide_pairs([(g, lab) for _, g, lab in checks], judge, timeout, deadline, tally)
         for (i, _, _), ok in zip(checks, verdicts):
             pseudo_correct[i] = 1.0 if ok else 0.0
     return Grades(

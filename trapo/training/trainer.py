@@ -33,13 +33,13 @@ from trapo import console, runtime
 from trapo.algorithm.entropy_control import EntropyControl
 from trapo.algorithm.loss import LossSpec
 from trapo.algorithm.passrate import PassRateTracker
-from trapo.algorithm.rewards.verifier import MathVerifier
 from trapo.algorithm.rewards.verifiers import require_verifier
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config, dump_config, to_dict
 from trapo.data import stop_token_ids
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
+from trapo.engine.grading.verifier import MathVerifier
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, require_backend

@@ -1,11 +1,13 @@
-"""Rewards: Math-Verify against gold answers, majority vote, confidence baselines.
+"""Rewards: answers against gold answers, majority vote, confidence baselines.
 
-The confidence rewards need torch; they are imported on first use so that
-the Math-Verify worker process (which imports this package) starts fast.
+What compares two answers is a `Judge` the caller passes (`judge.py`): Math-Verify in worker processes
+(`trapo.engine.grading`) for the trainer and the evaluation. The confidence rewards need torch; they are
+imported on first use so that the grading worker processes (which import this package) start fast.
 """
 
 from trapo.algorithm.rewards.answers import extract_boxed
 from trapo.algorithm.rewards.extraction import extract_answer
+from trapo.algorithm.rewards.judge import Judge, Verdict
 from trapo.algorithm.rewards.verifiable import (
     Tally,
     answer_rewards,
@@ -16,11 +18,11 @@ from trapo.algorithm.rewards.verifiable import (
     math_reward,
     math_rewards,
 )
-from trapo.algorithm.rewards.verifier import Verdict
 
 _CONFIDENCE = ("self_certainty_reward", "token_entropy_reward", "sentence_likelihood_reward")
 
 __all__ = [
+    "Judge",
     "Tally",
     "Verdict",
     "answer_rewards",

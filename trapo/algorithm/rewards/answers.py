@@ -13,7 +13,7 @@ from fractions import Fraction
 MAX_ANSWER_CHARS = 2000  # a boxed answer longer than this is not an answer (scores 0)
 # Joins the parts of an answer that Math-Verify reads from several math environments at once
 # (`$a$ and $b$`): it parses each part alone and makes one set of them all, and so do the workers
-# (`verify_executor`). Parsed together, `$10,455$ and $7$` would be {10, 455, 7}.
+# (`trapo.engine.grading.executor`). Parsed together, `$10,455$ and $7$` would be {10, 455, 7}.
 PART_MARK = "⟨and⟩"
 PART_JOIN = f" {PART_MARK} "
 
@@ -128,7 +128,7 @@ def fast_equal(gold: str, pred: str) -> bool | None:
 
 
 def values_differ(a, b) -> bool:
-    """True when two answers' probe-point values (`verify_executor`'s numeric pre-filter: complex, or mpmath
+    """True when two answers' probe-point values (the grading executors' numeric pre-filter: complex, or mpmath
     beyond float range) prove the answers unequal: more than 1e-4 apart, relative (Math-Verify compares
     numbers rounded to 6 decimals). None, or values that cannot be compared, prove nothing (False)."""
     if a is None or b is None:

@@ -6,11 +6,11 @@ agreement indicator of eq. "unsupervised-method", which is also the
 unlabeled pass rate of eq. "pass_rate".
 
 Every comparison goes through `judge_pairs`: multiple-choice letters and
-the exact fast paths of `answers.fast_equal` first, Math-Verify (in worker
-processes, with a hard timeout) only for what they cannot settle. A
-`deadline` (the step's grading budget) bounds it all: once it has passed,
-what the fast paths cannot settle counts as not equal, unsent. A `Tally`
-counts what timed out or was cut, for the step's metrics.
+the exact fast paths of `answers.fast_equal` first, the `Judge` the caller
+passes (Math-Verify in worker processes, with a hard timeout) only for what
+they cannot settle. A `deadline` (the step's grading budget) bounds it all:
+once it has passed, what the fast paths cannot settle counts as not equal,
+unsent. A `Tally` counts what timed out or was cut, for the step's metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from trapo.algorithm.rewards.answers import (
     values_differ,
 )
 from trapo.algorithm.rewards.extraction import extract_answer
-from trapo.algorithm.rewards.verifier import MathVerifier, Verdict, default_verifier
+from trapo.algorithm.rewards.judge import Judge, Verdict
 
 DEFAULT_TIMEOUT = 5.0
 
@@ -42,7 +42,7 @@ class Tally:
     the per-comparison timeout (now, or for the same answer earlier: those
     are answered at once); budget_cut: comparisons left undecided because the
     grading budget was spent; failed: comparisons left undecided because grading
-    processes died on them (verifier.Verdict.FAILED), and a task verifier's calls
+    processes died on them (Verdict.FAILED), and a task verifier's calls
     that raised (ERROR). All count as "not equal".
     """
 
@@ -73,20 +73,20 @@ def fast_verdict(gold: str, pred: str) -> bool | None:
 
 def judge_pairs(
     pairs: Sequence[tuple[str, str]],
+    judge: Judge,
     timeout: float = DEFAULT_TIMEOUT,
-    verifier: MathVerifier | None = None,
     deadline: float | None = None,
 ) -> list[Verdict]:
-    """A Verdict for each (gold, pred) answer-string pair (boxed contents): `fast_verdict`, else Math-Verify.
+    """A Verdict for each (gold, pred) answer-string pair (boxed contents): `fast_verdict`, else `judge`.
 
     Never raises on content. A Math-Verify comparison is cut off after
     `timeout` seconds (a TIMEOUT verdict, blamed on the pair or on the answer
     being parsed); after `deadline` (a `time.monotonic()` value) nothing is
-    sent and the rest is CUT. A task verifier (`verifier.spec`, `reward.verifier`) decides every pair
+    sent and the rest is CUT. A task verifier's judge (`judge.spec`, `reward.verifier`) decides every pair
     itself, in its workers: no math fast path.
     """
-    if verifier is not None and verifier.spec != "math":
-        return verifier.judge_many(pairs, timeout, deadline)
+    if judge.spec != "math":
+        return judge.judge_many(pairs, timeout, deadline)
     out: list[Verdict | None] = []
     slow: list[tuple[str, str]] = []
     for gold, pred in pairs:
@@ -95,15 +95,15 @@ def judge_pairs(
         if decided is None:
             slow.append((gold, pred))
     if slow:
-        verdicts = iter((verifier or default_verifier()).judge_many(slow, timeout, deadline))
+        verdicts = iter(judge.judge_many(slow, timeout, deadline))
         out = [next(verdicts) if v is None else v for v in out]
     return out
 
 
 def decide_pairs(
     pairs: Sequence[tuple[str, str]],
+    judge: Judge,
     timeout: float = DEFAULT_TIMEOUT,
-    verifier: MathVerifier | None = None,
     deadline: float | None = None,
     tally: Tally | None = None,
 ) -> list[bool]:
@@ -112,7 +112,7 @@ def decide_pairs(
     A comparison that timed out, or was cut by the deadline, is not equal
     (and counted in `tally`).
     """
-    verdicts = judge_pairs(pairs, timeout, verifier, deadline)
+    verdicts = judge_pairs(pairs, judge, timeout, deadline)
     if tally is not None:
         tally.add(verdicts)
     return [v is Verdict.EQUAL for v in verdicts]
@@ -121,22 +121,22 @@ def decide_pairs(
 def math_rewards(
     responses: Sequence[str],
     golds: Sequence[str],
+    judge: Judge,
     timeout: float = DEFAULT_TIMEOUT,
-    verifier: MathVerifier | None = None,
     deadline: float | None = None,
     tally: Tally | None = None,
 ) -> list[float]:
     """Batch form of `math_reward`: one Math-Verify round trip for the whole batch."""
     if len(responses) != len(golds):
         raise ValueError(f"math_rewards: {len(responses)} responses but {len(golds)} golds")
-    return answer_rewards([extract_answer(r) for r in responses], golds, timeout, verifier, deadline, tally)
+    return answer_rewards([extract_answer(r) for r in responses], golds, judge, timeout, deadline, tally)
 
 
 def answer_rewards(
     answers: Sequence[str | None],
     golds: Sequence[str],
+    judge: Judge,
     timeout: float = DEFAULT_TIMEOUT,
-    verifier: MathVerifier | None = None,
     deadline: float | None = None,
     tally: Tally | None = None,
 ) -> list[float]:
@@ -145,21 +145,21 @@ def answer_rewards(
     if len(answers) != len(golds):
         raise ValueError(f"answer_rewards: {len(answers)} answers but {len(golds)} golds")
     idx = [i for i, a in enumerate(answers) if a is not None]
-    verdicts = decide_pairs([(golds[i], answers[i]) for i in idx], timeout, verifier, deadline, tally)
+    verdicts = decide_pairs([(golds[i], answers[i]) for i in idx], judge, timeout, deadline, tally)
     rewards = [0.0] * len(answers)
     for i, ok in zip(idx, verdicts):
         rewards[i] = 1.0 if ok else 0.0
     return rewards
 
 
-def math_reward(response: str, gold: str, timeout: float = DEFAULT_TIMEOUT) -> float:
+def math_reward(response: str, gold: str, judge: Judge, timeout: float = DEFAULT_TIMEOUT) -> float:
     """1.0 if the response's answer (`extract_answer`: what Math-Verify reads in it) equals gold, else 0.0.
 
     Multiple-choice golds (one letter A-J) compare letters. No answer (no box, no stated final answer): 0.0.
-    Never raises on any input, and a comparison that takes longer than
-    `timeout` seconds scores 0.0, from any thread.
+    Never raises on any input, and with Math-Verify's judge (`MathVerifier`) a comparison that takes longer
+    than `timeout` seconds scores 0.0, from any thread.
     """
-    return math_rewards([response], [gold], timeout)[0]
+    return math_rewards([response], [gold], judge, timeout)[0]
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _hard_keys(ballot: _Ballot) -> list[str]:
     return [k for k in ballot.order if k in hard]
 
 
-def _freeze_slow_answers(ballots, timeout, verifier, deadline, tally) -> None:
+def _freeze_slow_answers(ballots, judge: Judge, timeout, deadline, tally) -> None:
     """Parse every answer that needs Math-Verify once, all questions side by side, before any comparison.
 
     An answer whose parsing exhausts the timeout is frozen: it stays its own
@@ -212,7 +212,7 @@ def _freeze_slow_answers(ballots, timeout, verifier, deadline, tally) -> None:
     hard = [_hard_keys(b) for b in ballots]
     if not any(hard):
         return
-    verdicts, values = (verifier or default_verifier()).prepare_many(
+    verdicts, values = judge.prepare_many(
         [[b.raw[k] for k in keys] for b, keys in zip(ballots, hard)], timeout, deadline
     )
     for b, keys, vs in zip(ballots, hard, verdicts):
@@ -222,14 +222,14 @@ def _freeze_slow_answers(ballots, timeout, verifier, deadline, tally) -> None:
             tally.timeouts += sum(v.timed_out for v in vs)
 
 
-def _judge_round(asks, timeout, verifier, deadline) -> list[Verdict]:
+def _judge_round(asks, judge: Judge, timeout, deadline) -> list[Verdict]:
     """The verdicts of one round's comparisons, (ballot, key, clusters compared) each, in order. A pair
     whose probe values (from the parse ahead) differ is not equal, settled here, as the executor would
     (`answers.values_differ`): only the rest is sent."""
     pairs = [(b, c[0], key) for b, key, live in asks for c in live]
     differ = [values_differ(b.values.get(rep), b.values.get(key)) for b, rep, key in pairs]
     asked = [(b.raw[rep], b.raw[key]) for (b, rep, key), known in zip(pairs, differ) if not known]
-    sent = iter(judge_pairs(asked, timeout, verifier, deadline))
+    sent = iter(judge_pairs(asked, judge, timeout, deadline))
     return [Verdict.NOT_EQUAL if known else next(sent) for known in differ]
 
 
@@ -263,8 +263,8 @@ def _outcome(ballot: _Ballot) -> tuple[str | None, list[bool]]:
 
 def majority_votes(
     groups: Sequence[Sequence[str | None]],
+    judge: Judge,
     timeout: float = DEFAULT_TIMEOUT,
-    verifier: MathVerifier | None = None,
     deadline: float | None = None,
     tally: Tally | None = None,
     keys: Sequence[Sequence] | None = None,
@@ -287,10 +287,10 @@ def majority_votes(
     keys: per group, each answer's key from a task verifier (`verifiers.extract_answers`): answers with
     equal keys are one answer (the key wins over `equal`), which is asked only across keys.
     """
-    task = verifier is not None and verifier.spec != "math"
+    task = judge.spec != "math"
     ballots = [_ballot(answers, None if keys is None else keys[g]) for g, answers in enumerate(groups)]
     if not task:  # a task verifier has nothing to parse ahead
-        _freeze_slow_answers(ballots, timeout, verifier, deadline, tally)
+        _freeze_slow_answers(ballots, judge, timeout, deadline, tally)
     for step in range(max((len(b.order) for b in ballots), default=0)):
         asks = []  # (ballot, key, clusters compared)
         for b in ballots:
@@ -298,7 +298,7 @@ def majority_votes(
                 key = b.order[step]
                 live = [] if key in b.frozen else [c for c in b.clusters if c[0] not in b.frozen]
                 asks.append((b, key, live))
-        verdicts = iter(_judge_round(asks, timeout, verifier, deadline))
+        verdicts = iter(_judge_round(asks, judge, timeout, deadline))
         for b, key, live in asks:
             mine = [next(verdicts) for _ in live]
             if tally is not None:
@@ -307,7 +307,9 @@ def majority_votes(
     return [_outcome(b) for b in ballots]
 
 
-def majority_vote(answers: Sequence[str | None], timeout: float = DEFAULT_TIMEOUT) -> tuple[str | None, list[bool]]:
+def majority_vote(
+    answers: Sequence[str | None], judge: Judge, timeout: float = DEFAULT_TIMEOUT
+) -> tuple[str | None, list[bool]]:
     """TTRL pseudo-label: the largest cluster of Math-Verify-equivalent answers.
 
     answers: extracted answers (None where a response had none) -> (label,
@@ -316,4 +318,4 @@ def majority_vote(answers: Sequence[str | None], timeout: float = DEFAULT_TIMEOU
     largest cluster, or no answers at all, gives (None, all False), as the
     paper's public code does.
     """
-    return majority_votes([answers], timeout)[0]
+    return majority_votes([answers], judge, timeout)[0]

@@ -7,8 +7,8 @@
                     extract(response) -> str | None, equal(answer, gold) -> bool and,
                     optionally, key(answer) -> Hashable (docs/tasks.md)
 
-Every verifier but `math` runs in the grading workers (`verifier.MathVerifier` with `spec`, the
-executors' `TaskChecker`): each call has the comparison deadline, a call that raises or runs past it
+Every verifier but `math` runs in the grading workers (`trapo.engine.grading.verifier.MathVerifier` with
+`spec`, the executors' `TaskChecker`): each call has the comparison deadline, a call that raises or runs past it
 is a wrong answer (counted, warned about), a response or a pair that exhausted it is remembered.
 
 The vote (`verifiable.majority_votes`) groups a question's answers by key first (equal keys: one
@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 
 from trapo.algorithm.rewards.answers import choice_letter, normalize
 from trapo.algorithm.rewards.extraction import extract_answer
+from trapo.algorithm.rewards.judge import Judge
 from trapo.config.schema import verifier_problem
 
 # Marks a response sent to the workers for extraction: the memory of slow items then never mistakes a response
@@ -124,7 +125,7 @@ class VerifierError(Exception):
 
 
 class TaskChecker:
-    """A verifier object as a grading executor runs it (`verify_executor._run_item`).
+    """A verifier object as a grading executor runs it (`trapo.engine.grading.executor`).
 
     `single(response)` extracts the answer and its key, sent back as one code (`x` + base64 of the pickled
     pair, read by `decode`); `prepare` has nothing to do per answer; `equal(gold, pred)` asks the
@@ -162,15 +163,17 @@ def decode(payload: str) -> tuple[str | None, Hashable]:
     return pickle.loads(base64.b64decode(payload))
 
 
-def extract_answers(texts: Sequence[str], verifier=None, timeout: float | None = None, deadline=None, tally=None):
+def extract_answers(
+    texts: Sequence[str], judge: Judge | None = None, timeout: float | None = None, deadline=None, tally=None
+):
     """(answers, keys): each response's answer (None without one) and its vote key.
 
-    `math` (verifier None, or one without a task spec): `extract_answer` here, keys None (the vote
-    normalizes). Otherwise the verifier's extract and key run in its workers: one that raises, times
+    `math` (judge None, or Math-Verify's): `extract_answer` here, keys None (the vote normalizes).
+    Otherwise the task verifier's extract and key run in the judge's workers: one that raises, times
     out, is cut or fails gives None (counted in `tally`)."""
-    if verifier is None or getattr(verifier, "spec", "math") == "math":
+    if judge is None or judge.spec == "math":
         return [extract_answer(t) for t in texts], None
-    verdicts, payloads = verifier.extract_many(list(texts), timeout, deadline)
+    verdicts, payloads = judge.extract_many(list(texts), timeout, deadline)
     if tally is not None:
         tally.add(verdicts)
     answers: list[str | None] = []

@@ -1,6 +1,6 @@
-"""The executors' side of the Math-Verify worker: processes forked by the supervisor (`verify_worker`).
+"""The executors' side of Math-Verify grading: processes forked by the supervisor (`supervisor`).
 
-An executor serves one item after another from its pipe (`verify_protocol`): Math-Verify with a
+An executor serves one item after another from its pipe (`protocol`): Math-Verify with a
 parse cache and a numeric pre-filter (`_Checker`), each item under a soft alarm (SIGALRM raises
 `_Overtime`), its progress marked in a byte shared with the supervisor, which kills it past the hard
 deadline. It dies with the supervisor (PR_SET_PDEATHSIG).
@@ -30,7 +30,7 @@ import signal
 
 from trapo import faults
 from trapo.algorithm.rewards.answers import PART_MARK, exact_number, values_differ
-from trapo.algorithm.rewards.verify_protocol import _read_message, encode_value
+from trapo.engine.grading.protocol import _read_message, encode_value
 
 _NO_FILTER = ("%", "circ", "degree", "text", "mathrm", "mbox")
 # An exact rational power whose result has more bits than this: an hour of Python's integer power and

@@ -1,20 +1,23 @@
-"""A warm parent for Math-Verify supervisors: it imports and warms up Math-Verify once, then forks a supervisor
-for each verifier that asks.
+"""The grader parent: a warm parent for the tests' Math-Verify supervisors. It imports and warms up Math-Verify
+once, then forks a supervisor for each verifier that asks.
 
-A supervisor (`verify_worker`) spends about 1 s of CPU on sympy's and Math-Verify's imports and its warm-up
-before it grades anything: as much as a short toy run's own work after a fork server's imports. A process that
-starts many trainers (the test suite, a sweep) can start one `Zygote` and put its name in the trainers'
-environment as TRAPO_VERIFY_ZYGOTE: a `MathVerifier` there asks it for its supervisor (`fork_supervisor`),
-handing over the pipes and the environment it would have given a started one. The zygote runs with the
-supervisor's fixed hash seed, so a forked supervisor's verdicts are a started one's. Only the default verifier
-(`math`) of the zygote's own package and interpreter is forked: a task verifier imports the user's module, from
-the trainer's directory and path, and an installed wheel's verifier runs the wheel's code.
+A supervisor (trapo/engine/grading/supervisor.py) spends about 1 s of CPU on sympy's and Math-Verify's imports
+and its warm-up before it grades anything: as much as a short toy run's own work. The test suite starts one
+`GraderParent` per worker and names it in the environment as ENV; `install()`, called in a process whose
+environment names one (the pytest process, a trainer forked for a test), replaces the package's one seam for
+starting a supervisor (`trapo.engine.grading.verifier.start_supervisor`): a `MathVerifier` there then asks the
+parent for its supervisor (`fork_supervisor`), handing over the pipes and the environment it would have given a
+started one. The parent runs with the supervisor's fixed hash seed, so a forked supervisor's verdicts are a
+started one's. Only the default verifier (`math`) of the parent's own package and interpreter is forked: a task
+verifier imports the user's module, from the trainer's directory and path, and an installed wheel's verifier
+runs the wheel's code. Where ENV is unset, or the parent does not answer, the supervisor starts as in a user's
+run.
 
-The zygote's socket (abstract, unix) listens from the moment `Zygote()` returns: a verifier that asks before
-the zygote's imports are done waits for them instead of starting a supervisor of its own. The zygote ends when
-its owner closes the lifeline (its stdin) or dies. A forked supervisor is the zygote's child, not the
+The parent's socket (abstract, unix) listens from the moment `GraderParent()` returns: a verifier that asks
+before the parent's imports are done waits for them instead of starting a supervisor of its own. The parent ends
+when its owner closes the lifeline (its stdin) or dies. A forked supervisor is the parent's child, not the
 trainer's; it ends as a started one does, when the trainer closes its stdin or kills it (`Forked`, through a
-pidfd the zygote sends).
+pidfd the parent sends).
 """
 
 from __future__ import annotations
@@ -32,40 +35,34 @@ import traceback
 import uuid
 from pathlib import Path
 
-ENV = "TRAPO_VERIFY_ZYGOTE"
-_PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # the directory that holds `trapo/`
-_REPLY_TIMEOUT = 120.0  # the zygote's imports and warm-up, on a machine busy with other start-ups
+import trapo
+from trapo.engine.grading import verifier
+from trapo.engine.grading.verifier import supervisor_env
+
+ENV = "TRAPO_TESTS_GRADER_PARENT"
+_PACKAGE_PARENT = Path(trapo.__file__).resolve().parents[1]  # the directory that holds this process's `trapo/`
+_REPLY_TIMEOUT = 120.0  # the parent's imports and warm-up, on a machine busy with other start-ups
 _REQUEST_BYTES = 1 << 20  # a request carries the asker's environment
+start_fresh = verifier.start_supervisor  # the package's own: a supervisor started as in a user's run
 
 
-def supervisor_env(base) -> dict[str, str]:
-    """The environment of a supervisor started from a process in `base` (a forked one gets it too)."""
-    # A fixed hash seed: Math-Verify's verdict on degenerate answers (`0` vs `4 0/0`) follows set and dict
-    # order, which would otherwise change from run to run. Executors fork from the supervisor: same seed.
-    # (sympy's own random order is reset before each item: verify_executor._run_item.)
-    env = {**base, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    # The worker imports this package: the directory that holds `trapo/` goes first on its path.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-class Zygote:
+class GraderParent:
     """The owner's side: `name` goes into the trainers' environment (ENV); `close()` (or the owner's exit) ends it."""
 
     def __init__(self, env: dict[str, str] | None = None):
-        self.name = f"trapo-verify-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.name = f"trapo-tests-graders-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         env = supervisor_env(os.environ if env is None else env)
         env.pop(ENV, None)
-        # Listening from here on: who asks before the zygote's imports are done waits for them.
+        # Listening from here on: who asks before the parent's imports are done waits for them.
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             listener.bind("\0" + self.name)
             listener.listen(64)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trapo.algorithm.rewards.verify_zygote", str(listener.fileno())],
+                [sys.executable, os.path.abspath(__file__), str(listener.fileno())],
                 stdin=subprocess.PIPE,
                 env=env,
                 pass_fds=[listener.fileno()],
-                start_new_session=True,  # a Ctrl-C at the terminal is for the owner; the zygote ends with it
+                start_new_session=True,  # a Ctrl-C at the terminal is for the owner; the parent ends with it
             )
 
     def close(self) -> None:
@@ -79,9 +76,9 @@ class Zygote:
 
 
 class Forked:
-    """A supervisor forked by the zygote, as `subprocess.Popen` shows a started one to `MathVerifier`: `pid`,
-    `stdin`, `stdout`, `poll()`, `kill()`, `wait()`. Its exit status goes to its parent, the zygote: `poll()`
-    returns None while it runs and then `returncode`, -1 (not its status)."""
+    """A supervisor forked by the grader parent, as `subprocess.Popen` shows a started one to `MathVerifier`:
+    `pid`, `stdin`, `stdout`, `poll()`, `kill()`, `wait()`. Its exit status goes to its parent, the grader parent:
+    `poll()` returns None while it runs and then `returncode`, -1 (not its status)."""
 
     returncode = -1
 
@@ -111,8 +108,8 @@ class Forked:
 
 
 def fork_supervisor(workers: int, max_workers: int, spec: str) -> Forked | None:
-    """A supervisor from the zygote that ENV names; None when there is none, `spec` is a task verifier, or the
-    zygote does not answer (the caller then starts one itself)."""
+    """A supervisor from the grader parent that ENV names; None when there is none, `spec` is a task verifier, or
+    the parent does not answer (the caller then starts one itself)."""
     name = os.environ.get(ENV)
     if not name or spec != "math":
         return None
@@ -127,7 +124,7 @@ def fork_supervisor(workers: int, max_workers: int, spec: str) -> Forked | None:
             request |= {"package": str(_PACKAGE_PARENT), "python": sys.executable}
             socket.send_fds(sock, [json.dumps(request).encode()], [stdin_r, stdout_w, 2])
             reply, fds, _, _ = socket.recv_fds(sock, 1024, 1)
-    except OSError:  # no zygote (ended, or never started), or no answer in time
+    except OSError:  # no parent (ended, or never started), or no answer in time
         os.close(stdin_w)
         os.close(stdout_r)
         return None
@@ -141,9 +138,27 @@ def fork_supervisor(workers: int, max_workers: int, spec: str) -> Forked | None:
     return Forked(json.loads(reply)["pid"], fds[0], stdin_w, stdout_r)
 
 
+def start_forked_or_fresh(num_workers: int, max_workers: int, spec: str):
+    """`start_supervisor` where ENV names a grader parent: forked from it, else started as the package does."""
+    return fork_supervisor(num_workers, max_workers, spec) or start_fresh(num_workers, max_workers, spec)
+
+
+def install() -> bool:
+    """In this process, supervisors fork from the grader parent that ENV names (read at each start: a test that
+    unsets it gets started ones); False, and nothing replaced, where ENV is unset."""
+    if not os.environ.get(ENV):
+        return False
+    verifier.start_supervisor = start_forked_or_fresh
+    return True
+
+
+def uninstall() -> None:
+    verifier.start_supervisor = start_fresh
+
+
 def _supervise(conn: socket.socket, listener: socket.socket) -> None:
     """Fork one supervisor onto the pipes `conn` brings; tell the asker its pid and a pidfd for it."""
-    from trapo.algorithm.rewards.verify_worker import _serve
+    from trapo.engine.grading.supervisor import _serve
 
     data, fds, _, _ = socket.recv_fds(conn, _REQUEST_BYTES, 3)
     request = json.loads(data) if len(fds) == 3 else None
@@ -179,7 +194,7 @@ def _supervise(conn: socket.socket, listener: socket.socket) -> None:
 
 
 def _main(fd: int) -> None:
-    from trapo.algorithm.rewards.verify_worker import warm_up
+    from trapo.engine.grading.supervisor import warm_up
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     listener = socket.socket(fileno=fd)  # the owner's, bound and listening

@@ -1,7 +1,7 @@
-"""Math-Verify worker: a supervisor process that runs comparisons in forked executors.
+"""The Math-Verify supervisor: the process that runs comparisons in forked executors.
 
-Started by `trapo.algorithm.rewards.verifier.MathVerifier` as
-`python -m trapo.algorithm.rewards.verify_worker WORKERS MAX_WORKERS [SPEC]` (SPEC: `reward.verifier`;
+Started by `trapo.engine.grading.verifier.MathVerifier` as
+`python -m trapo.engine.grading.supervisor WORKERS MAX_WORKERS [SPEC]` (SPEC: `reward.verifier`;
 a task verifier's calls take Math-Verify's place in the executors, under the same rules: `verifiers`). The supervisor
 imports and warms up Math-Verify once, then forks its executors from itself
 (a few milliseconds each, already warm). After the warm-up it never runs
@@ -27,8 +27,8 @@ sympy, so it stays responsive and enforces every deadline itself:
   one; only a second death settles it, as f (failed: undecided). A death
   is no timeout: nothing is remembered for it.
 
-The wire, both ways: `verify_protocol`. The executors' side (Math-Verify, its
-parse cache, the numeric pre-filter, the soft alarm): `verify_executor`.
+The wire, both ways: `protocol`. The executors' side (Math-Verify, its
+parse cache, the numeric pre-filter, the soft alarm): `executor`.
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from trapo.algorithm.rewards.verify_executor import _Checker, _executor_main
-from trapo.algorithm.rewards.verify_protocol import _read_message, _write_message
+from trapo.engine.grading.executor import _Checker, _executor_main
+from trapo.engine.grading.protocol import _read_message, _write_message
 
 _CACHE_LIMIT = 50_000  # parsed answers an executor keeps before starting afresh
 _MEMORY_LIMIT = 10_000  # remembered slow answers and pairs
 _SOFT = 0.9  # the soft alarm rings at this fraction of an item's time
 _MISS_COST = 2  # placing a unit: an answer not yet parsed there weighs as much as two queued items
 
-log = logging.getLogger("trapo.verify_worker")
+log = logging.getLogger("trapo.engine.grading.supervisor")  # by name: run as __main__
 
 
 def patience(timeout: float) -> float:
@@ -341,7 +341,7 @@ class Supervisor:
     def _wait(self, req: _Request, wait_s: float, now: float) -> None:
         busy = [ex for ex in self.executors if ex.item is not None]
         if not busy:
-            raise RuntimeError("verify_worker: items left but nothing running")  # a scheduling bug
+            raise RuntimeError("grading supervisor: items left but nothing running")  # a scheduling bug
         events = [ex.hard_at for ex in busy]
         events += [ex.started + wait_s for ex in busy if now - ex.started < wait_s]
         if req.deadline is not None:
@@ -419,7 +419,7 @@ class Supervisor:
 
 def warm_up() -> None:
     """Math-Verify's first parse of each kind of answer pays one-off set-up (its imports, regexes, the LaTeX
-    grammar): paid once, before executors are forked (and by `verify_zygote` before it forks supervisors)."""
+    grammar): paid once, before executors are forked (and by a warm parent before it forks supervisors)."""
     warm = _Checker()
     for answer in ("1", "\\frac{1}{2}", "x^2+1", "(1,2)", "[1,2)", "\\{1,2\\}", "1+2i", "x=1", "\\text{A}"):
         warm.equal(answer, answer)
@@ -439,7 +439,7 @@ def _serve(workers: int, max_workers: int, spec: str = "math", warm: bool = True
 
     make_checker = None
     if spec == "math":
-        if warm:  # else forked from a warm zygote
+        if warm:  # else forked from a warm parent, which paid it
             warm_up()
     else:  # a task verifier (`reward.verifier`): imported once here, its executors fork with it
         from trapo.algorithm.rewards.verifiers import TaskChecker, load_verifier

@@ -1,4 +1,4 @@
-"""Graders outlive their processes (trapo/algorithm/rewards/verifier.py, verify_worker.py): an executor or the
+"""Graders outlive their processes (trapo/engine/grading/verifier.py, supervisor.py): an executor or the
 supervisor killed while an item is in flight costs no verdict, nothing is remembered as slow for it, a
 replacement supervisor that dies while starting is retried, and what still cannot be decided is FAILED, never
 an exception. The items are held in flight deterministically: the executors are stopped (SIGSTOP) before the
@@ -10,9 +10,11 @@ import threading
 import time
 
 import pytest
+from forking import graders
 
-from trapo.algorithm.rewards import verifier as verifier_module
-from trapo.algorithm.rewards.verifier import MathVerifier, Verdict
+from trapo.algorithm.rewards import Verdict
+from trapo.engine.grading import verifier as verifier_module
+from trapo.engine.grading.verifier import MathVerifier
 
 PAIRS = [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x^2+2x+1", "(x+1)^2")]
 RIGHT = [Verdict.EQUAL, Verdict.NOT_EQUAL, Verdict.EQUAL]
@@ -94,8 +96,8 @@ def test_a_supervisor_killed_mid_request_is_replaced_and_its_items_rerun(verifie
 
 def test_replacements_that_die_while_starting_are_retried_then_items_fail_without_an_exception(monkeypatch):
     # started supervisors: each spends its imports' second starting, where the killer below finds it (one forked
-    # from the test suite's zygote is ready in milliseconds)
-    monkeypatch.delenv("TRAPO_VERIFY_ZYGOTE", raising=False)
+    # from the test suite's grader parent is ready in milliseconds)
+    monkeypatch.delenv(graders.ENV, raising=False)
     # the waits between tries shortened (7 s in all): what is tested is that each try is made, then the items fail
     monkeypatch.setattr(verifier_module, "_RESTART_WAITS", (0.1, 0.2, 0.4))
     verifier = MathVerifier(num_workers=2, timeout=20.0)

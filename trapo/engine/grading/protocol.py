@@ -1,8 +1,8 @@
 """The wire between the Math-Verify processes: length-prefixed pickles one way, result lines back.
 
-Both pipes speak it: the trainer's `verifier.MathVerifier` to the supervisor (`verify_worker`, on its
+Both pipes speak it: the trainer's `verifier.MathVerifier` to the supervisor (`supervisor`, on its
 stdin and stdout; the trainer writes the same framing in `verifier._SupervisorProcess.send`), and the
-supervisor to each executor it forks (`verify_executor`). A message is a 4-byte big-endian length,
+supervisor to each executor it forks (`executor`). A message is a 4-byte big-endian length,
 then a pickle.
 
 Protocol on the supervisor's stdin/stdout:
@@ -20,7 +20,7 @@ Protocol on the supervisor's stdin/stdout:
   float-range number, `rm<mantissa>,<exponent>` where it is a real beyond that range: `encode_value`),
   t the comparison of the two
   (already parsed) answers timed out, g / p parsing the gold / pred timed
-  out, b cut by the deadline, f failed (executors died on it twice: undecided) (see `verifier.Verdict`);
+  out, b cut by the deadline, f failed (executors died on it twice: undecided) (see `judge.Verdict`);
   a `*` after g, p or t says the supervisor remembered the answer or pair now (the parent mirrors it).
 
 Between the supervisor and an executor: per item, a message (gold, pred, seconds to the soft alarm,

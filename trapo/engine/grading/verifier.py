@@ -3,18 +3,19 @@
 Math-Verify's own timeout uses SIGALRM, which only works in the main
 thread, and cannot interrupt a long C-level computation (huge integer
 powers) at all. So comparisons run in another process tree
-(`trapo.algorithm.rewards.verify_worker`): one supervisor, which forks executors and
+(`trapo.engine.grading.supervisor`): one supervisor, which forks executors and
 enforces every deadline, including the step's grading budget. The parent
 side is plain pipes and `select`, so it works from a worker thread or
 process too.
 
+`MathVerifier` is the `Judge` that the reward functions of `trapo.algorithm.rewards` are given.
 Each comparison comes back as a `Verdict`, so that a timeout (and the answer
 it is blamed on) is told apart from a plain "not equal". Unique pairs are
 queued on the executors grouped by gold string (so each executor's parse
 cache sees the same golds again).
 
 Graders outlive their processes. An executor that dies mid-item is replaced
-and the item re-run once (verify_worker). A supervisor that dies mid-request
+and the item re-run once (`supervisor`). A supervisor that dies mid-request
 is restarted and sent the items it had not answered, once; restarts back off
 (1, 2, 4 s) while a new one fails to start. What still cannot be decided is
 FAILED: scored as not equal, counted, and warned about, never a timeout and
@@ -28,7 +29,6 @@ do not change when a process is replaced or a run resumes.
 from __future__ import annotations
 
 import atexit
-import enum
 import logging
 import os
 import pickle
@@ -39,14 +39,18 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from trapo.algorithm.rewards.verify_protocol import decode_value
+from trapo.algorithm.rewards.judge import Verdict
+from trapo.engine.grading.protocol import decode_value
+from trapo.engine.grading.supervisor import remember
 
 log = logging.getLogger(__name__)
 
 
 _STALL_S = 30.0  # beyond the timeout: a supervisor silent this long is broken (it settles every item in time)
 _RESTART_WAITS = (1.0, 2.0, 4.0)  # seconds before each further try to start a replacement supervisor
+_PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # the directory that holds `trapo/`
 
 
 class _StartFailed(Exception):
@@ -57,42 +61,37 @@ class _Unavailable(Exception):
     """No supervisor could be (re)started for now: this request's items are FAILED."""
 
 
-class Verdict(enum.Enum):
-    """The outcome of one comparison (or, for `prepare_many`, of parsing one answer)."""
+def supervisor_env(base) -> dict[str, str]:
+    """The environment of a supervisor started from a process in `base`."""
+    # A fixed hash seed: Math-Verify's verdict on degenerate answers (`0` vs `4 0/0`) follows set and dict
+    # order, which would otherwise change from run to run. Executors fork from the supervisor: same seed.
+    # (sympy's own random order is reset before each item: `executor._run_item`.)
+    env = {**base, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    # The supervisor imports this package: the directory that holds `trapo/` goes first on its path.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
+    return env
 
-    EQUAL = "1"
-    NOT_EQUAL = "0"
-    READY = "r"  # prepare_many: parsed, and cached for the comparisons to come
-    TIMEOUT = "t"  # both answers parsed, but comparing them ran out of time: blame the pair
-    GOLD_TIMEOUT = "g"  # parsing the gold ran out of time, now or at an earlier call
-    PRED_TIMEOUT = "p"  # parsing the pred ran out of time, now or at an earlier call
-    CUT = "b"  # the grading budget was spent before it was decided
-    FAILED = "f"  # undecided: grading processes died on it twice, or none could be restarted
-    ERROR = "e"  # a task verifier's call raised (`reward.verifier`): wrong, counted with the failed
-    EXTRACTED = "x"  # extract_many: a task verifier's extraction came back (its answer and key)
 
-    @property
-    def timed_out(self) -> bool:
-        return self in (Verdict.TIMEOUT, Verdict.GOLD_TIMEOUT, Verdict.PRED_TIMEOUT)
+def start_supervisor(num_workers: int, max_workers: int, spec: str) -> subprocess.Popen:
+    """The supervisor process of one verifier, as a `subprocess.Popen` (what `MathVerifier` uses of it: `pid`,
+    `stdin`, `stdout`, `poll()`, `kill()`, `wait()`). The one place a supervisor is started: the test suite
+    replaces it to fork supervisors from a warm parent."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "trapo.engine.grading.supervisor", str(num_workers), str(max_workers), spec],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=supervisor_env(os.environ),
+        # Its own session: a Ctrl-C at the terminal reaches the trainer, which finishes its step
+        # (grading included) before it stops; the supervisor ends when the trainer closes its stdin.
+        start_new_session=True,
+    )
 
 
 class _SupervisorProcess:
-    """The verify_worker process, as the parent sees it."""
+    """The supervisor process, as the parent sees it."""
 
     def __init__(self, num_workers: int, max_workers: int, spec: str = "math"):
-        # imported here: the package imports this module, and `python -m` of a module it imports warns
-        from trapo.algorithm.rewards import verify_zygote
-
-        # Forked from the zygote that the test suite or a sweep started, if any; else started here.
-        self.proc = verify_zygote.fork_supervisor(num_workers, max_workers, spec) or subprocess.Popen(
-            [sys.executable, "-m", "trapo.algorithm.rewards.verify_worker", str(num_workers), str(max_workers), spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=verify_zygote.supervisor_env(os.environ),
-            # Its own session: a Ctrl-C at the terminal reaches the trainer, which finishes its step
-            # (grading included) before it stops; the worker ends when the trainer closes its stdin.
-            start_new_session=True,
-        )
+        self.proc = start_supervisor(num_workers, max_workers, spec)
         self.fd = self.proc.stdout.fileno()
         self.ready = False
         self.buffer = b""
@@ -203,7 +202,6 @@ class MathVerifier:
     def _mirror(self, item: tuple[str, str | None], code: str, timeout: float) -> None:
         """What the supervisor remembered on a fresh timeout (`code` g*, p* or t*), in the same order."""
         gold, pred = item
-        from trapo.algorithm.rewards.verify_worker import remember
 
         store, key = (
             (self._slow_answers, gold)
@@ -278,7 +276,7 @@ class MathVerifier:
                 self._supervisor = None
                 raise _StartFailed(
                     f"{self.name} worker exited at start-up (is math-verify installed? can it import the verifier? "
-                    f"try: {sys.executable} -m trapo.algorithm.rewards.verify_worker)"
+                    f"try: {sys.executable} -m trapo.engine.grading.supervisor)"
                 )
             sup.ready = any(line == b"ready" for line in lines)
         return True
