@@ -109,7 +109,7 @@ endif
 
 # The five sensitivity and selection studies on the toy (configs/studies/toy/, paper Figure 5 and its tables):
 # every run, then docs/reproduce-toy/sensitivity.json, sensitivity.md and its plots; then the curriculum study
-# (curriculum.yaml, issue 44) and its page, curriculum.md. QUICK=1: 2 seeds, half the steps, into
+# (curriculum.yaml) and its page, curriculum.md. QUICK=1: 2 seeds, half the steps, into
 # outputs/studies-quick/ (the curriculum: one seed, into outputs/studies-quick/curriculum).
 studies-toy: $(STAMP)
 ifeq ($(QUICK),)
