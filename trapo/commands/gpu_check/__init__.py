@@ -426,11 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [fn.__name__ for fn in ORDER]
     planned, planned_s = plan.within_budget(["kit", *names], args.budget_s)
     if args.only:
-        fns, title, make_args = (
-            [CHECKS[n] for n in args.only],
-            "only-" + "-".join(args.only),
-            " ONLY=" + ",".join(args.only),
-        )
+        fns = [CHECKS[n] for n in args.only]
+        title, make_args = "only-" + "-".join(args.only), " ONLY=" + ",".join(args.only)
     elif args.part:
         fns, title, make_args = PARTS[args.part], f"part{args.part}", f" PART={args.part}"
     else:  # the dry run runs every check, so CI keeps each one working; the GPU runs the plan
