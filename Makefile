@@ -109,7 +109,7 @@ endif
 
 # The five sensitivity and selection studies on the toy (configs/studies/toy/, paper Figure 5 and its tables):
 # every run, then docs/reproduce-toy/sensitivity.json, sensitivity.md and its plots; then the curriculum study
-# (curriculum.yaml, issue 44) and its page, curriculum.md. QUICK=1: 2 seeds, half the steps, into
+# (curriculum.yaml) and its page, curriculum.md. QUICK=1: 2 seeds, half the steps, into
 # outputs/studies-quick/ (the curriculum: one seed, into outputs/studies-quick/curriculum).
 studies-toy: $(STAMP)
 ifeq ($(QUICK),)
@@ -153,21 +153,29 @@ bench: $(STAMP)
 	$(PY) bench/bench_lora.py | tee outputs/bench/lora.txt
 	$(PY) -m trapo readme --bench outputs/bench
 
-# A lent GPU machine (Python 3.12, torch, transformers; no DeepSpeed, Math-Verify or vLLM, no index):
-# `make gpu-kit` here downloads what it lacks into .gpukit/ (git-ignored, about 21 MiB); there,
-# `make gpu-check [PART=1|2|3|4 | ONLY=check,...]` installs it offline and checks the trainer on the GPU, writing
-# docs/gpu/<date>-<gpu>.md. GPU_CHECK_DRY_RUN=1 runs the same script on CPU with the toy (CI does).
+# A new GPU node, perhaps air-gapped, and a time box (docs/gpus.md): `make gpu-kit [KIT_PYTHON=3.12 KIT_TORCH=...]`
+# where the package index is reachable downloads what the trainer needs beyond the node's Python and torch
+# (defaults: those the last report in docs/gpu/ ran on) into .gpukit/ (git-ignored); on the node,
+# `make gpu-check [PART=1|2|3|4 | ONLY=check,...] [BUDGET_S=480] [REPORT_DIR=dir]` installs it offline and
+# checks the trainer on the GPU within BUDGET_S seconds, writing <date>-<gpu>.md into REPORT_DIR (default
+# docs/gpu/ in a clone). GPU_CHECK_DRY_RUN=1 runs the same script on CPU with the toy (CI does).
+KIT_PYTHON ?=
+KIT_TORCH ?=
 gpu-kit: $(STAMP)
-	$(PY) -m trapo gpu-kit
+	$(PY) -m trapo gpu-kit $(if $(KIT_PYTHON),--python $(KIT_PYTHON)) $(if $(KIT_TORCH),--torch $(KIT_TORCH))
 
 PART ?=
 ONLY ?=
+BUDGET_S ?=
+REPORT_DIR ?=
+GPU_CHECK_ARGS = $(if $(PART),--part $(PART)) $(if $(ONLY),--only $(ONLY)) $(if $(BUDGET_S),--budget-s $(BUDGET_S)) \
+	$(if $(REPORT_DIR),--report-dir $(REPORT_DIR))
 ifeq ($(GPU_CHECK_DRY_RUN),1)
 gpu-check: $(STAMP)
-	$(PY) -m trapo gpu-check --dry-run $(if $(PART),--part $(PART)) $(if $(ONLY),--only $(ONLY))
+	$(PY) -m trapo gpu-check --dry-run $(GPU_CHECK_ARGS)
 else
 gpu-check:
-	python3 -m trapo gpu-check $(if $(PART),--part $(PART)) $(if $(ONLY),--only $(ONLY))
+	python3 -m trapo gpu-check $(GPU_CHECK_ARGS)
 endif
 
 clean-venv:

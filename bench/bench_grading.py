@@ -83,7 +83,7 @@ def naive(responses, golds):
 def main() -> None:
     responses, golds = make_batch()
     print(f"grading {len(responses)} responses ({QUESTIONS} questions x {G}) + majority vote, MATH-500 golds")
-    verifier = MathVerifier(num_workers=int(os.environ.get("TRAPO_VERIFY_WORKERS", 2)))
+    verifier = MathVerifier(num_workers=2)
     t0 = time.perf_counter()
     verifier.start()
     startup = time.perf_counter() - t0

@@ -281,6 +281,19 @@ def test_commands_named_in_the_docs_exist():
     assert old_style == [], "commands are `python -m trapo <command>` now"
 
 
+def test_every_trapo_variable_the_package_names_is_documented_as_a_setting():
+    named = {}
+    for path in sorted((ROOT / "trapo").rglob("*.py")):
+        for name in re.findall(r"(?<![A-Z_])TRAPO_[A-Z_]+", path.read_text()):
+            named.setdefault(name, str(path.relative_to(ROOT)))
+    text = (DOCS / "configuration.md").read_text()
+    section = text[text.index("## Environment variables") : text.index("## Every key")]
+    documented = set(re.findall(r"`(TRAPO_[A-Z_]+)", section))
+    missing = {name: path for name, path in named.items() if name not in documented}
+    assert missing == {}, "document each in docs/configuration.md, 'Environment variables', or drop it"
+    assert documented <= set(named), "docs/configuration.md documents variables trapo/ no longer reads"
+
+
 def test_library_example_prints_what_its_comments_say(capsys):
     """The Python example of docs/library.md runs, and each `print(...)  # x` line prints x."""
     text = (DOCS / "library.md").read_text()

@@ -118,6 +118,25 @@ def test_torchdynamo_disable_is_unset_on_gpu_and_kept_on_cpu(monkeypatch):
     assert os.environ["TORCHDYNAMO_DISABLE"] == "1" and len(runtime.NOTICES) == 1
 
 
+def test_trapo_device_overrides_the_gpu_probe(monkeypatch):
+    """TRAPO_DEVICE (docs/configuration.md): `cpu` on a node with GPUs gets the CPU settings, `cuda` where the probe
+    finds no device node the GPU's; unset, the device nodes decide."""
+    import types
+
+    from trapo import runtime
+
+    monkeypatch.delenv("TRAPO_DEVICE", raising=False)
+    monkeypatch.setattr(runtime, "glob", types.SimpleNamespace(glob=lambda pattern: ["/dev/nvidia0"]))
+    assert runtime.has_gpu() and "OMP_NUM_THREADS" not in runtime.settings()
+    monkeypatch.setenv("TRAPO_DEVICE", "cpu")
+    assert not runtime.has_gpu() and runtime.settings()["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr(runtime, "glob", types.SimpleNamespace(glob=lambda pattern: []))
+    monkeypatch.delenv("TRAPO_DEVICE")
+    assert not runtime.has_gpu() and runtime.settings()["TORCHDYNAMO_DISABLE"] == "1"
+    monkeypatch.setenv("TRAPO_DEVICE", "cuda")
+    assert runtime.has_gpu() and "TORCHDYNAMO_DISABLE" not in runtime.settings()
+
+
 HANG = """
 import os, sys, time
 from trapo import runtime

@@ -21,8 +21,8 @@ COMMANDS = {
     "doctor": ("trapo.commands.doctor", "preflight: versions, devices, a two-step trial run, the memory plan"),
     "report": ("trapo.commands.report", "plots and report.md of a run directory"),
     "reproduce": ("trapo.commands.reproduce", "the paper's claims on the toy task (make reproduce-toy)"),
-    "gpu-kit": ("trapo.commands.gpu_kit", "wheels a lent GPU machine lacks, for an offline install (make gpu-kit)"),
-    "gpu-check": ("trapo.commands.gpu_check", "what works on this GPU, in one planned call or a part (make gpu-check)"),
+    "gpu-kit": ("trapo.commands.gpu_kit", "an offline wheel kit for a new GPU node's Python and torch (make gpu-kit)"),
+    "gpu-check": ("trapo.commands.gpu_check", "a new GPU node's acceptance check, in a time box (make gpu-check)"),
 }
 # Maintainers' tools: run like the commands above, kept out of --help's list, which is the user's.
 MAINTAINER = {

@@ -317,7 +317,7 @@ def test_every_numeric_flag_is_checked_before_the_model_is_fetched():
     from trapo import runtime
     from trapo.commands.eval import check_flags
 
-    ok = dict(n=4, temperature=0.6, max_tokens=32, max_prompt_tokens=None, limit=None, hf_max_batch=8)
+    ok = dict(n=4, temperature=0.6, max_tokens=32, max_prompt_tokens=None, limit=None, hf_max_batch=8, grader_workers=2)
     ok.update(rope_theta=None, max_position_embeddings=None, pass_k=4, seed=0)
     check_flags(argparse.Namespace(**ok))
     check_flags(argparse.Namespace(**{**ok, "n": None, "pass_k": 2}))  # the benchmarks' n is checked later
@@ -333,6 +333,7 @@ def test_every_numeric_flag_is_checked_before_the_model_is_fetched():
         ({"max_prompt_tokens": -5}, "--max-prompt-tokens -5: must be >= 1"),
         ({"max_position_embeddings": 0}, "--max-position-embeddings 0: must be >= 1"),
         ({"limit": -1}, "--limit -1: must be >= 1"),
+        ({"grader_workers": 0}, "--grader-workers 0: must be >= 1"),
         ({"hf_max_batch": 0}, "--hf-max-batch 0: must be >= 1"),
         ({"rope_theta": float("inf")}, "--rope-theta inf: must be a finite number > 0"),
         ({"rope_theta": -1.0}, "--rope-theta -1.0: must be a finite number > 0"),

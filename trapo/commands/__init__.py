@@ -8,8 +8,8 @@
 - reproduce/     the paper's claims on the toy task (`make reproduce-toy`)
 - toy.py         the embedded default task: a tiny Qwen2 and synthetic arithmetic, built here
 - readme.py      the generated blocks of README.md and docs/, rewritten from the outputs
-- gpu_kit.py     the wheels a lent GPU machine lacks (`make gpu-kit`)
-- gpu_check/     what works on a GPU, in parts, with a report (`make gpu-check`; a dry run on CPU)
+- gpu_kit.py     an offline wheel kit for a new GPU node with no package index (`make gpu-kit`)
+- gpu_check/     a new GPU node's acceptance check in a time box, with a report (`make gpu-check`; a dry run on CPU)
 
 The top layer: may import every other one (trapo.training, trapo.engine, trapo.algorithm, the shared
 vocabulary); nothing below imports a command.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -142,6 +143,7 @@ def check_flags(args) -> None:
         ("--max-position-embeddings", args.max_position_embeddings),
         ("--limit", args.limit),
         ("--hf-max-batch", args.hf_max_batch),
+        ("--grader-workers", args.grader_workers),
     ):
         if value is not None and value < 1:
             raise DataError(f"{flag} {value}: must be >= 1")
@@ -272,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         "--verifier",
         default="math",
         help="what an answer is and when it is right: math (default), mcq, exact or module:name (docs/tasks.md)",
+    )
+    parser.add_argument(
+        "--grader-workers", type=int, default=min(2, os.cpu_count() or 1), help="grading worker processes"
     )
     args = parser.parse_args(argv)
     try:
@@ -427,11 +432,9 @@ def _run(args, model: Path, out: Path, samples: Path, settings: dict, benchmarks
     engine = open_engine(
         engine_settings(args, model, max_model_len), str(model), tokenizer=tokenizer, stop_token_ids=stops
     )
-    verifier = None  # Math-Verify: the process-wide one
-    if args.verifier != "math":
-        from trapo.engine.grading.verifier import MathVerifier
+    from trapo.engine.grading.verifier import MathVerifier
 
-        verifier = MathVerifier(spec=args.verifier)
+    verifier = MathVerifier(num_workers=args.grader_workers, spec=args.verifier)
     reused = sum(1 for key in done if key[0] in {b.name for b in benchmarks})
     generated = [0]
     bars = BenchmarkBars(benchmarks, done, n_for, enabled=not args.no_progress)

@@ -1,46 +1,55 @@
-"""`make gpu-kit`: the wheels a lent GPU machine lacks, for an offline install there (`make gpu-check`).
+"""`make gpu-kit`: an offline wheel kit for a new GPU node that reaches no package index (`make gpu-check` there).
 
-    python -m trapo gpu-kit [--out .gpukit]
+    python -m trapo gpu-kit [--python 3.12] [--torch 2.11.0+cu130] [--out .gpukit]
 
-The lent machines run Python 3.12 with torch 2.11 (CUDA 13), transformers 5.17 and much of the scientific
-stack, but no DeepSpeed, Math-Verify or vLLM, and they reach no package index. The kit holds, for Python
-3.12 on linux x86_64, what the trainer imports there beyond that image, at the versions this checkout
-is tested with (read from the environment that runs this command, i.e. `make setup`'s pins):
+The node is taken to have its own Python and torch (the CUDA build that matches its driver) and the usual
+scientific stack; what the trainer imports beyond that is carried here, at the versions this checkout is
+tested with (read from the environment that runs this command, i.e. `make setup`'s pins), as wheels for
+the node's Python on linux x86_64:
 
 - DeepSpeed, built here from its source release with DS_BUILD_OPS=0 (no prebuilt CUDA ops: the trainer
   uses torch's own AdamW, so no DeepSpeed op is ever compiled), and its pydantic;
 - Math-Verify, its LaTeX parser and the ANTLR runtime that parser pins;
-- transformers and tokenizers at our pins (the image's 5.17 and 0.23.2 are older), and regex and
-  typing-extensions, which they and pydantic need newer than an image may have;
-- peft, for model.lora (the image's version is not known ahead).
+- transformers and tokenizers at our pins, and regex and typing-extensions, which they and pydantic need
+  newer than a node's may be;
+- peft, for model.lora.
 
-Left out, since the image has them within what we need (KINDS.md's package list, read 2026-11-17):
-accelerate 1.15.0 (our pin), psutil, einops, msgpack, ninja, py-cpuinfo, pyarrow, huggingface-hub 1.33,
-safetensors 0.8.0, pytest. On the machine, `make gpu-check` installs only the wheels whose exact version
-the image lacks (`needed`).
+Left out, as a node with torch usually has them at a version we accept: accelerate, psutil, einops, msgpack,
+ninja, py-cpuinfo, pyarrow, huggingface-hub, safetensors, pytest (`make gpu-check`'s first lines print the
+node's versions; docs/gpus.md). On the node, `make gpu-check` installs only the wheels whose exact version it
+lacks (`needed`).
 
-vLLM is not carried (a 330 MB wheel that pins another torch): the GPU check trains with rollout.backend=hf.
-Every file is checked against MAX_FILE and the kit against MAX_KIT, so kit plus repository fit one 64 MiB
-call. `manifest.json` lists each wheel's name, version, sha256 and bytes.
+`--python` and `--torch` name the node's; their defaults are the ones the GPU check last ran on, read from
+the newest report in docs/gpu/ (`last_checked`). The wheels' own torch requirements are checked against
+`--torch`. vLLM is not carried (a large wheel that pins its own torch): the GPU check trains with
+rollout.backend=hf. `manifest.json` lists the node's Python and torch and each wheel's name, version,
+sha256 and bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import email
 import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
+from trapo import runtime
+
 KIT_DIR = ".gpukit"
+REPORTS = runtime.ROOT / "docs" / "gpu"  # the GPU check's reports, where the defaults are read
+# The kit is a few tens of MiB; a wheel or a kit far larger is one the node has itself (a torch, a vLLM)
 MAX_FILE = 60 * 2**20
-MAX_KIT = 40 * 2**20  # leaves the repository 24 MiB of a call's 64
-# Carried as wheels from the package index (pure Python, or built for CPython 3.12).
+MAX_KIT = 40 * 2**20
+# Carried as wheels from the package index (pure Python, or built for the node's CPython).
 WHEELS = [
     "pydantic",
     "pydantic-core",
@@ -60,8 +69,24 @@ BUILT = ["deepspeed"]  # a source release only: built into a wheel here
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
 
 
+# A report's Environment block (gpu_check.environment): the Python line, and torch's with the CUDA it was built for
+PYTHON_LINE = re.compile(r"^python: Python (\d+\.\d+)\.\d+", re.M)
+TORCH_LINE = re.compile(r"^torch (\S+) CUDA \d", re.M)
+
+
 class KitError(Exception):
     pass
+
+
+def last_checked(reports: Path = REPORTS) -> tuple[str, str] | None:
+    """(Python major.minor, torch version) of the newest report under `reports` (by its dated name) that names
+    both, a CUDA torch among them; None when there is none (an installed package carries no reports)."""
+    for path in sorted(reports.glob("*.md"), reverse=True):
+        text = path.read_text()
+        python, torch = PYTHON_LINE.search(text), TORCH_LINE.search(text)
+        if python and torch:
+            return python[1], torch[1]
+    return None
 
 
 def pinned(name: str) -> str:
@@ -78,7 +103,7 @@ def _pip(*args: str, env: dict | None = None) -> None:
         raise KitError(f"{' '.join(cmd[2:6])} ...: {(out.stderr or out.stdout).strip().splitlines()[-1]}")
 
 
-def download(out: Path) -> None:
+def download(out: Path, python: str) -> None:
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
     specs = [f"{name}=={pinned(name)}" for name in WHEELS]
     _pip(
@@ -87,11 +112,11 @@ def download(out: Path) -> None:
         "--no-deps",
         "--only-binary=:all:",
         "--python-version",
-        "3.12",
+        python,
         "--implementation",
         "cp",
         "--abi",
-        "cp312",
+        "cp" + python.replace(".", ""),
         *platforms,
         "-d",
         str(out),
@@ -134,8 +159,33 @@ def verify(out: Path) -> list[dict]:
     return listed
 
 
+def built_for(out: Path) -> dict:
+    """The node the kit at `out` was made for: {"python": ..., "torch": ...} (None where its manifest predates them)."""
+    listed = json.loads((out / "manifest.json").read_text())
+    return {"python": listed.get("python"), "torch": listed.get("torch")}
+
+
+def torch_conflicts(out: Path, python: str, torch: str) -> list[str]:
+    """The kit's wheels whose own torch requirement (their METADATA, extras aside) `torch` does not meet."""
+    from packaging.requirements import Requirement
+
+    found = []
+    for wheel in sorted(out.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            names = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+            metadata = email.message_from_string(archive.read(names[0]).decode() if names else "")
+        marker = {"extra": "", "python_version": python, "python_full_version": python + ".0"}
+        for line in metadata.get_all("Requires-Dist") or []:
+            req = Requirement(line)
+            if req.name.lower() != "torch" or (req.marker and not req.marker.evaluate(marker)):
+                continue
+            if not req.specifier.contains(torch, prereleases=True):
+                found.append(f"{wheel.name} requires {req}")
+    return found
+
+
 def needed(rows: list[dict]) -> list[dict]:
-    """The kit's wheels whose exact version this Python does not already have (installed or not, the image's
+    """The kit's wheels whose exact version this Python does not already have (installed or not, the node's
     own copy of the same version is as good, and replacing it would shadow nothing)."""
     missing = []
     for row in rows:
@@ -148,11 +198,11 @@ def needed(rows: list[dict]) -> list[dict]:
     return missing
 
 
-def build(out: Path) -> list[dict]:
+def build(out: Path, python: str, torch: str) -> list[dict]:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    download(out)
+    download(out, python)
     rows = manifest(out)
     names = {r["name"].lower().replace("_", "-") for r in rows}
     missing = [n for n in WHEELS + BUILT if n.lower().replace("_", "-") not in names]
@@ -164,26 +214,40 @@ def build(out: Path) -> list[dict]:
         raise KitError(f"{big[0]['file']}: {size:.1f} MiB, over the {MAX_FILE // 2**20} MiB allowed per file")
     total = sum(r["bytes"] for r in rows)
     if total > MAX_KIT:
-        raise KitError(f"the kit is {total / 2**20:.1f} MiB, over {MAX_KIT // 2**20} MiB: it would not travel")
-    (out / "manifest.json").write_text(
-        json.dumps({"python": "3.12", "platform": "linux x86_64", "wheels": rows}, indent=2) + "\n"
-    )
+        raise KitError(f"the kit is {total / 2**20:.1f} MiB, over the {MAX_KIT // 2**20} MiB expected")
+    if conflicts := torch_conflicts(out, python, torch):
+        raise KitError(f"the node's torch {torch} does not meet: {'; '.join(conflicts)}")
+    node = {"python": python, "torch": torch, "platform": "linux x86_64"}
+    (out / "manifest.json").write_text(json.dumps({**node, "wheels": rows}, indent=2) + "\n")
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trapo gpu-kit", description=__doc__.split("\n\n")[0])
+    last = last_checked()
+    python, torch = last or ("none", "none")
+    seen = "the last GPU check's, from docs/gpu/" if last else "no report in docs/gpu/ names one"
+    parser.add_argument("--python", help=f"the node's Python, major.minor (default: {python}, {seen})")
+    parser.add_argument("--torch", help=f"the node's torch version (default: {torch}, {seen})")
     parser.add_argument("--out", default=KIT_DIR, help="the kit's folder (git-ignored), default .gpukit")
     args = parser.parse_args(argv)
+    python, torch = args.python or (last and last[0]), args.torch or (last and last[1])
+    if not python or not torch:
+        parser.error("no report in docs/gpu/ names the node's Python and torch: give --python and --torch")
+    if not re.fullmatch(r"3\.\d+", python):
+        parser.error(f"--python {python}: give major.minor, such as 3.12")
     try:
-        rows = build(Path(args.out))
+        rows = build(Path(args.out), python, torch)
     except KitError as err:
         print(f"trapo gpu-kit: {err}", file=sys.stderr)
         return 2
     for r in rows:
         print(f"  {r['file']:<70} {r['bytes'] / 2**20:6.2f} MiB")
     total = sum(r["bytes"] for r in rows)
-    print(f"gpu kit: {len(rows)} wheels, {total / 2**20:.1f} MiB in {args.out}/ (manifest.json: sha256 and bytes)")
+    print(
+        f"gpu kit for Python {python}, torch {torch}: {len(rows)} wheels, {total / 2**20:.1f} MiB in {args.out}/ "
+        "(manifest.json: sha256 and bytes)"
+    )
     return 0
 
 

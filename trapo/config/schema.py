@@ -113,9 +113,8 @@ class DataConfig:
 @dataclass
 class HealthConfig:
     # The rollout engine's health: logprob_diff_rollout_vs_policy, the mean |log pi_policy - log pi_engine|
-    # per trained token (nats), watched every step (trapo/training/health.py). Measured here: 3-4e-7 in fp32
-    # on CPU (the toy). Peers' users report ~0.017 in bf16 on GPU when healthy, and 66 after a bad weight
-    # sync; the doctor's bf16 limit is 0.05. Defaults: warn at 2x that limit, stop at a mean e-fold error.
+    # per trained token (nats), watched every step (trapo/training/health.py). Defaults: warn at twice the
+    # doctor's bf16 limit (0.05), stop at a mean e-fold error; the levels behind them: docs/reliability.md.
     warn: float | None = 0.1  # a warning (once per run) above this; null: never
     stop: float | None = 1.0  # above this for `steps` consecutive steps the run stops; null: never
     steps: int = 3  # consecutive steps above `stop` (a step above it is never checkpointed)

@@ -253,8 +253,8 @@ def plain_linear_forward():
     replacement computes it, minus the autograd Function around it. Not collective.
 
     zero.Init (on while a ZeRO-3 model loads) replaces F.linear process-wide with `zero3_linear_wrap`, an
-    autograd Function whose every call binds its arguments through inspect.signature, about 0.3 ms on
-    CPU: a third of a small model's decode step. Without gradients the Function saves nothing, so calling
+    autograd Function whose every call binds its arguments through inspect.signature, a large share of a small
+    model's decode step on CPU (docs/benchmarks.md). Without gradients the Function saves nothing, so calling
     its forward directly gives the same tensors, bit for bit. Elsewhere (no ZeRO-3) nothing changes."""
     import torch.nn.functional as F
 

@@ -1,23 +1,24 @@
-"""`make gpu-check`: what works on a GPU machine, in minutes, with one line per check and a report.
+"""`make gpu-check`: the acceptance check of a new GPU node, in a time box, one line per check and a report.
 
     make gpu-kit                      # where the package index is reachable: the wheels, into .gpukit/
-    make gpu-check                    # on the GPU machine (offline): one call, the checks that tell most first
-    make gpu-check PART=1|2|3|4       # a second call: one part
-    make gpu-check ONLY=kill_resume   # a second call: the named checks (the first call's last line names them)
+    make gpu-check                    # on the node (offline): the checks that tell most first, in the time box
+    make gpu-check BUDGET_S=900       # a longer time box: more of the checks planned
+    make gpu-check PART=1|2|3|4       # a later run: one part
+    make gpu-check ONLY=kill_resume   # a later run: the named checks (the first run's last line names them)
     GPU_CHECK_DRY_RUN=1 make gpu-check  # the same script on CPU, toy and tiny shapes (CI runs it)
 
 First the environment (nvidia-smi, nvcc, torch, CUDA and package versions), printed before anything can
 fail; then the kit, installed offline (`pip --no-index --target .gpucheck/site`) as a layer over the
-machine's own Python, so its torch is the one used (a venv made from that Python, itself a venv, would
-see the base interpreter's packages, not its torch). Each check runs in its own process with a time
-limit, so one failure does not stop the others (the dry run forks its Python checks from a pre-imported
-parent, trapo/commands/fork_server/: its CPU times leave out their imports).
+node's own Python, so its torch is the one used (a venv made from that Python, itself perhaps a venv, would
+see the base interpreter's packages, not its torch). Each check runs in its own process with a time limit
+(processes.py), so one failure does not stop the others.
 
-With no PART it plans one device call (plan.py): each check's GPU time estimated from its shapes, taken
-in the order that tells most first (`ORDER`) while the estimates fit plan.LIMIT_S (480 s, the kit's install
-included); the report is rewritten after each check. The dry run runs every check, times each on this CPU
-and ends with the line `one call: <checks> planned in <N> s (limit 480)`. Parts (at most ~9 minutes each on
-one H100), for a second call:
+With no PART it plans the time box (plan.py): each check's GPU time estimated from its shapes, taken in the
+order that tells most first (`ORDER`) while the estimates fit `--budget-s` (default plan.BUDGET_S, the kit's
+install included); a check still running GRACE_S past the budget is stopped, and the report is rewritten
+after each check, so a run cut short still leaves one. The dry run runs every check, times each on this CPU
+and ends with the line `time box: <checks> planned in <N> s (budget <B>)`. Parts, each sized to fit the
+default budget on one H100-class GPU, for a later run:
 
 1. the doctor (rollout.backend=hf) and `pytest -m gpu`;
 2. bench/bench_update_gpu.py at the 1.5B shape: tokens/s, MFU, peak memory against the plan, the
@@ -28,13 +29,14 @@ one H100), for a second call:
 4. two training steps at Qwen2.5-Math-7B's shape with rank-32 LoRA adapters on one GPU
    (configs/trapo_1k_3k_lora_1gpu.yaml's model and adapters), each phase's peak against the plan.
 
-The report goes to docs/gpu/<date>-<gpu>[-part<n>].md (and to $OUT, where the device tool collects files).
+The report (report.py) goes to `--report-dir`/<date>-<gpu>[-part<n>].md: by default docs/gpu/ in a clone of the
+repository, ./gpu-reports elsewhere, and .gpucheck/reports/ for the dry run (`default_report_dir`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib.metadata
 import json
 import os
 import re
@@ -48,6 +50,7 @@ from pathlib import Path
 from trapo import runtime
 from trapo.commands.gpu_check import plan
 from trapo.commands.gpu_check.processes import DEADLINE, shell, tail
+from trapo.commands.gpu_check.report import Check, shown, write_report
 
 ROOT = runtime.ROOT
 WORK = ROOT / ".gpucheck"
@@ -79,30 +82,12 @@ print(", ".join(f"{p} {version(p, p + '-cpu')}" for p in
 """
 
 
-class Check:
-    """One line per check, kept for the report."""
-
-    def __init__(self):
-        self.rows: list[tuple[str, bool, str]] = []
-        self.logs: dict[str, str] = {}
-        self.seconds: dict[str, float] = {}  # row name -> seconds its check took here
-        self.estimates: dict[str, float] = {}  # row name -> its check's GPU estimate (plan.ESTIMATES)
-        self.failed_checks: set[str] = set()  # check functions (ORDER's names) with a failed or skipped row
-
-    def add(self, name: str, ok: bool, figure: str, log: str = "") -> None:
-        self.rows.append((name, ok, figure))
-        if log:
-            self.logs[name] = log
-        print(f"[{'PASS' if ok else 'FAIL'}] {name}: {figure}", flush=True)
-
-
-PART_BUDGET = 510  # seconds a part may run: a device call lasts 10 minutes, the kit install included
-CALL_BUDGET = 540  # seconds the planned call may run before a check is cut: the report must get back
+GRACE_S = 60  # past the budget, the estimates' error: a check still running then is stopped
 # ----------------------------------------------------------------------------- environment and kit
 
 
 def environment(dry_run: bool, env: dict) -> list[str]:
-    """What the machine is, printed first: a failed call still says where it ran."""
+    """What the node is, printed first: a run that fails still says where it ran."""
     lines = []
     for title, cmd in (
         ("nvidia-smi", "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
@@ -120,7 +105,7 @@ def environment(dry_run: bool, env: dict) -> list[str]:
 
 
 def install_kit(check: Check, env: dict, dry_run: bool) -> None:
-    from trapo.commands.gpu_kit import KitError, needed, verify
+    from trapo.commands.gpu_kit import KitError, built_for, needed, verify
 
     try:
         wheels = verify(KIT)
@@ -131,14 +116,21 @@ def install_kit(check: Check, env: dict, dry_run: bool) -> None:
         check.add("kit", False, f"{err}; run `make gpu-kit` where the package index is reachable")
         return
     size = sum(w["bytes"] for w in wheels) / 2**20
-    if dry_run:  # the kit's wheels are for Python 3.12; the dry run uses this checkout's .venv
-        check.add("kit", True, f"{len(wheels)} wheels, {size:.1f} MiB, checksums verified (dry run: not installed)")
+    node = built_for(KIT)
+    made_for = f"made for Python {node['python'] or '?'}, torch {node['torch'] or '?'}"
+    if dry_run:  # the kit's wheels are for the node's Python; the dry run uses this checkout's .venv
+        figure = f"{len(wheels)} wheels, {size:.1f} MiB, {made_for}, checksums verified (dry run: not installed)"
+        check.add("kit", True, figure)
+        return
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if node["python"] and node["python"] != python:
+        check.add("kit", False, f"{made_for}, this node runs Python {python}: make gpu-kit KIT_PYTHON={python}")
         return
     site = WORK / "site"
     shutil.rmtree(site, ignore_errors=True)
-    missing = needed(wheels)  # the image's own copy of a wheel's exact version is kept
+    missing = needed(wheels)  # the node's own copy of a wheel's exact version is kept
     have = ", ".join(f"{w['name']} {w['version']}" for w in wheels if w not in missing) or "none"
-    print(f"  kit: {len(missing)} of {len(wheels)} wheels to install; the image has {have}", flush=True)
+    print(f"  kit: {len(missing)} of {len(wheels)} wheels to install ({made_for}); the node has {have}", flush=True)
     cmd = [
         sys.executable,
         "-m",
@@ -157,8 +149,18 @@ def install_kit(check: Check, env: dict, dry_run: bool) -> None:
     if code == 0:
         code, out = shell([sys.executable, "-c", probe], env, 300)
     found = " ".join(out.split()[-2:]) if code == 0 else "?"
-    figure = f"{len(missing)} of {len(wheels)} wheels ({size:.1f} MiB) installed offline (image has: {have}); "
+    figure = f"{len(missing)} of {len(wheels)} wheels ({size:.1f} MiB) installed offline (node has: {have}); "
+    torch = _version("torch")
+    if node["torch"] and torch != node["torch"]:  # the wheels' torch requirements were checked against the kit's
+        figure += f"{made_for}, the node has torch {torch}; "
     check.add("kit", code == 0, figure + f"deepspeed, transformers {found}", tail(out))
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "missing"
 
 
 # ----------------------------------------------------------------------------- checks
@@ -258,7 +260,7 @@ def kill_resume(check: Check, env: dict, dry_run: bool) -> None:
         check.add(
             name,
             False,
-            f"not run to the kill: {left:.0f} s of the call left after the straight run, the "
+            f"not run to the kill: {left:.0f} s of the time box left after the straight run, the "
             f"kill and the resume need ~{needed:.0f} s; rerun it alone: make gpu-check ONLY=kill_resume",
             out,
         )
@@ -339,7 +341,7 @@ def shape_step_lora(check: Check, env: dict, dry_run: bool) -> None:
 
 
 PARTS = {1: [doctor, pytest_gpu], 2: [bench_update], 3: [kill_resume, shape_step], 4: [shape_step_lora]}
-# One call's order, what tells most first (plan.ESTIMATES has each one's GPU time): the real loop at a real width,
+# The time box's order, what tells most first (plan.ESTIMATES has each one's GPU time): the real loop at a real width,
 # the GPU tests, the doctor, the update's throughput, the launcher's kill and resume, the 7B LoRA step.
 ORDER = [shape_step, pytest_gpu, doctor, bench_update, kill_resume, shape_step_lora]
 CHECKS = {fn.__name__: fn for fn in ORDER}
@@ -353,44 +355,12 @@ def _check_names(text: str) -> list[str]:
     return names
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def report(check: Check, env_lines: list[str], title: str, make_args: str, dry_run: bool, seconds: float) -> Path:
-    gpu = next((line for line in env_lines if line.startswith("nvidia-smi:")), "")
-    name = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", gpu.split(":", 1)[-1].split(",")[0].lower())
-    name = name.strip("-") or "unknown-gpu"
-    stem = f"{datetime.date.today().isoformat()}-{name}" + (f"-{title}" if title else "")
-    note = " (GPU_CHECK_DRY_RUN=1: CPU, toy and tiny shapes; not GPU figures)" if dry_run else ""
-    lines = [
-        f"# GPU check {stem}",
-        "",
-        f"`make gpu-check{make_args}`{note}, {seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
-        "",
-        "## Environment",
-        "",
-        "```",
-        *env_lines,
-        "```",
-        "",
-        "## Checks",
-        "",
-        "| check | result | seconds (GPU estimate) | figures |",
-        "|---|---|---|---|",
-    ]
-    for n, ok, fig in check.rows:
-        took = check.seconds.get(n)
-        timing = f"{took:.0f} ({check.estimates[n]:.0f})" if took is not None and n in check.estimates else ""
-        lines.append(f"| {n} | {'pass' if ok else 'FAIL'} | {timing} | {fig.replace('|', '/')} |")
-    for n, log in check.logs.items():
-        lines += ["", f"### {n}", "", "```", log, "```"]
-    folder = WORK / "reports" if dry_run else ROOT / "docs" / "gpu"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{stem}.md"
-    path.write_text("\n".join(lines) + "\n")
-    if os.environ.get("OUT"):  # the device tool brings back what is under $OUT
-        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
-    return path
+def default_report_dir(dry_run: bool) -> Path:
+    """docs/gpu/ in a clone of the repository (its reports are the project's record), ./gpu-reports elsewhere;
+    the dry run's CPU figures go to .gpucheck/reports/, out of the record."""
+    if dry_run:
+        return WORK / "reports"
+    return ROOT / "docs" / "gpu" if (ROOT / ".git").exists() else Path.cwd() / "gpu-reports"
 
 
 def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: float, write) -> None:
@@ -400,7 +370,7 @@ def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: floa
         estimate = plan.ESTIMATES.get(fn.__name__, 30.0)
         left = deadline - time.time()
         if left < 30 or (not dry_run and estimate > left):
-            check.add(fn.__name__, False, f"not run: {left:.0f} s of the call left, estimated {estimate:.0f} s")
+            check.add(fn.__name__, False, f"not run: {left:.0f} s of the time box left, estimated {estimate:.0f} s")
             check.failed_checks.add(fn.__name__)
             continue
         DEADLINE[0] = deadline
@@ -413,16 +383,29 @@ def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: floa
             check.failed_checks.add(fn.__name__)
         for name, _, _ in check.rows[before:]:
             check.seconds[name], check.estimates[name] = time.perf_counter() - started, estimate
-        write()  # a call cut short still brings back what ran
+        write()  # a run cut short still leaves a report of what ran
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trapo gpu-check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", type=int, choices=sorted(PARTS), help="one part (default: the one-call plan)")
+    parser.add_argument("--part", type=int, choices=sorted(PARTS), help="one part (default: the time box's plan)")
     parser.add_argument(
         "--only",
         type=_check_names,
-        help=f"these checks alone, comma-separated (what an earlier call left): {', '.join(CHECKS)}",
+        help=f"these checks alone, comma-separated (what an earlier run left): {', '.join(CHECKS)}",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=plan.BUDGET_S,
+        help=f"the time box in seconds: the checks planned must fit it by their estimates, the kit's install "
+        f"included; one still running {GRACE_S} s past it is stopped (default {plan.BUDGET_S})",
+    )
+    parser.add_argument(
+        "--report-dir",
+        type=Path,
+        help="where the report is written (default: docs/gpu/ in a clone of the repository, ./gpu-reports "
+        "elsewhere; the dry run's: .gpucheck/reports/)",
     )
     parser.add_argument(
         "--dry-run",
@@ -431,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         help="on CPU with the toy and tiny shapes, every check (also GPU_CHECK_DRY_RUN=1)",
     )
     args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s {args.budget_s:g}: give the time box in seconds, more than 0")
+    folder = args.report_dir or default_report_dir(args.dry_run)
     started, began = time.perf_counter(), time.time()
     WORK.mkdir(exist_ok=True)
     site = WORK / "site"
@@ -438,15 +424,17 @@ def main(argv: list[str] | None = None) -> int:
     env = runtime.subprocess_env(PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([*path, env["PYTHONPATH"]])
     names = [fn.__name__ for fn in ORDER]
-    planned, planned_s = plan.one_call(["kit", *names])
+    planned, planned_s = plan.within_budget(["kit", *names], args.budget_s)
     if args.only:
-        fns, budget = [CHECKS[n] for n in args.only], PART_BUDGET
+        fns = [CHECKS[n] for n in args.only]
         title, make_args = "only-" + "-".join(args.only), " ONLY=" + ",".join(args.only)
     elif args.part:
-        fns, title, make_args, budget = PARTS[args.part], f"part{args.part}", f" PART={args.part}", PART_BUDGET
+        fns, title, make_args = PARTS[args.part], f"part{args.part}", f" PART={args.part}"
     else:  # the dry run runs every check, so CI keeps each one working; the GPU runs the plan
         fns = ORDER if args.dry_run else [fn for fn in ORDER if fn.__name__ in planned]
-        title, make_args, budget = "", "", CALL_BUDGET
+        title, make_args = "", ""
+    if args.budget_s != plan.BUDGET_S:
+        make_args += f" BUDGET_S={args.budget_s:g}"
     print(f"gpu-check{' (dry run on CPU)' if args.dry_run else ''}: environment", flush=True)
     env_lines = environment(args.dry_run, env)
     check = Check()
@@ -455,14 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     check.seconds["kit"], check.estimates["kit"] = time.perf_counter() - kit_started, plan.ESTIMATES["kit"]
 
     def write() -> Path:
-        return report(check, env_lines, title, make_args, args.dry_run, time.perf_counter() - started)
+        return write_report(check, env_lines, title, make_args, args.dry_run, time.perf_counter() - started, folder)
 
-    run_checks(check, fns, env, args.dry_run, began + budget, write)
+    run_checks(check, fns, env, args.dry_run, began + args.budget_s + GRACE_S, write)
     path = write()
     failed = sum(not ok for _, ok, _ in check.rows)
-    print(f"gpu-check: {len(check.rows) - failed} passed, {failed} failed; report {path.relative_to(ROOT)}")
+    print(f"gpu-check: {len(check.rows) - failed} passed, {failed} failed; report {shown(path)}")
     if not args.part and not args.only:
-        print(f"one call: {', '.join(planned)} planned in {planned_s:.0f} s (limit {plan.LIMIT_S})")
+        print(f"time box: {', '.join(planned)} planned in {planned_s:.0f} s (budget {args.budget_s:g})")
     left_out = [] if args.part or args.only else [fn.__name__ for fn in ORDER if fn not in fns]
     again = [fn.__name__ for fn in ORDER if fn.__name__ in left_out or fn.__name__ in check.failed_checks]
     if again and not args.dry_run:

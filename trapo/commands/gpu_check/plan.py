@@ -1,11 +1,11 @@
-"""Which checks one device call runs: each check's GPU time estimated from its shapes, taken in the order that
-tells most first until the call's planning limit.
+"""Which checks fit the time box: each check's GPU time estimated from its shapes, taken in the order that
+tells most first while the estimates fit the budget.
 
-A lent GPU machine gives about 15 minutes in all and at most 10 per call, and its start takes minutes: so
-`make gpu-check` with no PART plans one call of LIMIT_S seconds, the kit's install included, and leaves
-the rest to a second call (PART=n). These are estimates from a simple cost model (constants below, each
-with what it stands for, fitted to the first call's timings), not measurements; docs/gpu/ holds what each
-call measured beside them.
+A new node's time before it goes into service is short (a reservation, a slot between jobs): so
+`make gpu-check` with no PART plans one run of `--budget-s` seconds (default BUDGET_S), the kit's install
+included, and leaves the rest to a later run (PART=n, ONLY=...). These are estimates from a simple cost
+model (constants below, each with what it stands for, fitted to the GPUs the check has run on:
+docs/gpus.md), not measurements; the reports in docs/gpu/ hold what each run measured beside them.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LIMIT_S = 480  # a call may run 600 s; 120 s stay for the estimates' error and the report's way back
+BUDGET_S = 480  # the default time box: the kit and the checks that tell most, up to the update benchmark
 
-# The cost model of one H100 or H200, fitted to the slower of the two (the H100 ran each check ~1.35x the
-# H200's time): docs/gpu/2026-11-26-nvidia-h200*.md and docs/gpu/2026-11-26-nvidia-h100-80gb-hbm3.md.
+# The cost model of one H100-class GPU, fitted to the slowest one the check has run on (docs/gpus.md): a
+# faster GPU finishes early, a slower one is cut at the time box and says what it left.
 PROCESS_S = 15.0  # a fresh Python process importing torch, transformers and DeepSpeed and starting CUDA
 TRAINER_S = 10.0  # a trainer's start beyond that: ZeRO-3 init, the toy's assets read, grading workers
 TOY_BUILD_S = 20.0  # the toy's tokenizer, model and data, built once per check that trains it
@@ -25,7 +25,7 @@ BF16_FLOPS = 300e12  # achieved by a ZeRO-3 update with checkpointing, recompute
 LAYER_STEP_S = 1.75e-3  # one decoder layer of one eager transformers decode step: launch-bound, ~width-free
 DISK_BYTES_S = 1.0e9  # safetensors written and read back (the random model of a shape step)
 TOY_STEP_S = 1.5  # one toy training step on the GPU (a tiny model: launch-bound, shape-independent)
-KIT_S = 15.0  # pip installing ~22 MiB of wheels offline, then importing them once
+KIT_S = 15.0  # pip installing the kit's wheels offline, then importing them once
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,11 @@ ESTIMATES = {
 }
 
 
-def one_call(order: list[str], limit: float = LIMIT_S) -> tuple[list[str], float]:
-    """The longest prefix of `order` (skipping none) whose estimates fit `limit`: (names, planned seconds)."""
+def within_budget(order: list[str], budget: float = BUDGET_S) -> tuple[list[str], float]:
+    """The longest prefix of `order` (skipping none) whose estimates fit `budget`: (names, planned seconds)."""
     planned, total = [], 0.0
     for name in order:
-        if total + ESTIMATES[name] > limit:
+        if total + ESTIMATES[name] > budget:
             break
         planned.append(name)
         total += ESTIMATES[name]

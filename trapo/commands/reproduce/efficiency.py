@@ -1,4 +1,4 @@
-"""The efficiency report of a study with `report: efficiency` (configs/studies/toy/curriculum.yaml, issue 44):
+"""The efficiency report of a study with `report: efficiency` (configs/studies/toy/curriculum.yaml):
 what a condition costs in generation to reach an accuracy, beside what it reaches.
 
 Per run (its metrics.jsonl): the generated response tokens of every step and their running total, the share

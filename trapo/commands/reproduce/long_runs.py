@@ -1,4 +1,4 @@
-"""The long-run report of a study with `report: long_runs` (configs/studies/long_runs.yaml, issue 48): what the
+"""The long-run report of a study with `report: long_runs` (configs/studies/long_runs.yaml): what the
 entropy bonus does to a run that trains past the demo's length, per condition and paired seed.
 
 Per run (its metrics.jsonl, summary.json and log.txt): the truncated share (responses cut at rollout.max_tokens)

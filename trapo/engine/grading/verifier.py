@@ -454,10 +454,9 @@ _default_lock = threading.Lock()
 
 
 def default_verifier() -> MathVerifier:
-    """The process-wide verifier (workers: $TRAPO_VERIFY_WORKERS, default min(2, CPUs))."""
+    """The process-wide verifier, for callers without a config: min(2, CPUs) workers."""
     global _default
     with _default_lock:
         if _default is None:
-            workers = int(os.environ.get("TRAPO_VERIFY_WORKERS", min(2, os.cpu_count() or 1)))
-            _default = MathVerifier(num_workers=workers)
+            _default = MathVerifier(num_workers=min(2, os.cpu_count() or 1))
         return _default
