@@ -384,7 +384,7 @@ class PolicyLoss:
     ) -> tuple[Tensor, dict[str, Tensor | float]]:
         """One micro-batch's loss, to be backpropagated, and its statistics as sums over its tokens.
 
-        logprobs (pi_theta, with gradient), mask (bool), old_logprobs, engine_logprobs (the sampler's),
+        logprobs (pi_theta, with gradient), mask (the response tokens), old_logprobs, engine_logprobs (the sampler's),
         ref_logprobs, entropy: [N, L]; advantages, weights (the gate M): [N]. counts: the whole update
         batch's "sequences" and "tokens" on all ranks (`counts`, summed), for the denominators.
         old_logprobs None: one update per rollout batch, on-policy, pi_old = pi_theta (the paper's setting).
@@ -396,7 +396,7 @@ class PolicyLoss:
         pi_engine - pi_old), logprob_tokens; is_weight, is_capped, is_masked (token-weighted), is_masked_seqs,
         is_seqs, is_tokens (`trapo.algorithm.importance.rollout_is_weights`).
         """
-        s = self.spec
+        s, mask = self.spec, mask.bool()
         old = logprobs.detach() if old_logprobs is None else old_logprobs
         is_weights, is_metrics = None, {}
         if engine_logprobs is not None and self.rollout_is != "off":
@@ -424,8 +424,7 @@ class PolicyLoss:
             ref_logprobs=ref_logprobs,
             beta=s.beta,
         )
-        n = mask.sum()
-        engine = engine_logprobs
+        n, engine = mask.sum(), engine_logprobs
         return loss, {
             "loss": loss.detach(),
             "pg_loss": metrics["pg_loss"],
