@@ -68,13 +68,14 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
 
     import torch
 
-    from trapo.algorithm.loss import LossSpec
+    from trapo.algorithm.loss import PolicyLoss
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.attention import ATTENTION
     from trapo.engine.batch import TrainSequence
     from trapo.engine.packing import update_efficiency
     from trapo.engine.policy import Policy
+    from trapo.training.settings import loss_spec
 
     dist.init_distributed()
     torch.manual_seed(rank)
@@ -84,14 +85,24 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["loss.entropy_coef=0.0"])
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=BUDGET))
-    policy = Policy(cfg, model_dir, WORLD, pad_id=0, loss=LossSpec.from_config(cfg))
+    policy = Policy(
+        model_dir,
+        WORLD,
+        pad_id=0,
+        model=cfg.model,
+        train=cfg.train,
+        rollout=cfg.rollout,
+        loss=PolicyLoss(loss_spec(cfg), WORLD, on_gpu=torch.cuda.is_available()),
+        seed=cfg.seed,
+    )
     batch = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})
     times: dict[str, list[float]] = {name: [] for name in PATHS}
     works = {}
     for _ in range(REPEATS + 1):  # the paths take turns, so a slow spell of the machine hits all; first: warm-up
         for name, switches in PATHS.items():
-            policy.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **switches))
-            policy.loss = LossSpec.from_config(policy.cfg)  # train.skip_zero_advantage is the loss's rule
+            policy.train_cfg = dataclasses.replace(cfg.train, **switches)
+            run_cfg = dataclasses.replace(cfg, train=policy.train_cfg)  # train.skip_zero_advantage is the loss's rule
+            policy.loss = PolicyLoss(loss_spec(run_cfg), WORLD, on_gpu=torch.cuda.is_available())
             policy.model.set_attn_implementation(ATTENTION if switches["packing"] else "sdpa")
             dist.barrier()
             start = time.perf_counter()

@@ -52,7 +52,7 @@ def full_logits_stats(policy):
             attention_mask=None,
             packed_bounds=batch["packed_bounds"],
         )
-        logits = out.logits[:, :-1][rows].float() / policy.cfg.rollout.temperature  # [N, V] in fp32
+        logits = out.logits[:, :-1][rows].float() / policy.temperature  # [N, V] in fp32
         logp = logits.log_softmax(-1)
         lp = logp.gather(-1, ids[:, 1:][rows][:, None])[:, 0]
         ent = token_entropy(logits) if entropy else None
@@ -92,11 +92,12 @@ def main() -> None:
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trapo.algorithm.loss import LossSpec
+    from trapo.algorithm.loss import PolicyLoss
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
     from trapo.engine.policy import Policy
+    from trapo.training.settings import loss_spec
 
     dist.init_distributed()
     shape = TINY if args.cpu_smoke else R1_DISTILL_1P5B
@@ -112,7 +113,16 @@ def main() -> None:
         f"rollout.max_tokens={args.length}",
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
-    policy = Policy(cfg, model_dir, 1, pad_id=0, loss=LossSpec.from_config(cfg))
+    policy = Policy(
+        model_dir,
+        1,
+        pad_id=0,
+        model=cfg.model,
+        train=cfg.train,
+        rollout=cfg.rollout,
+        loss=PolicyLoss(loss_spec(cfg), 1, on_gpu=torch.cuda.is_available()),
+        seed=cfg.seed,
+    )
     params = sum(getattr(q, "ds_numel", q.numel()) for q in policy.model.parameters())
     g = torch.Generator().manual_seed(0)
     prompt = args.length // 4
@@ -193,9 +203,9 @@ def packing_vs_padding(policy, cfg, shape: dict, args, gpu: bool) -> None:
     batch = {"sequences": len(seqs), "tokens": sum(n - n // 4 for n in lengths)}
     speed = {}
     for packed in (True, False):
-        policy.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed))
+        policy.train_cfg = dataclasses.replace(cfg.train, packing=packed)
         speed[packed] = sum(lengths) / update_seconds(policy, seqs, batch, args.steps, gpu)
-    policy.cfg = cfg
+    policy.train_cfg = cfg.train
     why = f" ({attention.KERNEL['why']})" if attention.KERNEL["why"] else ""
     print(f"packed rows ran: {attention.KERNEL['name']}{why}")
     print(

@@ -193,3 +193,66 @@ def test_each_layer_says_what_it_holds_and_may_import(layer):
 def test_the_shared_vocabulary_stays_small():
     flat = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert set(flat) <= SHARED_FLAT and len(flat) <= 6, flat
+
+
+# The memory plan sizes the whole run (every section's bytes), so it alone below training reads the whole Config.
+PLANS_THE_RUN = {"memory_plan.py", "memory_plan_separate.py"}
+
+
+def annotation_names(annotation: ast.expr) -> set[str]:
+    """The type names an annotation mentions: `Config | None`, `"Config"` and `config.Config` all name Config."""
+    names = set()
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names |= annotation_names(ast.parse(node.value, mode="eval").body)
+    return names
+
+
+def whole_config_uses(source: str) -> list[str]:
+    """Where `source` takes the whole run's Config: an import of `Config` from trapo.config, or a function
+    parameter whose annotation names `Config`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trapo.config"):
+            found += [f"imports {a.name}" for a in node.names if a.name == "Config"]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                if arg and arg.annotation and "Config" in annotation_names(arg.annotation):
+                    found.append(f"{node.name}({arg.arg}: Config)")
+    return found
+
+
+def test_the_engine_and_the_math_take_the_parts_they_run():
+    """No function under trapo/engine or trapo/algorithm takes the whole Config (the memory plan aside): the
+    training layer hands them the sections or settings they run (trapo/training/settings.py)."""
+    found = {
+        str(p.relative_to(ROOT)): uses
+        for layer in ("engine", "algorithm")
+        for p in sorted((PACKAGE / layer).rglob("*.py"))
+        if p.name not in PLANS_THE_RUN and (uses := whole_config_uses(p.read_text()))
+    }
+    assert found == {}, f"pass these the config sections they read: {found}"
+    assert whole_config_uses((PACKAGE / "engine" / "memory_plan.py").read_text())  # the check sees a real one
+
+
+def test_the_config_check_sees_every_form():
+    source = (
+        "from trapo.config import Config, LossConfig\n"
+        "def a(cfg: Config): ...\n"
+        "def b(x, *, cfg: 'Config'): ...\n"
+        "def c(lo: LossConfig, cfg: config.Config | None = None): ...\n"
+        "class K:\n    def m(self, c: 'trapo.config.Config'): ...\n"
+    )
+    assert whole_config_uses(source) == [
+        "imports Config",
+        "a(cfg: Config)",
+        "b(cfg: Config)",
+        "c(cfg: Config)",
+        "m(c: Config)",
+    ]
+    assert whole_config_uses("from trapo.config import ModelConfig\ndef f(model: ModelConfig): ...\n") == []

@@ -7,6 +7,7 @@ import torch
 from trapo.algorithm.entropy_control import EntropyControl
 from trapo.algorithm.loss import LossSpec, loss_denominator, policy_loss
 from trapo.config import ConfigError, load_config
+from trapo.training.settings import loss_spec
 
 L_MAX = 4  # rollout.max_tokens: dr_grpo's constant denominator is N * L_MAX = 8
 
@@ -77,7 +78,7 @@ def test_token_mean_bonus_over_micro_batches_adds_up_to_the_full_batch():
 
 
 def spec(*overrides: str) -> LossSpec:
-    return LossSpec.from_config(load_config(None, ["toy.enabled=true", "rollout.max_tokens=10", *overrides]))
+    return loss_spec(load_config(None, ["toy.enabled=true", "rollout.max_tokens=10", *overrides]))
 
 
 def test_loss_spec_entropy_rules():

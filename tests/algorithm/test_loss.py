@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from trapo.algorithm.logits import kl_uniform_to_policy, token_entropy, token_logprobs
-from trapo.algorithm.loss import LossSpec, group_advantages, overlong_penalty, policy_loss
+from trapo.algorithm.loss import LossSpec, PolicyLoss, group_advantages, overlong_penalty, policy_loss
+from trapo.training.settings import loss_spec
 
 
 def test_group_advantages_dr_grpo_is_centered_reward():
@@ -324,11 +325,11 @@ def test_update_shapes_rewards_only_with_soft_penalty():
     from trapo.training.update import shaped_advantages
 
     base = ["toy.enabled=true", "rollout.n=4", "rollout.max_tokens=10"]
-    soft = LossSpec.from_config(load_config(None, [*base, "loss.overlong=soft_penalty", "loss.overlong_buffer=4"]))
+    soft = loss_spec(load_config(None, [*base, "loss.overlong=soft_penalty", "loss.overlong_buffer=4"]))
     adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], soft, 4)
     assert torch.allclose(adv, torch.tensor([[0.9375, 0.1875, -0.0625, -1.0625]]))
     assert torch.allclose(penalty, torch.tensor([[0.0, -0.75, 0.0, -1.0]]))
-    plain = LossSpec.from_config(load_config(None, base))
+    plain = loss_spec(load_config(None, base))
     adv, penalty = shaped_advantages([[1.0, 1.0, 0.0, 0.0]], [[4, 9, 4, 10]], plain, 4)
     assert torch.equal(adv, torch.tensor([[0.5, 0.5, -0.5, -0.5]])) and not penalty.any()
     adv, penalty = shaped_advantages([], [], soft, 4)
@@ -336,7 +337,7 @@ def test_update_shapes_rewards_only_with_soft_penalty():
 
 
 def test_overlong_mask_leaves_the_denominators():
-    from trapo.engine.batch import build_sequences, loss_counts
+    from trapo.engine.batch import build_sequences
 
     seqs = build_sequences(
         prompts=[[1, 2], [3]],
@@ -347,6 +348,11 @@ def test_overlong_mask_leaves_the_denominators():
         truncated=[[True, False], [False, True]],
     )
     assert [s.truncated for s in seqs] == [True, False, False, True]
+
+    def loss_counts(seqs, drop_truncated=False):  # the update's call (trapo.training.update)
+        loss = PolicyLoss(spec("loss.overlong=mask") if drop_truncated else spec())
+        return loss.counts([len(s.ids) - s.prompt_len for s in seqs], [s.truncated for s in seqs])
+
     assert loss_counts(seqs) == {"sequences": 4, "tokens": 3 + 1 + 2 + 4}  # gated ones count, as before
     assert loss_counts(seqs, drop_truncated=True) == {"sequences": 2, "tokens": 1 + 2}
     assert [s.truncated for s in build_sequences([[1]], [[[2]]], [[0.0]], [1.0], [True])] == [False]
@@ -359,9 +365,9 @@ def test_overlong_mask_leaves_the_denominators():
     policy = object.__new__(Policy)  # the real method on a loss spec alone: no model needed to filter
     cfg = Config()
     cfg.train.skip_zero_advantage = False
-    policy.loss = LossSpec.from_config(cfg)
+    policy.loss = PolicyLoss(loss_spec(cfg))
     assert policy.trainable(seqs) == seqs[:2]  # the gated question's two leave
-    policy.loss = dataclasses.replace(policy.loss, overlong="mask")
+    policy.loss = PolicyLoss(dataclasses.replace(policy.loss.spec, overlong="mask"))
     assert policy.trainable(seqs) == seqs[1:2]  # and the truncated response
 
 
@@ -371,7 +377,7 @@ def test_overlong_mask_leaves_the_denominators():
 def spec(*overrides: str) -> LossSpec:
     from trapo.config import load_config
 
-    return LossSpec.from_config(load_config(None, ["toy.enabled=true", "rollout.max_tokens=10", *overrides]))
+    return loss_spec(load_config(None, ["toy.enabled=true", "rollout.max_tokens=10", *overrides]))
 
 
 def test_loss_spec_clip_range_per_objective():
@@ -420,3 +426,168 @@ def test_loss_spec_overlong_and_denominators():
     assert spec("loss.agg=token_mean").denominator(4, 30) == 30.0
     assert spec("loss.agg=seq_mean").denominator(4, 30) == 4.0
     assert spec("loss.beta=0.01").needs_reference and not none.needs_reference
+
+
+# ----------------------------------------------------------------------------- the loss component
+
+
+def engine_path(spec, world, on_gpu, logprobs, mask, adv, weights, counts, old=None, engine_lp=None, ref=None, **kw):
+    """The per-micro-batch path `Policy.update` ran before the loss was one component: its on-policy rule,
+    rollout importance weights, divide-by-world step and token-weighted sums, kept here to compare against."""
+    from trapo.algorithm.importance import resolve_mode, rollout_is_weights
+
+    entropy, entropy_coef = kw.get("entropy"), kw.get("entropy_coef")
+    mode = resolve_mode(spec.rollout_is, on_gpu)
+    denom = spec.denominator(int(counts["sequences"]), int(counts["tokens"])) / world
+    entropy_denom = spec.entropy_denominator(int(counts["sequences"]), int(counts["tokens"])) / world
+    coef = spec.entropy_coef if entropy_coef is None else entropy_coef
+    old = logprobs.detach() if old is None else old
+    is_weights, is_metrics = None, {}
+    if engine_lp is not None and mode != "off":
+        is_weights, is_metrics = rollout_is_weights(
+            old, engine_lp, mask, mode=mode, cap=spec.rollout_is_cap, lower=spec.rollout_is_lower
+        )
+    loss, metrics = policy_loss(
+        logprobs,
+        old,
+        adv,
+        mask,
+        clip_eps=spec.clip_eps,
+        clip_eps_high=spec.clip_eps_high,
+        objective=spec.objective,
+        weights=weights,
+        agg=spec.agg,
+        denom=denom,
+        entropy=entropy,
+        entropy_coef=coef,
+        entropy_agg=spec.entropy_agg,
+        entropy_denom=entropy_denom,
+        token_weights=is_weights,
+        ref_logprobs=ref,
+        beta=spec.beta,
+    )
+    tokens = mask.sum()
+    diff = torch.where(mask, (old - engine_lp).abs(), 0.0).sum() if engine_lp is not None else 0.0
+    return loss, {
+        "loss": loss.detach(),
+        "pg_loss": metrics["pg_loss"],
+        "entropy": metrics.get("entropy", 0.0) * tokens,
+        "clip_frac": metrics["clip_frac"] * tokens,
+        "trained_tokens": tokens,
+        "logprob_diff": diff,
+        "logprob_gap": torch.where(mask, engine_lp - old, 0.0).sum() if engine_lp is not None else 0.0,
+        "logprob_tokens": tokens if engine_lp is not None else 0.0,
+        "is_weight": is_metrics.get("is_weight_mean", 0.0) * tokens,
+        "is_capped": is_metrics.get("is_capped_frac", 0.0) * tokens,
+        "is_tokens": tokens if is_weights is not None else 0.0,
+        "is_masked": is_metrics.get("is_masked_frac", 0.0) * tokens,
+        "is_masked_seqs": is_metrics.get("is_masked_seqs", 0.0),
+        "is_seqs": is_metrics.get("is_seqs", 0.0),
+        "kl_ref": metrics.get("kl_ref", 0.0) * tokens,
+        "kl_tokens": tokens if "kl_ref" in metrics else 0.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides, world, on_gpu, given",
+    [
+        ([], 1, False, ()),  # the toy's setting: on-policy, no importance weights on CPU
+        (["loss.entropy_coef=0.01"], 3, True, ("engine",)),  # rollout_is unset: truncate on a GPU
+        (["loss.agg=token_mean", "loss.rollout_is=token_mask"], 2, False, ("old", "engine")),
+        (["loss.objective=gspo", "loss.agg=seq_mean", "loss.rollout_is=sequence_mask"], 4, False, ("engine",)),
+        (["loss.objective=cispo", "loss.beta=0.05", "loss.clip_eps_high=0.28"], 2, False, ("old", "ref")),
+        (["loss.entropy_agg=token_mean", "loss.entropy_coef=0.02", "loss.rollout_is=off"], 8, True, ("engine",)),
+        (["loss.clip_eps=0.1", "loss.entropy_coef=0.01"], 1, False, ("old", "engine", "coef")),
+    ],
+)
+def test_policy_loss_component_equals_the_engines_former_path(overrides, world, on_gpu, given):
+    """Random tensors: the component's loss, gradient and sums are bit for bit those of the former path."""
+    gen = torch.Generator().manual_seed(len(overrides) * 10 + world)
+    n, length = 6, 9
+    mask = torch.rand(n, length, generator=gen) < 0.8
+    mask[0] = False  # an empty response
+    base = -torch.rand(n, length, generator=gen) * 3
+    extra = {
+        "old": base + 0.1 * torch.randn(n, length, generator=gen),
+        "engine": base + 0.3 * torch.randn(n, length, generator=gen),
+        "ref": base + 0.2 * torch.randn(n, length, generator=gen),
+    }
+    args = dict(
+        adv=torch.randn(n, generator=gen),
+        weights=torch.tensor([1.0, 0.0, 1.0, 0.5, 1.0, 1.0]),
+        counts={"sequences": 24.0, "tokens": 150.0},
+        entropy=torch.rand(n, length, generator=gen),
+        entropy_coef=0.003 if "coef" in given else None,
+    )
+    s = spec(*overrides)
+    results = []
+    for path in ("former", "component"):
+        logprobs = base.clone().requires_grad_(True)
+        tensors = {k: extra[k] if k in given else None for k in ("old", "engine", "ref")}
+        if path == "former":
+            loss, sums = engine_path(
+                s,
+                world,
+                on_gpu,
+                logprobs,
+                mask,
+                args["adv"],
+                args["weights"],
+                args["counts"],
+                old=tensors["old"],
+                engine_lp=tensors["engine"],
+                ref=tensors["ref"],
+                entropy=args["entropy"],
+                entropy_coef=args["entropy_coef"],
+            )
+        else:
+            loss, sums = PolicyLoss(s, world, on_gpu=on_gpu)(
+                logprobs,
+                mask,
+                args["adv"],
+                args["weights"],
+                counts=args["counts"],
+                old_logprobs=tensors["old"],
+                engine_logprobs=tensors["engine"],
+                ref_logprobs=tensors["ref"],
+                entropy=args["entropy"],
+                entropy_coef=args["entropy_coef"],
+            )
+        loss.backward()
+        results.append((loss.detach(), logprobs.grad, sums))
+    (former, former_grad, former_sums), (new, new_grad, new_sums) = results
+    assert torch.equal(former, new) and torch.equal(former_grad, new_grad)
+    assert former_sums.keys() == new_sums.keys()
+    for key in former_sums:
+        assert torch.equal(torch.as_tensor(former_sums[key]), torch.as_tensor(new_sums[key])), key
+
+
+def test_policy_loss_component_hand_values():
+    """The on-policy rule (no old log-probs: every ratio is 1), the divide-by-world step, the sums."""
+    logprobs, _, adv, mask = _example()
+    mask = mask.bool()
+    loss_fn = PolicyLoss(spec(), world=2)  # dr_grpo, L_max = 10
+    counts = {"sequences": 2, "tokens": 5}
+    loss, sums = loss_fn(logprobs, mask, adv, torch.ones(2), counts=counts)
+    # per token -A: seq 0 three tokens of -1, seq 1 two of +2: sum 1; over N * L_max / world = 2 * 10 / 2
+    assert loss.item() == pytest.approx(1 / 10)
+    assert sums["clip_frac"].item() == 0.0 and sums["trained_tokens"].item() == 5  # ratios of 1 never clip
+    assert sums["loss"].item() == pytest.approx(0.1) and sums["logprob_tokens"] == 0.0 and sums["kl_tokens"] == 0.0
+    alone, _ = PolicyLoss(spec(), world=1)(logprobs, mask, adv, torch.ones(2), counts=counts)
+    # x world: DeepSpeed averages the ranks' gradients, and the loss is their sum
+    assert loss.item() == pytest.approx(2 * alone.item())
+    # the sampler's log-probs 0.5 above pi_old (0 here): |diff| 0.5 and a gap of +0.5 per token
+    engine = {"old_logprobs": torch.zeros(2, 3), "engine_logprobs": torch.full((2, 3), 0.5)}
+    _, sums = loss_fn(logprobs, mask, adv, torch.ones(2), counts=counts, **engine)
+    assert sums["logprob_diff"].item() == pytest.approx(2.5) and sums["logprob_gap"].item() == pytest.approx(2.5)
+    assert sums["is_tokens"] == 0.0  # loss.rollout_is unset: off on CPU, where both sides run the same math ...
+    _, sums = PolicyLoss(spec(), world=2, on_gpu=True)(logprobs, mask, adv, torch.ones(2), counts=counts, **engine)
+    assert sums["is_tokens"].item() == 5 and sums["is_weight"].item() == pytest.approx(5 * math.exp(-0.5))  # truncate
+
+
+def test_policy_loss_component_counts_by_the_overlong_rule():
+    lengths, cut = [3, 1, 2, 4], [True, False, False, True]
+    assert PolicyLoss(spec()).counts(lengths, cut) == {"sequences": 4, "tokens": 10}
+    assert PolicyLoss(spec("loss.overlong=soft_penalty")).counts(lengths, cut) == {"sequences": 4, "tokens": 10}
+    assert PolicyLoss(spec("loss.overlong=mask")).counts(lengths, cut) == {"sequences": 2, "tokens": 3}
+    assert PolicyLoss(spec("loss.overlong=mask")).counts([], []) == {"sequences": 0, "tokens": 0}

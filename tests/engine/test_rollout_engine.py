@@ -13,6 +13,7 @@ from trapo.engine.hf_rollout import HfEngine
 from trapo.engine.rollout_engine import EngineSettings, RolloutEngine, open_engine
 from trapo.engine.vllm_rollout import VllmEngine
 from trapo.runtime import dtype_name
+from trapo.training.settings import engine_settings
 
 METHODS = sorted(name for name, v in vars(RolloutEngine).items() if callable(v) and not name.startswith("_"))
 
@@ -49,7 +50,7 @@ def test_the_factory_opens_the_hf_engine_on_the_policy_or_on_the_model_dir(tiny)
     cfg = Config()
     cfg.rollout.backend, cfg.rollout.hf_max_batch = "hf", 3
     policy = SimpleNamespace(model=model, engine=None, overrides={})  # what the factory reads of a Policy
-    settings = EngineSettings.for_run(cfg, rank=0, world=1, overrides=policy.overrides)
+    settings = engine_settings(cfg, rank=0, world=1, overrides=policy.overrides)
     stops = [tokenizer.eos_token_id]
     trained = open_engine(settings, path, tokenizer=tokenizer, stop_token_ids=stops, policy=policy)
     assert isinstance(trained, HfEngine) and trained.model is model and trained.max_batch == 3
@@ -85,7 +86,7 @@ def test_the_factory_sizes_vllm_by_the_run_or_leaves_evals_defaults(monkeypatch)
     r.backend = "vllm"  # named: the default, auto, is chosen by the trainer before an engine opens
     r.max_tokens, r.n, r.tensor_parallel_size, r.gpu_memory_utilization = 50, 4, 2, 0.5
     policy = SimpleNamespace(model=None, engine=None, overrides={"rope_theta": 40000.0})
-    settings = EngineSettings.for_run(cfg, rank=3, world=4, overrides=policy.overrides)
+    settings = engine_settings(cfg, rank=3, world=4, overrides=policy.overrides)
     run = open_engine(settings, "m", tokenizer="tok", stop_token_ids=[2], policy=policy)
     assert run.model_dir == "m" and run.kwargs == dict(
         tokenizer="tok",

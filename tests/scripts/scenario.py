@@ -23,10 +23,10 @@ runtime.configure()
 
 import torch  # noqa: E402
 
+from trapo.algorithm import loss as loss_module  # noqa: E402
 from trapo.commands import toy  # noqa: E402
 from trapo.config import load_config  # noqa: E402
 from trapo.engine import checkpoint as ckpt  # noqa: E402
-from trapo.engine import policy as policy_module  # noqa: E402
 from trapo.training import trainer as tr  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,7 +65,7 @@ def main() -> None:
         weight_push(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "nan_from":
         nan_from = int(args.pop(0))
-        real_loss = policy_module.policy_loss
+        real_loss = loss_module.policy_loss  # what PolicyLoss calls
         trainer_ref = {}
 
         def poisoned(*a, **k):
@@ -74,7 +74,7 @@ def main() -> None:
                 loss = loss * float("nan")
             return loss, metrics
 
-        policy_module.policy_loss = poisoned
+        loss_module.policy_loss = poisoned
         cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), args)
         t = trainer(cfg)
         trainer_ref["t"] = t
@@ -158,11 +158,12 @@ def packed_vs_padded(cfg) -> None:
 
     from deepspeed.utils import safe_get_full_grad
 
-    from trapo.algorithm.loss import LossSpec, policy_loss
+    from trapo.algorithm.loss import PolicyLoss, policy_loss
     from trapo.commands.toy import build_assets
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
     from trapo.engine.policy import Policy
+    from trapo.training.settings import loss_spec
 
     dist.init_distributed()
     model_dir = str(build_assets(cfg.toy, log=lambda m: None) / "model")
@@ -179,7 +180,16 @@ def packed_vs_padded(cfg) -> None:
     results = {}
     for packed in (False, True):
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed, micro_batch_tokens=256))
-        policy = Policy(run_cfg, model_dir, 1, pad_id=0, loss=LossSpec.from_config(run_cfg))
+        policy = Policy(
+            model_dir,
+            1,
+            pad_id=0,
+            model=run_cfg.model,
+            train=run_cfg.train,
+            rollout=run_cfg.rollout,
+            loss=PolicyLoss(loss_spec(run_cfg)),
+            seed=run_cfg.seed,
+        )
         logprobs, entropies, losses = [None] * len(seqs), [None] * len(seqs), 0.0
         for group, batch in policy._microbatches(seqs):
             stats = policy._token_stats(batch, entropy=True)

@@ -92,9 +92,9 @@ def test_placement_settings_are_checked_before_any_work(overrides, key, says):
 
 
 def test_staleness_turns_the_importance_weight_on_unless_a_mode_is_chosen():
-    from trapo.algorithm.loss import LossSpec
+    from trapo.training.settings import loss_spec
 
     stale = ["rollout.placement=separate", "rollout.backend=hf", "rollout.max_staleness=1"]
-    assert LossSpec.from_config(load_config("toy", stale)).rollout_is == "truncate"
-    assert LossSpec.from_config(load_config("toy", [*stale, "loss.rollout_is=token_mask"])).rollout_is == "token_mask"
-    assert LossSpec.from_config(load_config("toy", ["rollout.backend=hf"])).rollout_is is None  # as before
+    assert loss_spec(load_config("toy", stale)).rollout_is == "truncate"
+    assert loss_spec(load_config("toy", [*stale, "loss.rollout_is=token_mask"])).rollout_is == "token_mask"
+    assert loss_spec(load_config("toy", ["rollout.backend=hf"])).rollout_is is None  # as before

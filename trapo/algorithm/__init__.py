@@ -1,7 +1,8 @@
 """The paper's math: what TraPO computes, as functions of tensors and strings.
 
 - loss.py         group advantages (GRPO / Dr.GRPO), DAPO's overlong shaping, the clipped surrogate
-                  (paper eq. "grpo"), GSPO and CISPO; `LossSpec`, the run's loss rules decided once
+                  (paper eq. "grpo"), GSPO and CISPO; `LossSpec`, the run's loss rules decided once, and
+                  `PolicyLoss`, the loss built from them that the engine calls per micro-batch
 - entropy_control.py  the adaptive entropy coefficient (loss.entropy_target)
 - importance.py   rollout importance weights (vLLM's sampler vs the trainer's pi_old)
 - logits.py       per-token log-probs, entropy and the LM head's chunked statistics

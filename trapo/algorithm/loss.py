@@ -2,8 +2,9 @@
 loss: the clipped GRPO surrogate (paper eq. "grpo"), GSPO's sequence-level
 variant or CISPO's clipped-IS-weight REINFORCE (`loss.objective`). The rollout
 importance weights that multiply it live in `trapo.algorithm.importance`.
-`LossSpec` is the run's loss, decided once from the config: the engine runs it,
-the update shapes rewards and counts denominators by it.
+`LossSpec` is the run's loss rules, decided once from the config (by the training
+layer); `PolicyLoss`, built once from it, is the loss the engine calls on each
+micro-batch, and the update shapes rewards and counts denominators by it.
 
 Pure functions on tensors: no I/O, no distributed calls. Shapes use
 B questions, G rollouts per question, N = B * G sequences, L response
@@ -16,12 +17,14 @@ beta = 0 (no KL to a reference policy), entropy coefficient 0.01.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from trapo.config import ADVANTAGE_SCALES, AGGREGATIONS, ENTROPY_AGGS, OBJECTIVES, Config
+from trapo.algorithm.importance import resolve_mode, rollout_is_weights
+from trapo.config import ADVANTAGE_SCALES, AGGREGATIONS, ENTROPY_AGGS, OBJECTIVES
 
 
 def group_advantages(rewards: Tensor, scale: str = "none") -> Tensor:
@@ -265,7 +268,8 @@ def policy_loss(
 @dataclass(frozen=True)
 class LossSpec:
     """The loss a run trains with, decided once from `cfg.loss` (with rollout.max_tokens and
-    train.skip_zero_advantage): `Policy` runs it, `trapo.training.update` shapes rewards and counts by it."""
+    train.skip_zero_advantage) by `trapo.training.settings.loss_spec`: `PolicyLoss` runs it,
+    `trapo.training.update` shapes rewards by it."""
 
     objective: str  # OBJECTIVES
     clip_eps: float  # the objective's clip below 1 (GSPO: its own small range, loss.gspo_clip_eps)
@@ -286,30 +290,6 @@ class LossSpec:
     skip_zero_advantage: bool | None = None  # train.skip_zero_advantage; None: skip when exact
     entropy_agg: str = "loss"  # ENTROPY_AGGS: the bonus reduced like the loss, or a per-token mean
     entropy_target: float | None = None  # loss.entropy_target: the coefficient is adapted (entropy_control)
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> LossSpec:
-        lo, max_tokens = cfg.loss, cfg.rollout.max_tokens
-        gspo = lo.objective == "gspo"  # GSPO clips a sequence ratio near 1: its own small range
-        return cls(
-            objective=lo.objective,
-            clip_eps=lo.gspo_clip_eps if gspo else lo.clip_eps,
-            clip_eps_high=lo.gspo_clip_eps_high if gspo else lo.clip_eps_high,
-            agg=lo.agg,
-            max_tokens=max_tokens,
-            entropy_coef=lo.entropy_coef,
-            beta=lo.beta,
-            advantage_scale=lo.advantage_scale,
-            overlong=lo.overlong,
-            overlong_buffer=lo.overlong_buffer_tokens(max_tokens),
-            overlong_penalty=lo.overlong_penalty,
-            rollout_is=lo.rollout_is if lo.rollout_is is not None or not cfg.rollout.max_staleness else "truncate",
-            rollout_is_cap=lo.rollout_is_cap,
-            rollout_is_lower=lo.rollout_is_lower,
-            skip_zero_advantage=cfg.train.skip_zero_advantage,
-            entropy_agg=lo.entropy_agg,
-            entropy_target=lo.entropy_target,
-        )
 
     @property
     def zero_advantage_no_gradient(self) -> bool:
@@ -364,3 +344,102 @@ class LossSpec:
         if not self.penalizes_length:
             return torch.zeros(lengths.shape)
         return overlong_penalty(lengths, self.max_tokens, self.overlong_buffer, self.overlong_penalty)
+
+
+class PolicyLoss:
+    """The run's policy loss as one object: built once from its `LossSpec` and the world size, then called
+    with each micro-batch's tensors (`loss_fn(logprobs, mask, advantages, weights, ...) -> (loss, sums)`).
+
+    The rules the caller would otherwise decide live here: which sequences the denominators count
+    (`counts`), pi_old when no earlier update moved the weights (the on-policy rule), the rollout importance
+    weights (`loss.rollout_is` as run), and the denominators over the world size.
+    """
+
+    def __init__(self, spec: LossSpec, world: int = 1, *, on_gpu: bool = False):
+        self.spec, self.world = spec, world
+        self.rollout_is = resolve_mode(spec.rollout_is, on_gpu)  # "off" or the mode that runs
+
+    def counts(self, lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, int]:
+        """The sequences and response tokens (`lengths`, one per sequence) of an update batch that its loss
+        denominators count (`LossSpec.denominator`): all of them, gated ones included, except truncated ones
+        under loss.overlong=mask (DAPO's overlong filtering: a cut response is treated as never sampled, so
+        it leaves the token_mean denominator, the seq_mean count and dr_grpo's N alike, not only the
+        numerator)."""
+        kept = [n for n, cut in zip(lengths, truncated, strict=True) if not (self.spec.drops_truncated and cut)]
+        return {"sequences": len(kept), "tokens": sum(kept)}
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        mask: Tensor,
+        advantages: Tensor,
+        weights: Tensor,
+        *,
+        counts: dict[str, float],
+        old_logprobs: Tensor | None = None,
+        engine_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        entropy: Tensor | None = None,
+        entropy_coef: float | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor | float]]:
+        """One micro-batch's loss, to be backpropagated, and its statistics as sums over its tokens.
+
+        logprobs (pi_theta, with gradient), mask (the response tokens), old_logprobs, engine_logprobs (the sampler's),
+        ref_logprobs, entropy: [N, L]; advantages, weights (the gate M): [N]. counts: the whole update
+        batch's "sequences" and "tokens" on all ranks (`counts`, summed), for the denominators.
+        old_logprobs None: one update per rollout batch, on-policy, pi_old = pi_theta (the paper's setting).
+        entropy_coef: the bonus's weight this step (loss.entropy_target's adaptive coefficient); None: the
+        spec's.
+
+        Returns (loss, sums): loss, pg_loss; trained_tokens; entropy, clip_frac, kl_ref weighted by tokens;
+        kl_tokens; logprob_diff (sum |pi_old - pi_engine| over tokens), logprob_gap (sum of
+        pi_engine - pi_old), logprob_tokens; is_weight, is_capped, is_masked (token-weighted), is_masked_seqs,
+        is_seqs, is_tokens (`trapo.algorithm.importance.rollout_is_weights`).
+        """
+        s, mask = self.spec, mask.bool()
+        old = logprobs.detach() if old_logprobs is None else old_logprobs
+        is_weights, is_metrics = None, {}
+        if engine_logprobs is not None and self.rollout_is != "off":
+            is_weights, is_metrics = rollout_is_weights(
+                old, engine_logprobs, mask, mode=self.rollout_is, cap=s.rollout_is_cap, lower=s.rollout_is_lower
+            )
+        sequences, tokens = int(counts["sequences"]), int(counts["tokens"])
+        loss, metrics = policy_loss(
+            logprobs,
+            old,
+            advantages,
+            mask,
+            clip_eps=s.clip_eps,
+            clip_eps_high=s.clip_eps_high,
+            objective=s.objective,
+            weights=weights,
+            agg=s.agg,
+            # Divided by the world size because DeepSpeed averages gradients over ranks.
+            denom=s.denominator(sequences, tokens) / self.world,
+            entropy=entropy,
+            entropy_coef=s.entropy_coef if entropy_coef is None else entropy_coef,
+            entropy_agg=s.entropy_agg,
+            entropy_denom=s.entropy_denominator(sequences, tokens) / self.world,
+            token_weights=is_weights,
+            ref_logprobs=ref_logprobs,
+            beta=s.beta,
+        )
+        n, engine = mask.sum(), engine_logprobs
+        return loss, {
+            "loss": loss.detach(),
+            "pg_loss": metrics["pg_loss"],
+            "entropy": metrics.get("entropy", 0.0) * n,
+            "clip_frac": metrics["clip_frac"] * n,
+            "trained_tokens": n,
+            "logprob_diff": torch.where(mask, (old - engine).abs(), 0.0).sum() if engine is not None else 0.0,
+            "logprob_gap": torch.where(mask, engine - old, 0.0).sum() if engine is not None else 0.0,
+            "logprob_tokens": n if engine is not None else 0.0,
+            "is_weight": is_metrics.get("is_weight_mean", 0.0) * n,
+            "is_capped": is_metrics.get("is_capped_frac", 0.0) * n,
+            "is_tokens": n if is_weights is not None else 0.0,
+            "is_masked": is_metrics.get("is_masked_frac", 0.0) * n,
+            "is_masked_seqs": is_metrics.get("is_masked_seqs", 0.0),
+            "is_seqs": is_metrics.get("is_seqs", 0.0),
+            "kl_ref": metrics.get("kl_ref", 0.0) * n,
+            "kl_tokens": n if "kl_ref" in metrics else 0.0,
+        }

@@ -62,15 +62,6 @@ def build_sequences(
     ]
 
 
-def loss_counts(seqs: list[TrainSequence], drop_truncated: bool = False) -> dict[str, int]:
-    """The sequences and response tokens an update batch's loss denominators count (`LossSpec.denominator`):
-    all of them, gated ones included, except truncated ones when `drop_truncated` (loss.overlong=mask,
-    DAPO's overlong filtering: a cut response is treated as never sampled, so it leaves the token_mean
-    denominator, the seq_mean count and dr_grpo's N alike, not only the numerator)."""
-    kept = [s for s in seqs if not (drop_truncated and s.truncated)]
-    return {"sequences": len(kept), "tokens": sum(len(s.ids) - s.prompt_len for s in kept)}
-
-
 def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     """Group sequence indices into micro-batches of at most `budget` padded tokens.
 

@@ -19,10 +19,10 @@ from dataclasses import replace
 import torch
 
 from trapo import console
-from trapo.algorithm.importance import resolve_mode, rollout_is_weights, top_p_bias_warning
+from trapo.algorithm.importance import top_p_bias_warning
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
-from trapo.algorithm.loss import LossSpec, policy_loss
-from trapo.config import Config, ConfigError, ModelConfig, read_deepspeed_config
+from trapo.algorithm.loss import PolicyLoss
+from trapo.config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, read_deepspeed_config
 from trapo.engine import attention, dist, lora, packing
 from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.memory_plan import check_stage
@@ -109,20 +109,35 @@ def _offloadable_states(wanted: bool) -> list | None:
 
 
 class Policy:
-    def __init__(self, cfg: Config, model_dir: str, world: int, pad_id: int, *, loss: LossSpec):
+    """The policy of `model_dir` as the run's `model`, `train` and `rollout` settings shape it (the sampling
+    temperature: its log-probs are the sampler's), updated by `loss`; `seed` seeds the LoRA adapters."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        world: int,
+        pad_id: int,
+        *,
+        model: ModelConfig,
+        train: TrainConfig,
+        rollout: RolloutConfig,
+        loss: PolicyLoss,
+        seed: int = 0,
+    ):
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
-        self.cfg, self.world, self.pad_id = cfg, world, pad_id
-        self.loss = loss  # what `update` runs; the config's loss keys are read only through it
+        self.world, self.pad_id = world, pad_id
+        self.train_cfg, self.temperature = train, rollout.temperature
+        self.loss = loss  # what `update` calls; the config's loss keys are read only through it
         self.device = dist.comm_device()
-        dtype = torch_dtype(cfg.model.dtype)
+        dtype = torch_dtype(model.dtype)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        if cfg.model.lora.rank > 0:  # a bad target: one line before any weight is read (the architecture alone)
-            lora.check_config_targets(hf_config, cfg.model.lora.target_modules)
-        ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
-        check_stage((ds_config.get("zero_optimization") or {}).get("stage", 3), cfg.model.lora.rank)
+        if model.lora.rank > 0:  # a bad target: one line before any weight is read (the architecture alone)
+            lora.check_config_targets(hf_config, model.lora.target_modules)
+        ds_config = read_deepspeed_config(train.deepspeed_config)
+        check_stage((ds_config.get("zero_optimization") or {}).get("stage", 3), model.lora.rank)
         # We micro-batch by tokens ourselves and call step() once per update batch:
         # unmanaged gradient accumulation makes step() the boundary however many backward() calls came first.
         ds_config.update(
@@ -136,59 +151,57 @@ class Policy:
         ds_config.pop("fp16", None)
         self._hf_ds = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it turns on zero.Init
 
-        self.overrides = model_overrides(cfg.model, hf_config)  # the engine takes the same
+        self.overrides = model_overrides(model, hf_config)  # the engine takes the same
         for key, value in self.overrides.items():
             setattr(hf_config, key, value)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype)
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        if cfg.train.packing:  # packed rows: attention within each sequence, no [S, S] mask
-            model.set_attn_implementation(attention.register_attention())
+        net = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype)
+        if model.gradient_checkpointing:
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.config.use_cache = False
+        if train.packing:  # packed rows: attention within each sequence, no [S, S] mask
+            net.set_attn_implementation(attention.register_attention())
             # the kernel is chosen here, before any forward: a check inside a checkpointed forward breaks its backward
             attention.choose_kernel(hf_config, self.device, dtype)
         # model.lora: adapters on a frozen base (trapo/engine/lora.py); the base's identity goes in checkpoints
-        self.lora = cfg.model.lora.rank > 0
+        self.lora = model.lora.rank > 0
         self.base = None
         if self.lora:
-            model = lora.attach(model, cfg.model.lora, seed=cfg.seed)
+            net = lora.attach(net, model.lora, seed=seed)
             self.base = dist.all_gather(lora.base_identity(model_dir) if dist.rank() == 0 else None)[0]
-            console.say(lora.describe(model, cfg.model.lora))
-        t = cfg.train
+            console.say(lora.describe(net, model.lora))
         on_gpu = torch.cuda.is_available()
         optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],  # with LoRA: the adapters alone
-            lr=t.lr,
-            betas=tuple(t.adam_betas),
-            weight_decay=t.weight_decay,
+            [p for p in net.parameters() if p.requires_grad],  # with LoRA: the adapters alone
+            lr=train.lr,
+            betas=tuple(train.adam_betas),
+            weight_decay=train.weight_decay,
             fused=on_gpu,
         )
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=ds_config)
         self.model = self.engine.module
         # loss.beta > 0: a frozen copy of the initial weights for the KL term, partitioned by ZeRO-3 like the
         # policy (each rank holds 1/world of it) and run forward only; no optimizer, never saved.
         # With LoRA the reference is the base itself: the same model with its adapters off (`_reference`).
         self.ref = None
-        if loss.needs_reference and not self.lora:
+        if loss.spec.needs_reference and not self.lora:
             ref = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype).requires_grad_(False)
             ref.config.use_cache = False
-            if cfg.train.packing:
+            if train.packing:
                 ref.set_attn_implementation(attention.ATTENTION)
             ref_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
             self.ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
             self.ref.eval()
-        self.rollout_is = resolve_mode(loss.rollout_is, on_gpu)  # "off" or the mode that runs
-        bias = top_p_bias_warning(self.rollout_is, cfg.rollout.top_p)
+        bias = top_p_bias_warning(loss.rollout_is, rollout.top_p)
         if bias:
             console.warn_once("rollout_is_top_p", bias)
         # The hf backend generates with the bf16 partitions themselves: they stay (validation refuses true).
-        offload = t.offload_during_rollout
+        offload = train.offload_during_rollout
         if offload is None:
-            offload = on_gpu and cfg.rollout.backend == "vllm"
+            offload = on_gpu and rollout.backend == "vllm"
         # With LoRA nothing moves: the adapters' states are small, and DeepSpeed's lp_params offload maps a
         # frozen base onto the trainable partitions' buffer, which breaks it (docs/upstream-notes.md).
         self.offload_states = _offloadable_states(offload and not self.lora)
-        if self.lora and t.offload_during_rollout:
+        if self.lora and train.offload_during_rollout:
             console.warn_once(
                 "lora_offload",
                 "train.offload_during_rollout=true moves nothing with model.lora: "
@@ -240,14 +253,14 @@ class Policy:
         """This rank's micro-batches (indices into seqs), padded with empty ones to the busiest rank's count:
         every rank must run the same number of forward/backward passes."""
         groups = packing.micro_batches(
-            [len(s.ids) for s in seqs], self.cfg.train.micro_batch_tokens, self.cfg.train.packing
+            [len(s.ids) for s in seqs], self.train_cfg.micro_batch_tokens, self.train_cfg.packing
         )
         # At least one pass even when nothing is trainable anywhere: DeepSpeed's step needs a backward.
         return groups + [[] for _ in range(max(dist.all_max(len(groups)), 1) - len(groups))]
 
     def _microbatches(self, seqs: list[TrainSequence], groups: list[list[int]] | None = None):
         """Yield (indices into seqs, collated batch) per micro-batch; an empty group runs a 2-token dummy."""
-        pad, build = self.pad_id, packing.collate_packed if self.cfg.train.packing else collate
+        pad, build = self.pad_id, packing.collate_packed if self.train_cfg.packing else collate
         for group in self._groups(seqs) if groups is None else groups:
             if group:
                 yield group, build([seqs[i] for i in group], pad)
@@ -291,8 +304,8 @@ class Policy:
             hidden,
             engine.module.get_output_embeddings(),
             targets,
-            temperature=self.cfg.rollout.temperature,
-            chunk_tokens=self.cfg.train.loss_chunk_tokens,
+            temperature=self.temperature,
+            chunk_tokens=self.train_cfg.loss_chunk_tokens,
             entropy=entropy,
             kl_uniform=kl_uniform,
         )
@@ -379,8 +392,8 @@ class Policy:
 
     def trainable(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
         """The sequences worth a forward and backward (`LossSpec.trains`); the denominators still count the
-        skipped ones, and under loss.overlong=mask drop the truncated ones too (`batch.loss_counts`)."""
-        return [s for s in seqs if self.loss.trains(s.advantage, s.weight, s.truncated)]
+        skipped ones, and under loss.overlong=mask drop the truncated ones too (`PolicyLoss.counts`)."""
+        return [s for s in seqs if self.loss.spec.trains(s.advantage, s.weight, s.truncated)]
 
     def balance(self, seqs: list[TrainSequence]) -> list[TrainSequence]:
         """This rank's share of every rank's `seqs`, token counts nearly equal across ranks (collective).
@@ -401,49 +414,29 @@ class Policy:
         step (loss.entropy_target's adaptive coefficient); None: the LossSpec's. The sums stay on the device until
         the end of the update: one host synchronisation.
         """
-        lo = self.loss
-        # Divided by the world size because DeepSpeed averages gradients over ranks.
-        denom = lo.denominator(int(batch["sequences"]), int(batch["tokens"])) / self.world
-        entropy_denom = lo.entropy_denominator(int(batch["sequences"]), int(batch["tokens"])) / self.world
-        coef = lo.entropy_coef if entropy_coef is None else entropy_coef
         groups = self._groups(seqs)
         # The work done, for update_efficiency: every rank's micro-batch layout and its tokens with signal.
-        signal = sum(len(s.ids) for s in seqs if lo.carries_signal(s.advantage))
+        signal = sum(len(s.ids) for s in seqs if self.loss.spec.carries_signal(s.advantage))
         layouts = dist.all_gather(([[len(seqs[i].ids) for i in g] for g in groups if g], signal))
-        work = packing.work_counts([lay for lay, _ in layouts], sum(n for _, n in layouts), self.cfg.train.packing)
+        work = packing.work_counts([lay for lay, _ in layouts], sum(n for _, n in layouts), self.train_cfg.packing)
         sums = torch.zeros(len(UPDATE_SUMS) + 1, dtype=torch.float64, device=self.device)  # + non-finite count
         self.engine.train()
-        for group, batch in self._microbatches(seqs, groups):
+        for group, micro in self._microbatches(seqs, groups):
             # the entropy is always measured: the bonus, its controller and the rambling guard read it
-            stats = self._token_stats(batch, entropy=True)  # [b, T-1] each
-            mask = batch["response_mask"].to(self.device)  # [b, T-1]
-            # One update per rollout batch (the paper's setting) is on-policy: pi_old = pi_theta.
-            old = batch["old_logprobs"].to(self.device) if "old_logprobs" in batch else stats.logprobs.detach()
-            engine_lp = batch["engine_logprobs"].to(self.device) if "engine_logprobs" in batch else None
-            ref_lp = batch["ref_logprobs"].to(self.device) if "ref_logprobs" in batch else None
-            is_weights, is_metrics = None, {}
-            if engine_lp is not None and self.rollout_is != "off":
-                is_weights, is_metrics = rollout_is_weights(
-                    old, engine_lp, mask, mode=self.rollout_is, cap=lo.rollout_is_cap, lower=lo.rollout_is_lower
-                )
-            loss, metrics = policy_loss(
+            stats = self._token_stats(micro, entropy=True)  # [b, T-1] each
+            # pi_old, the sampler's and the reference's log-probs, where the sequences carry them
+            given = {
+                k: micro[k].to(self.device) for k in ("old_logprobs", "engine_logprobs", "ref_logprobs") if k in micro
+            }
+            loss, part = self.loss(
                 stats.logprobs,
-                old,
-                batch["advantages"].to(self.device),
-                mask,
-                clip_eps=lo.clip_eps,
-                clip_eps_high=lo.clip_eps_high,
-                objective=lo.objective,
-                weights=batch["weights"].to(self.device),
-                agg=lo.agg,
-                denom=denom,
+                micro["response_mask"].to(self.device),  # [b, T-1]
+                micro["advantages"].to(self.device),
+                micro["weights"].to(self.device),
+                counts=batch,
                 entropy=stats.entropy,
-                entropy_coef=coef,
-                entropy_agg=lo.entropy_agg,
-                entropy_denom=entropy_denom,
-                token_weights=is_weights,
-                ref_logprobs=ref_lp,
-                beta=lo.beta,
+                entropy_coef=entropy_coef,
+                **given,
             )
             if not group:
                 loss = loss * 0.0
@@ -451,26 +444,6 @@ class Policy:
             # global gradient-norm check discard the whole step on every rank (no rank diverges).
             self.engine.backward(loss)
             if group:
-                tokens = mask.sum()
-                diff = torch.where(mask, (old - engine_lp).abs(), 0.0).sum() if engine_lp is not None else 0.0
-                part = {
-                    "loss": loss.detach(),
-                    "pg_loss": metrics["pg_loss"],
-                    "entropy": metrics.get("entropy", 0.0) * tokens,
-                    "clip_frac": metrics["clip_frac"] * tokens,
-                    "trained_tokens": tokens,
-                    "logprob_diff": diff,
-                    "logprob_gap": torch.where(mask, engine_lp - old, 0.0).sum() if engine_lp is not None else 0.0,
-                    "logprob_tokens": tokens if engine_lp is not None else 0.0,
-                    "is_weight": is_metrics.get("is_weight_mean", 0.0) * tokens,
-                    "is_capped": is_metrics.get("is_capped_frac", 0.0) * tokens,
-                    "is_tokens": tokens if is_weights is not None else 0.0,
-                    "is_masked": is_metrics.get("is_masked_frac", 0.0) * tokens,
-                    "is_masked_seqs": is_metrics.get("is_masked_seqs", 0.0),
-                    "is_seqs": is_metrics.get("is_seqs", 0.0),
-                    "kl_ref": metrics.get("kl_ref", 0.0) * tokens,
-                    "kl_tokens": tokens if "kl_ref" in metrics else 0.0,
-                }
                 sums[:-1] += torch.stack(
                     [torch.as_tensor(part.get(k, 0.0), dtype=torch.float64, device=self.device) for k in UPDATE_SUMS]
                 )

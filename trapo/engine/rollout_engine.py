@@ -12,7 +12,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from trapo.config import Config
 from trapo.engine.rollout import Rollout
 
 if TYPE_CHECKING:
@@ -68,7 +67,8 @@ class RolloutEngine(Protocol):
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What `open_engine` builds, from a training run's config (`for_run`) or `trapo eval`'s flags."""
+    """What `open_engine` builds, from a training run's config (`trapo.training.settings.engine_settings`) or
+    `trapo eval`'s flags."""
 
     backend: str  # rollout.backend / --backend
     dtype: str  # the weights' dtype: model.dtype / --dtype
@@ -77,31 +77,6 @@ class EngineSettings:
     overrides: dict = field(default_factory=dict)  # config attributes over the checkpoint's (policy.model_overrides)
     hf_max_batch: int = 256  # hf: sequences generated at once
     vllm: dict = field(default_factory=dict)  # VllmEngine's sizing, where not its defaults (training's rollout.*)
-
-    @classmethod
-    def for_run(cls, cfg: Config, *, rank: int, world: int, overrides: dict) -> EngineSettings:
-        """This rank's engine for a training run: sized by `rollout.*`, one seed per engine (the ranks of a
-        tensor-parallel group share one), and sampled tokens' log-probs kept (logprob_diff_rollout_vs_policy)."""
-        r = cfg.rollout
-        return cls(
-            backend=r.backend,
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
-            seed=cfg.seed + rank // r.tensor_parallel_size,
-            overrides=overrides,
-            hf_max_batch=r.hf_max_batch,
-            vllm=dict(
-                tensor_parallel_size=r.tensor_parallel_size,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                cpu_kv_cache_gb=r.cpu_kv_cache_gb,
-                enable_sleep_mode=r.enable_sleep_mode,
-                enable_prefix_caching=r.enable_prefix_caching,
-                sampled_logprobs=True,
-                # The most sequences an engine runs at once in training: its questions (a tensor-parallel
-                # group pools its ranks') x G. Validation queues beyond it.
-                max_num_seqs=cfg.train.rollout_batch_size // world * r.tensor_parallel_size * r.n,
-            ),
-        )
 
 
 def open_engine(

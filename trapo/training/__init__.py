@@ -7,6 +7,7 @@
 - prefetch.py          the trainer's engine and requests; separate placement: rounds asked for ahead, their lag
 - rollout_worker.py    a rollout rank's serving loop: open the engine, stage weights, answer requests in order
 - update.py            shaped rewards -> advantages -> update batches -> optimizer steps
+- settings.py          the config cut into what the engine and the math run: the loss's rules, the engine's sizing
 - evaluation.py        generate, grade, score benchmarks: the trainer's Evaluator; `python -m trapo eval` above
 - preemption.py        SIGTERM / SIGINT: finish the step, save, stop
 - run_record.py        one run per run directory (a lock), resumes that keep the first config, starts.jsonl

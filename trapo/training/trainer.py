@@ -31,7 +31,7 @@ import torch
 
 from trapo import console, runtime
 from trapo.algorithm.entropy_control import EntropyControl
-from trapo.algorithm.loss import LossSpec
+from trapo.algorithm.loss import PolicyLoss
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.algorithm.rewards.verifiers import require_verifier
 from trapo.algorithm.selection import confidence_kind
@@ -43,7 +43,6 @@ from trapo.engine.grading.verifier import MathVerifier
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import Policy, TrainingError, same_model
 from trapo.engine.rollout import Rollout, require_backend
-from trapo.engine.rollout_engine import EngineSettings
 from trapo.training import curriculum, metrics, prefetch, rollout_dump, run_record, sampling
 from trapo.training.checkpointing import Checkpointing
 from trapo.training.evaluation import Evaluator
@@ -54,6 +53,7 @@ from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
 from trapo.training.prefetch import Prefetching
 from trapo.training.rambling import RamblingGuard
+from trapo.training.settings import engine_settings, loss_spec
 from trapo.training.update import update_policy
 
 
@@ -86,11 +86,21 @@ class Trainer(Checkpointing, Prefetching):
         self.steps_per_epoch, self.total_steps = inputs.steps_per_epoch, inputs.total_steps
         # A vLLM that fails to import: one line after the input checks (they stay quick), before the model loads
         require_backend(cfg.rollout.backend)
-        loss = LossSpec.from_config(cfg)  # the loss's rules, decided once: the policy runs them, the update reads them
-        self.policy = Policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id, loss=loss)
+        # the loss, built once: the policy calls it, the update reads its rules
+        loss = PolicyLoss(loss_spec(cfg), self.world, on_gpu=torch.cuda.is_available())
+        self.policy = Policy(
+            self.model_dir,
+            self.world,
+            self.tokenizer.pad_token_id,
+            model=cfg.model,
+            train=cfg.train,
+            rollout=cfg.rollout,
+            loss=loss,
+            seed=cfg.seed,
+        )
         generation = getattr(self.policy.model, "generation_config", None)
         stops = stop_token_ids(self.tokenizer, generation and generation.eos_token_id)
-        settings = EngineSettings.for_run(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
+        settings = engine_settings(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
         self.rollout = self._open_engine(settings, stops)  # rollout.placement separate: the rollout ranks'
         if (engine_config := self.rollout.effective_config()) is not None:  # a separate model must run the policy's
             console.say(same_model(self.policy.effective_config(), engine_config))

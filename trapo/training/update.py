@@ -1,5 +1,6 @@
 """One step's policy update: shaped rewards -> group advantages -> training sequences -> update batches
--> one optimizer step per update batch (`Policy.update`), by the loss the policy runs (`Policy.loss`).
+-> one optimizer step per update batch (`Policy.update`), by the loss the policy calls (`Policy.loss`, a
+`PolicyLoss`).
 
     result = update_policy(policy, cfg, kept, prompts, labeled, step=step, n_updates=n_updates)
 
@@ -16,7 +17,7 @@ import torch
 from trapo.algorithm.loss import LossSpec, group_advantages
 from trapo.config import Config
 from trapo.engine import dist
-from trapo.engine.batch import build_sequences, loss_counts
+from trapo.engine.batch import build_sequences
 from trapo.engine.policy import UPDATE_SUMS, Policy
 from trapo.training.sampling import KeptGroups
 
@@ -65,9 +66,9 @@ def update_policy(
     """Optimizer steps over this rank's kept groups, in the `n_updates` update batches that `kept.update_of`
     indexes (as many on every rank). prompts, labeled: [k], one per kept group. entropy_coef: the adaptive
     coefficient (loss.entropy_target), else None."""
-    loss, g = policy.loss, cfg.rollout.n
+    spec, g = policy.loss.spec, cfg.rollout.n
     lengths = [[len(r.token_ids) for r in group] for group in kept.rollouts]
-    advantages, penalty = shaped_advantages(kept.rewards, lengths, loss, g)
+    advantages, penalty = shaped_advantages(kept.rewards, lengths, spec, g)
     seqs = build_sequences(
         prompts=prompts,
         responses=[[r.token_ids for r in group] for group in kept.rollouts],
@@ -81,16 +82,19 @@ def update_policy(
     for q, u in enumerate(kept.update_of):
         parts[u] += seqs[q * g : (q + 1) * g]
     # Loss denominators count the whole update batch on all ranks, gated and skipped sequences included.
-    batches = [dist.all_sum(loss_counts(p, drop_truncated=loss.drops_truncated)) for p in parts]
+    batches = [
+        dist.all_sum(policy.loss.counts([len(s.ids) - s.prompt_len for s in p], [s.truncated for s in p]))
+        for p in parts
+    ]
     parts = [policy.trainable(p) for p in parts]  # no compute for sequences that add nothing
     if cfg.train.balance_ranks:  # near-equal tokens per rank: no rank waits on a busier one
         parts = [policy.balance(p) for p in parts]
     if len(parts) > 1:  # several updates: the later ones need pi_old from before the first
         parts = resplit(policy.with_logprobs([s for p in parts for s in p], "old_logprobs"), parts)
-    if loss.needs_reference:  # the KL term's reference: the initial weights
+    if spec.needs_reference:  # the KL term's reference: the initial weights
         parts = resplit(policy.with_logprobs([s for p in parts for s in p], "ref_logprobs"), parts)
     result = UpdateResult(applied=True, sums=dict.fromkeys(UPDATE_SUMS, 0.0), work={})
-    if loss.penalizes_length:
+    if spec.penalizes_length:
         result.sums.update(overlong_penalty=float(penalty.sum()), overlong_responses=float(penalty.numel()))
     for part, batch in zip(parts, batches):
         ok, part_sums, part_work = policy.update(part, step, batch, entropy_coef)

@@ -1,0 +1,65 @@
+"""The run's `Config` cut into what each part below the training layer runs: the loss's rules (`loss_spec`)
+and this rank's rollout engine (`engine_settings`). The engine and the math layer take these, or a config
+section, never the whole config.
+
+    loss = PolicyLoss(loss_spec(cfg), world, on_gpu=torch.cuda.is_available())
+    engine = open_engine(engine_settings(cfg, rank=rank, world=world, overrides=policy.overrides), ...)
+"""
+
+from __future__ import annotations
+
+from trapo.algorithm.loss import LossSpec
+from trapo.config import Config
+from trapo.engine.rollout_engine import EngineSettings
+
+
+def loss_spec(cfg: Config) -> LossSpec:
+    """The run's loss, decided once from `cfg.loss`, rollout.max_tokens (L_max), rollout.max_staleness (stale
+    rounds need an importance correction: loss.rollout_is unset is truncate) and train.skip_zero_advantage."""
+    lo, max_tokens = cfg.loss, cfg.rollout.max_tokens
+    gspo = lo.objective == "gspo"  # GSPO clips a sequence ratio near 1: its own small range
+    return LossSpec(
+        objective=lo.objective,
+        clip_eps=lo.gspo_clip_eps if gspo else lo.clip_eps,
+        clip_eps_high=lo.gspo_clip_eps_high if gspo else lo.clip_eps_high,
+        agg=lo.agg,
+        max_tokens=max_tokens,
+        entropy_coef=lo.entropy_coef,
+        beta=lo.beta,
+        advantage_scale=lo.advantage_scale,
+        overlong=lo.overlong,
+        overlong_buffer=lo.overlong_buffer_tokens(max_tokens),
+        overlong_penalty=lo.overlong_penalty,
+        rollout_is=lo.rollout_is if lo.rollout_is is not None or not cfg.rollout.max_staleness else "truncate",
+        rollout_is_cap=lo.rollout_is_cap,
+        rollout_is_lower=lo.rollout_is_lower,
+        skip_zero_advantage=cfg.train.skip_zero_advantage,
+        entropy_agg=lo.entropy_agg,
+        entropy_target=lo.entropy_target,
+    )
+
+
+def engine_settings(cfg: Config, *, rank: int, world: int, overrides: dict) -> EngineSettings:
+    """This rank's engine for a training run: sized by `rollout.*`, one seed per engine (the ranks of a
+    tensor-parallel group share one), and sampled tokens' log-probs kept (logprob_diff_rollout_vs_policy).
+    overrides: the model attributes the run sets over the checkpoint's (`Policy.overrides`)."""
+    r = cfg.rollout
+    return EngineSettings(
+        backend=r.backend,
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.data.max_prompt_tokens + r.max_tokens,
+        seed=cfg.seed + rank // r.tensor_parallel_size,
+        overrides=overrides,
+        hf_max_batch=r.hf_max_batch,
+        vllm=dict(
+            tensor_parallel_size=r.tensor_parallel_size,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            cpu_kv_cache_gb=r.cpu_kv_cache_gb,
+            enable_sleep_mode=r.enable_sleep_mode,
+            enable_prefix_caching=r.enable_prefix_caching,
+            sampled_logprobs=True,
+            # The most sequences an engine runs at once in training: its questions (a tensor-parallel
+            # group pools its ranks') x G. Validation queues beyond it.
+            max_num_seqs=cfg.train.rollout_batch_size // world * r.tensor_parallel_size * r.n,
+        ),
+    )
