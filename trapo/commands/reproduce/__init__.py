@@ -79,6 +79,7 @@ from trapo.commands.reproduce.analysis import (
     t_quantile,
     verdict,
 )
+from trapo.commands.reproduce.forking import close_parent
 from trapo.commands.reproduce.plan import (
     CLAIMS,
     CONFIG,
@@ -141,6 +142,13 @@ __all__ = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        close_parent()  # the command ends without the interpreter's teardown: its forking parent goes now
+
+
+def _main(argv: list[str] | None) -> int:
     runtime.configure()  # before torch: the base model is built in this process (one thread on CPU)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"seeds {QUICK_SEEDS}, {QUICK_EPOCHS} epochs")

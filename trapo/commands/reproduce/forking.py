@@ -184,8 +184,16 @@ def _sweep_parent(env: dict[str, str]) -> Parent:
     with _STARTING:  # a sweep's parallel jobs ask at once: one parent
         if not _PARENTS or not _PARENTS[0].alive():
             _PARENTS[:] = [Parent(env, runtime.ROOT)]
-            atexit.register(_PARENTS[0].close)
+            atexit.register(close_parent)
     return _PARENTS[0]
+
+
+def close_parent() -> None:
+    """This process's parent, if it started one, told to exit (children still running carry on)."""
+    with _STARTING:
+        for parent in _PARENTS:
+            parent.close()
+        _PARENTS.clear()
 
 
 def _without(env: dict[str, str], ignored: frozenset[str]) -> dict[str, str]:
