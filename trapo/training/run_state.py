@@ -18,7 +18,7 @@ import torch
 from trapo import console
 from trapo.algorithm.entropy_control import EntropyControl
 from trapo.algorithm.passrate import PassRateTracker
-from trapo.algorithm.rewards.verifier import MathVerifier, merged
+from trapo.algorithm.rewards.verifier import merged
 from trapo.config import Config, ConfigError
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
@@ -44,7 +44,7 @@ class RunState:
         total_steps: int,
         policy: Policy,
         tokenizer,
-        verifier: MathVerifier,
+        verifier,  # the grader: its memory of what exhausted the Math-Verify timeout is kept
         rollouts: RolloutSource,
         model_commit: str | None,
     ):
