@@ -39,35 +39,33 @@ def test_rng_round_trip(tmp_path):
 
 
 def test_trainer_state_round_trip(tmp_path):
-    """Trainer.state_dict -> trainer_state.pt -> Trainer.load_state_dict restores the loop's state exactly."""
+    """RunState.state_dict -> trainer_state.pt -> RunState.load_state_dict restores the loop's state exactly."""
+    import dataclasses
+
     import torch
 
-    from trapo.algorithm.entropy_control import EntropyControl
-    from trapo.algorithm.passrate import PassRateTracker, SelectionConfig
     from trapo.config import Config
     from trapo.engine.grading.verifier import MathVerifier
-    from trapo.training.loggers import Loggers
-    from trapo.training.rambling import RamblingGuard
+    from trapo.training.run_state import RunState
     from trapo.training.sampling import Cursor
-    from trapo.training.trainer import Trainer
 
-    def skeleton(world):  # the state-holding part of a Trainer, without a model or an engine
-        t = Trainer.__new__(Trainer)
-        t.world, t.step, t.bad_steps, t.last_selection, t.best = world, 0, 0, None, None
-        t.rank = 1  # the second of `world` ranks: it takes the second rank's grader memory
-        t.heldout_before, t.heldout_avg_before, t.cursor, t.steps_per_epoch = None, None, Cursor(0, 0), 4
-        t.tracker = PassRateTracker(torch.tensor([True, False, False]), SelectionConfig(warmup_epochs=1, top_p=0.5))
-        t.loggers, t.tracker_ids = Loggers([]), {}  # no tracker open (a resumed run keeps the ids it loaded)
-        t.model_source = None  # a local model directory: no hub commit to compare
-        t.policy = type("FullFineTuning", (), {"base": None})()  # no LoRA base identity to compare
-        t.cfg = Config()
-        t.cfg.loss.entropy_target = 0.3  # adaptive entropy control: its coefficient is trainer state
-        t.rambling, t.entropy_control = (
-            RamblingGuard(t.cfg.rollout.rambling, t.cfg.loss),
-            EntropyControl.from_config(t.cfg.loss),
+    def skeleton(world):  # a Trainer's RunState, without a model or an engine
+        cfg = Config()
+        cfg.selection = dataclasses.replace(cfg.selection, warmup_epochs=1, top_p=0.5)
+        cfg.loss.entropy_target = 0.3  # adaptive entropy control: its coefficient is trainer state
+        return RunState(
+            cfg,
+            torch.tensor([True, False, False]),
+            rank=1,  # the second of `world` ranks: it takes the second rank's grader memory
+            world=world,
+            steps_per_epoch=4,
+            total_steps=8,
+            policy=type("FullFineTuning", (), {"base": None})(),  # no LoRA base identity to compare
+            tokenizer=None,
+            verifier=MathVerifier(num_workers=1),  # started only if a request comes: none here
+            rollouts=type("Colocated", (), {"state_dict": lambda self: {}})(),  # no round in flight
+            model_commit=None,  # a local model directory: no hub commit to compare
         )
-        t.verifier = MathVerifier(num_workers=1)  # started only if a request comes: none here
-        return t
 
     a = skeleton(world=2)
     a.tracker.record(torch.arange(3), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([float("nan"), 1.0, 0.0]))

@@ -70,7 +70,7 @@ def main() -> None:
 
         def poisoned(*a, **k):
             loss, metrics = real_loss(*a, **k)
-            if trainer_ref["t"].step + 1 >= nan_from:
+            if trainer_ref["t"].state.step + 1 >= nan_from:
                 loss = loss * float("nan")
             return loss, metrics
 
@@ -271,7 +271,7 @@ def weight_push(cfg) -> None:
 
     questions = [q for b in t.evaluator.test_benchmarks for q in b.questions]
     prompts = tokenize_prompts(questions, cfg.data.prompt_template, t.tokenizer, cfg.data.max_prompt_tokens)
-    vllm_out = [o[0].token_ids for o in t.rollout.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
+    vllm_out = [o[0].token_ids for o in t.rollouts.engine.generate(prompts, n=1, temperature=0.0, max_tokens=8)]
     del t.policy._hf_ds  # transformers would otherwise build this reference model partitioned under ZeRO-3
     model = AutoModelForCausalLM.from_pretrained(t.model_dir, dtype=torch.float32)
     model.load_state_dict(weights)

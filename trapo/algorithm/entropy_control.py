@@ -8,7 +8,7 @@ The rule (Skywork-OR1's adaptive entropy control, arXiv 2505.22312, section 4): 
 entropy H is below the target, the coefficient rises by `step`; above it, it falls by `step`; equal, it stays.
 It is clamped to [0, `max_coef`]. A rambling policy (entropy far above the target) thus sees its bonus
 shrink to 0 within coef / step steps, and a collapsing one gets it back. The coefficient is trainer state:
-it is checkpointed (trapo/training/checkpointing.py) so that a resumed run continues the same sequence.
+it is checkpointed (trapo/training/run_state.py) so that a resumed run continues the same sequence.
 Pure: no tensors, no I/O.
 """
 

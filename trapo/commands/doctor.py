@@ -367,13 +367,15 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
     toy.prepare(cfg)
     trainer = Trainer(cfg)
     try:
-        checks.add("engine placement", True, f"rank 0 engine on {trainer.rollout.device()} (every rank checked)")
+        checks.add(
+            "engine placement", True, f"rank 0 engine on {trainer.rollouts.engine.device()} (every rank checked)"
+        )
         logs = [trainer.train_step() for _ in range(2)]
-        trainer.save()
-        path = ckpt.choose("latest", trainer.ckpt_root, trainer.rank, trainer.world)
+        trainer.state.save()
+        path = ckpt.choose("latest", trainer.state.ckpt_root, trainer.rank, trainer.world)
         ckpt.restore(path, rank=trainer.rank, engine=trainer.policy.engine)
-        trainer.load_state_dict(ckpt.read_trainer_state(path))
-        checks.add("checkpoint write/read", trainer.step == 2, f"{path.name}: written, verified, loaded back")
+        trainer.state.load_state_dict(ckpt.read_trainer_state(path))
+        checks.add("checkpoint write/read", trainer.state.step == 2, f"{path.name}: written, verified, loaded back")
     finally:
         trainer.close()
     limit = 1e-3 if trainer.policy.effective_config()["dtype"] == "float32" else 5e-2
@@ -381,7 +383,7 @@ def trial_run(checks: Checks, cfg, world: int, gpu: bool, work: Path) -> None:
         log["logprob_diff_rollout_vs_policy"] for log in logs if log["logprob_diff_rollout_vs_policy"] is not None
     ]
     diff = max(measured) if measured else float("inf")  # no trained token in two steps: nothing was compared
-    if trainer.rollout.effective_config() is not None:  # a copy of the weights: the push is what is checked
+    if trainer.rollouts.engine.effective_config() is not None:  # a copy of the weights: the push is what is checked
         checks.add(
             "weights in the engine",
             diff < limit,

@@ -8,7 +8,7 @@ directory that no reader ever picks (removed at the next start or save).
 
 Layout of `step-N/`:
     ds/                 DeepSpeed engine state (ZeRO-3 shards, optimizer, per rank)
-    trainer_state.pt    `Trainer.state_dict()`: step, pass-rate tracker, bad-step count... (rank 0's copy),
+    trainer_state.pt    `RunState.state_dict()`: step, pass-rate tracker, bad-step count... (rank 0's copy),
                         stamped with the format number STATE_FORMAT, checked on load
     rng/rank-R.pt       RNG states per rank
     hf/                 config, safetensors weights, tokenizer: servable by vLLM as is
@@ -78,7 +78,7 @@ def save(
 
     engine: the DeepSpeed engine (each rank writes its shards); weights: the
     gathering iterator of full tensors (consumed on every rank, kept by rank 0
-    for `hf/`); trainer_state: what `Trainer.load_state_dict` takes back;
+    for `hf/`); trainer_state: what `RunState.load_state_dict` takes back;
     keep: `keep_checkpoints`, named in the advice when the disk is too small.
     Raises CheckpointError on every rank when the checkpoint does not fit or
     any rank's write fails; nothing partial is left behind.

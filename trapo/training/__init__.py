@@ -1,10 +1,12 @@
 """The training loop: one step's phases, and what a run records.
 
 - trainer.py           the step: rollouts -> grading -> pass rates and the gate -> update -> weight push -> log
+- run_state.py         where the run stands and what a checkpoint holds: save, resume, prune
 - inputs.py            a run's inputs (model directory, questions, prompts, benchmarks), checked before any load
 - grading.py           a round's rewards, (pseudo) pass rates and confidence scores
 - sampling.py          which groups a step trains on (DAPO dynamic sampling), the epoch's data cursor
-- prefetch.py          the trainer's engine and requests; separate placement: rounds asked for ahead, their lag
+- rollout_source.py    where a step's rollouts come from: this rank's engine, or (separate) the rollout ranks'
+- prefetch.py          separate placement: which rounds are asked for ahead, and the staleness they train at
 - rollout_worker.py    a rollout rank's serving loop: open the engine, stage weights, answer requests in order
 - update.py            shaped rewards -> advantages -> update batches -> optimizer steps
 - settings.py          the config cut into what the engine and the math run: the loss's rules, the engine's sizing

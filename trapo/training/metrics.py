@@ -38,6 +38,19 @@ class StepTimer:
             self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), torch.cuda.max_memory_allocated())
 
 
+def cost_values(timer: StepTimer, response_tokens: float, moved: dict | None) -> dict:
+    """metrics.jsonl's costs of a step: each phase's seconds, what moved to host memory for the rollouts and
+    the copies' time (`moved`: `Policy.moved` when it offloads, else None), each phase's GPU peak, and the
+    rollouts' tokens per second."""
+    values: dict = {"timing": {name: round(sec, 4) for name, sec in timer.seconds.items()}}
+    if moved is not None:
+        values["offload"] = {"bytes": moved["bytes"], **{k: round(moved[k], 5) for k in ("offload_s", "reload_s")}}
+    if timer.peak_bytes:  # GPU: each phase's peak allocated memory on this rank
+        values["peak_gb"] = {name: round(b / 2**30, 3) for name, b in timer.peak_bytes.items()}
+    values["tokens_per_s"] = response_tokens / max(timer.seconds["rollout"], 1e-9)
+    return values
+
+
 def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float]:
     """This rank's sums over one step's questions (pure).
 

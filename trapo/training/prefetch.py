@@ -1,6 +1,5 @@
-"""Rounds asked for ahead of the step that trains on them (`rollout.placement: separate`), the staleness each
-step trains at, and the trainer's side of it (`Prefetching`, a mixin of the Trainer: its engine, the
-requests of a step's rollouts, those asked for ahead, the logged staleness).
+"""Rounds asked for ahead of the step that trains on them (`rollout.placement: separate`) and the staleness each
+step trains at: the schedule that trapo/training/rollout_source.py `SeparateRolloutSource` follows.
 
 Step t (1-based) trains on round t. With `rollout.max_staleness` s, the trainer asks for rounds t .. t+s at
 the start of step t (those not asked for yet), right after the weights of t-1 updates were pushed: round
@@ -19,10 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from trapo.engine.policy import TrainingError
-from trapo.engine.remote_engine import RemoteEngine
-from trapo.engine.rollout import request_seed
-from trapo.engine.rollout_engine import EngineSettings, RolloutEngine, open_engine
-from trapo.training.curriculum import epoch_order
 from trapo.training.sampling import Cursor
 
 STALENESS = "rollout_staleness"  # the metric: updates between the round's weights and the trainer's
@@ -90,64 +85,3 @@ def step_values(
         "staleness_kl": totals["logprob_gap"] / tokens if tokens else None,
         "rollout_generate_s": None if generate_s is None else round(generate_s, 4),
     }
-
-
-class Prefetching:
-    """A mixin of `trapo.training.trainer.Trainer`: its engine (its own, or the rollout ranks' behind a
-    `RemoteEngine`), the requests of a step's rollouts, those asked for ahead, and the staleness logged."""
-
-    def _open_engine(self, settings: EngineSettings, stops: list[int]) -> RolloutEngine:
-        """This rank's engine: the colocated backend, or with rollout.placement separate the rollout ranks'."""
-        cfg = self.cfg
-        if cfg.rollout.placement != "separate":
-            return open_engine(
-                settings, self.model_dir, tokenizer=self.tokenizer, stop_token_ids=stops, policy=self.policy
-            )
-        return RemoteEngine.connect(
-            settings,
-            self.model_dir,
-            tokenizer=self.tokenizer,
-            stop_token_ids=stops,
-            rollout_ranks=cfg.rollout.ranks,
-            timeout_s=cfg.dist_timeout_minutes * 60,
-            rank=self.rank,
-            world=self.world,
-        )
-
-    def _request(self, step: int, question_ids: list[int]) -> dict:
-        """The generate arguments of step `step`'s rollouts of `question_ids`: seeded by that step."""
-        r = self.cfg.rollout
-        return dict(
-            prompts=[self.prompts[i] for i in question_ids],
-            n=r.n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_tokens=r.max_tokens,
-            min_tokens=r.min_tokens,
-            seeds=[request_seed(self.cfg.seed, step, i) for i in question_ids],
-        )
-
-    def _request_ahead(self, used: int | None = None) -> None:
-        """rollout.placement separate: ask the rollout ranks for the rounds not asked for yet that this step
-        (at its start) or the next (once this one `used` its batches) trains on (`to_request`)."""
-        if self.cfg.rollout.placement != "separate":
-            return
-        r = self.cfg.rollout
-        if used is None:
-            self.rollout.step_versions = []  # the versions of this step's rounds, from here on
-        args = self.step, self.cursor, r.max_staleness, r.dynamic_sampling, used, self.steps_per_epoch, self._finished
-        for step, at in to_request(*args):
-            # with sampling.curriculum only the current epoch's plan is known (validation refuses it with s > 0)
-            order, _ = epoch_order(self.cfg, self.tracker, at.epoch)
-            self.rollout.submit(**self._request(step, order[at.batch][self.rank :: self.world]))
-
-    def _staleness(self, totals: dict) -> dict:
-        """rollout.placement separate: the step's staleness and the stale-vs-current KL (`step_values`); else {}."""
-        if self.cfg.rollout.placement != "separate":
-            return {}
-        engine, s = self.rollout, self.cfg.rollout.max_staleness
-        return step_values(self.step, min(engine.step_versions), s, totals, engine.last_generate_s)
-
-    def _close_engine(self) -> None:
-        if isinstance(self.rollout, RemoteEngine):
-            self.rollout.close()

@@ -1,16 +1,27 @@
-"""The run's `Config` cut into what each part below the training layer runs: the loss's rules (`loss_spec`)
-and this rank's rollout engine (`engine_settings`). The engine and the math layer take these, or a config
-section, never the whole config.
+"""The run's `Config` cut into what each part below the training layer runs: the loss's rules (`loss_spec`),
+the policy that runs them (`open_policy`) and this rank's rollout engine (`engine_settings`). The engine and the
+math layer take these, or a config section, never the whole config.
 
-    loss = PolicyLoss(loss_spec(cfg), world, on_gpu=torch.cuda.is_available())
+    policy = open_policy(cfg, model_dir, world, pad_id)
     engine = open_engine(engine_settings(cfg, rank=rank, world=world, overrides=policy.overrides), ...)
 """
 
 from __future__ import annotations
 
-from trapo.algorithm.loss import LossSpec
+import torch
+
+from trapo.algorithm.loss import LossSpec, PolicyLoss
 from trapo.config import Config
+from trapo.engine.policy import Policy
 from trapo.engine.rollout_engine import EngineSettings
+
+
+def open_policy(cfg: Config, model_dir, world: int, pad_id: int) -> Policy:
+    """The policy under DeepSpeed with its loss, built once: the policy calls it, the update reads its rules."""
+    loss = PolicyLoss(loss_spec(cfg), world, on_gpu=torch.cuda.is_available())
+    return Policy(
+        model_dir, world, pad_id, model=cfg.model, train=cfg.train, rollout=cfg.rollout, loss=loss, seed=cfg.seed
+    )
 
 
 def loss_spec(cfg: Config) -> LossSpec:
