@@ -101,12 +101,10 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
     import psutil
     import torch
 
-    from trapo.algorithm.loss import PolicyLoss
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
-    from trapo.engine.policy import Policy
-    from trapo.training.settings import loss_spec
+    from trapo.training.settings import open_policy
 
     dist.init_distributed()
     overrides = ["loss.entropy_coef=0.0", "train.micro_batch_tokens=1024", f"model.dtype={dtype}", *SETUPS[setup]]
@@ -133,16 +131,7 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
         n = 16 + int(torch.randint(48, 113, (1,), generator=gen))
         ids = torch.randint(3, 300, (n,), generator=gen).tolist()
         seqs.append(TrainSequence(ids, 16, advantage=(-0.5, 0.5)[i % 2], weight=1.0, labeled=True))
-    policy = Policy(
-        model_dir,
-        WORLD,
-        pad_id=0,
-        model=cfg.model,
-        train=cfg.train,
-        rollout=cfg.rollout,
-        loss=PolicyLoss(loss_spec(cfg), WORLD, on_gpu=torch.cuda.is_available()),
-        seed=cfg.seed,
-    )
+    policy = open_policy(cfg, model_dir, WORLD, 0)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in policy.model.parameters() if p.requires_grad)
     built = psutil.Process().memory_info().rss
     batch = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})

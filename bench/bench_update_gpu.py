@@ -92,12 +92,10 @@ def main() -> None:
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trapo.algorithm.loss import PolicyLoss
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
-    from trapo.engine.policy import Policy
-    from trapo.training.settings import loss_spec
+    from trapo.training.settings import open_policy
 
     dist.init_distributed()
     shape = TINY if args.cpu_smoke else R1_DISTILL_1P5B
@@ -113,16 +111,7 @@ def main() -> None:
         f"rollout.max_tokens={args.length}",
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
-    policy = Policy(
-        model_dir,
-        1,
-        pad_id=0,
-        model=cfg.model,
-        train=cfg.train,
-        rollout=cfg.rollout,
-        loss=PolicyLoss(loss_spec(cfg), 1, on_gpu=torch.cuda.is_available()),
-        seed=cfg.seed,
-    )
+    policy = open_policy(cfg, model_dir, 1, 0)
     params = sum(getattr(q, "ds_numel", q.numel()) for q in policy.model.parameters())
     g = torch.Generator().manual_seed(0)
     prompt = args.length // 4

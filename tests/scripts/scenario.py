@@ -158,12 +158,11 @@ def packed_vs_padded(cfg) -> None:
 
     from deepspeed.utils import safe_get_full_grad
 
-    from trapo.algorithm.loss import PolicyLoss, policy_loss
+    from trapo.algorithm.loss import policy_loss
     from trapo.commands.toy import build_assets
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
-    from trapo.engine.policy import Policy
-    from trapo.training.settings import loss_spec
+    from trapo.training.settings import open_policy
 
     dist.init_distributed()
     model_dir = str(build_assets(cfg.toy, log=lambda m: None) / "model")
@@ -180,16 +179,7 @@ def packed_vs_padded(cfg) -> None:
     results = {}
     for packed in (False, True):
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed, micro_batch_tokens=256))
-        policy = Policy(
-            model_dir,
-            1,
-            pad_id=0,
-            model=run_cfg.model,
-            train=run_cfg.train,
-            rollout=run_cfg.rollout,
-            loss=PolicyLoss(loss_spec(run_cfg)),
-            seed=run_cfg.seed,
-        )
+        policy = open_policy(run_cfg, model_dir, 1, 0)
         logprobs, entropies, losses = [None] * len(seqs), [None] * len(seqs), 0.0
         for group, batch in policy._microbatches(seqs):
             stats = policy._token_stats(batch, entropy=True)
