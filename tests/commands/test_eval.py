@@ -117,6 +117,7 @@ def test_arguments_and_weights_are_checked_before_the_engine_starts(tmp_path):
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
     ok = dict(n=None, temperature=0.6, max_tokens=32, max_prompt_tokens=None, limit=None, hf_max_batch=8)
+    ok.update(grader_workers=2)
     ok.update(rope_theta=None, max_position_embeddings=None, pass_k=None, seed=0)
     check_arguments(argparse.Namespace(**ok), model)
     # a prompt cap no longer adds to the context check: the prompts are measured (engine_length)
