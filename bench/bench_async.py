@@ -60,6 +60,7 @@ def overrides(toy_dir: str, out: str, name: str, steps: int, tokens: int, extra:
         "train.rollout_batch_size": 16,
         "train.update_batch_size": 16,
         "selection.warmup_epochs": 1,
+        "rollout.rambling.loop_truncated": "null",  # every answer at the limit is the forcing, not a loop
         "rollout.backend": "hf",
         "rollout.max_tokens": tokens,
         "rollout.min_tokens": tokens,

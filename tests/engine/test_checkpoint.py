@@ -94,6 +94,7 @@ def test_trainer_state_round_trip(tmp_path):
     assert b.tracker_ids == {"wandb": "w1d", "mlflow": "0a1b"}
     assert b.entropy_control.coef == a.entropy_control.coef == 0.012
     assert (b.rambling.baseline, b.rambling.streak) == (0.2, 1)
+    assert (b.rambling.looping, b.rambling.warned) == (0, 7)  # no loop so far; warned at step 7
     assert torch.equal(b.tracker.trajectories, a.tracker.trajectories)
     assert torch.equal(b.tracker.selected, a.tracker.selected) and torch.equal(b.tracker.scores, a.tracker.scores)
     one = skeleton(world=1)  # saved on 2 ranks, resumed on 1 (trapo/engine/reshard.py moves the DeepSpeed state)

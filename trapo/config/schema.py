@@ -123,12 +123,16 @@ class HealthConfig:
 @dataclass
 class RamblingConfig:
     # The rambling guard (trapo/training/rambling.py): the entropy bonus can teach the policy to write
-    # high-entropy tokens until rollout.max_tokens (docs/policy-update.md). A step shows the signature when
-    # its truncated share is at least `truncated` and its mean token entropy at least `entropy_factor` x the
-    # lowest step entropy of the run so far: one warning line names the cause and the knobs; such a step is
-    # never checkpointed, and `stop_steps` of them in a row stop the run (null: warn only).
+    # high-entropy tokens until rollout.max_tokens, and a policy can loop until it at low entropy
+    # (docs/policy-update.md). A step is flagged when its truncated share is at least `truncated` and either
+    # its mean token entropy is at least `entropy_factor` x the lowest entropy of the run's unflagged steps so
+    # far, or the share has stayed at or above `loop_truncated` for `loop_steps` steps in a row: a warning line
+    # names the cause and the knobs (again at most every 50 steps while flags go on); such a step is never
+    # checkpointed, and `stop_steps` of them in a row stop the run (null: warn only).
     truncated: float | None = 0.2  # null: the guard is off
     entropy_factor: float = 2.0
+    loop_truncated: float | None = 0.9  # null: only the entropy's signature flags a step
+    loop_steps: int = 10
     stop_steps: int | None = 5
 
 

@@ -79,6 +79,12 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     key = "rollout.rambling."
     need(g.truncated is None or 0 < g.truncated <= 1, key + "truncated", f"must be in (0, 1] or null: {g.truncated}")
     need(g.entropy_factor > 1, key + "entropy_factor", f"must be > 1, got {g.entropy_factor}")
+    need(
+        g.loop_truncated is None or 0 < g.loop_truncated <= 1,
+        key + "loop_truncated",
+        f"must be in (0, 1] or null: {g.loop_truncated}",
+    )
+    need(g.loop_steps >= 1, key + "loop_steps", f"must be >= 1, got {g.loop_steps}")
     need(g.stop_steps is None or g.stop_steps >= 1, key + "stop_steps", f"must be >= 1 or null, got {g.stop_steps}")
     need(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", f"must be >= 1, got {r.tensor_parallel_size}")
     _placement(cfg, need)

@@ -14,7 +14,7 @@
 - preemption.py        SIGTERM / SIGINT: finish the step, save, stop
 - run_record.py        one run per run directory (a lock), resumes that keep the first config, starts.jsonl
 - health.py            the rollout engine's health: logprob_diff_rollout_vs_policy watched every step
-- rambling.py          the rambling guard: truncated share and entropy jumping together (the entropy bonus)
+- rambling.py          the rambling guard: truncated share with an entropy jump (the entropy bonus), or a loop
 - metrics.py           a step's statistics, metrics.jsonl, the run's summary
 - loggers.py           TensorBoard (tensorboard_writer.py), wandb and MLflow behind one object
 - rollout_dump.py      what the policy wrote and how it was scored, every `logging.rollouts_every` steps

@@ -92,7 +92,7 @@ class RunState:
             "cursor": [self.cursor.epoch, self.cursor.batch],
             "tracker": self.tracker.state_dict(),
             "bad_steps": self.bad_steps,
-            "rambling": self.rambling.state_dict(),  # the guard's entropy baseline and streak
+            "rambling": self.rambling.state_dict(),  # the guard's entropy baseline, streaks and last warning
             "entropy_coef": self.entropy_control and self.entropy_control.state_dict(),  # loss.entropy_target
             "last_selection": self.last_selection,
             "best": self.best,
