@@ -52,3 +52,25 @@ def test_a_corrupted_weight_push_stops_the_run_in_one_line_without_saving_the_dr
     assert clean.returncode == 0 and all(
         r["logprob_diff_rollout_vs_policy"] < 1e-4 for r in metrics(tmp_path / "clean")
     )
+
+
+@pytest.mark.toy_run
+def test_a_corrupted_push_is_stopped_when_nothing_trains(toy_dir, tmp_path):
+    """The toy's own loss settings (no entropy bonus, zero-advantage sequences skipped): the corrupted engine
+    answers every question wrong, so no sequence trains; the guard scores a few answers itself and stops."""
+    env = runtime.subprocess_env(**faults.env("push_noise"))
+    args = overrides(
+        toy_dir, tmp_path, run_name="idle", max_steps=10, save_steps=1, mode="trapo", **{"loss.entropy_coef": 0}, **VLLM
+    )
+    out = run([sys.executable, "trapo_train.py", *args], env=env)
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [
+        line for line in out.stderr.splitlines() if "stopping" in line and "logprob_diff_rollout_vs_policy" in line
+    ]
+    assert len(lines) == 1 and "step-1" in lines[0], out.stderr[-3000:]
+    logged = metrics(tmp_path / "idle")
+    assert all(r["logprob_diff_rollout_vs_policy"] is not None for r in logged)  # measured every step
+    assert any(r["trained_sequences"] == 0 for r in logged[1:])  # the probe's case: a step that trains nothing
+    assert logged[0]["logprob_diff_rollout_vs_policy"] < 1e-4
+    assert logged[-1]["step"] <= 4 and all(r["logprob_diff_rollout_vs_policy"] > 1.0 for r in logged[1:])
+    assert sorted(os.listdir(tmp_path / "idle" / "checkpoints")) == ["step-1"]  # nothing saved after the drift

@@ -113,8 +113,9 @@ class DataConfig:
 @dataclass
 class HealthConfig:
     # The rollout engine's health: logprob_diff_rollout_vs_policy, the mean |log pi_policy - log pi_engine|
-    # per trained token (nats), watched every step (trapo/training/health.py). Defaults: warn at twice the
-    # doctor's bf16 limit (0.05), stop at a mean e-fold error; the levels behind them: docs/reliability.md.
+    # per trained token, or per token of a few probed answers in a step that trains none (nats), watched every
+    # step (trapo/training/health.py). Defaults: warn at twice the doctor's bf16 limit (0.05), stop at a mean
+    # e-fold error; the levels behind them: docs/reliability.md.
     warn: float | None = 0.1  # a warning (once per run) above this; null: never
     stop: float | None = 1.0  # above this for `steps` consecutive steps the run stops; null: never
     steps: int = 3  # consecutive steps above `stop` (a step above it is never checkpointed)

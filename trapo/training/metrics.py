@@ -102,8 +102,9 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "entropy": totals["entropy"] / trained_tokens,
         "clip_frac": totals["clip_frac"] / trained_tokens,
         "trained_sequences": int(totals["trained_sequences"]),
-        # mean |log pi_old - log pi_engine| per trained response token: ~0 when the engine runs the policy's
-        # weights, RoPE and dtype at the same temperature; large after a missed push or a config slip
+        # mean |log pi_old - log pi_engine| per trained response token (a step that trains none: per token of
+        # the answers trapo/training/update.py probes): ~0 when the engine runs the policy's weights, RoPE and
+        # dtype at the same temperature; large after a missed push or a config slip
         "logprob_diff_rollout_vs_policy": (
             totals["logprob_diff"] / totals["logprob_tokens"] if totals["logprob_tokens"] else None
         ),

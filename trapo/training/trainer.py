@@ -194,6 +194,8 @@ class Trainer:
         groups = sampling.take(rounds, plan, self.rank, self.world)
         prompts = [self.prompts[i] for i in groups.question_ids]
         labeled = [self.questions[i].labeled for i in groups.question_ids]
+        first = rounds[0]  # this rank's answers of the step's first round: the engine's health when none trains
+        answers = ([self.prompts[i] for i in first.question_ids], first.rollouts)
         return update_policy(
             self.policy,
             self.cfg,
@@ -203,6 +205,7 @@ class Trainer:
             step=self.state.step,
             n_updates=n_updates,
             entropy_coef=entropy_coef,
+            answers=answers,
         )
 
     def _rollout_rounds(self, order: list[list[int]], first: int, timer: metrics.StepTimer) -> tuple[list, int, list]:
@@ -406,7 +409,7 @@ class Trainer:
         # a step trained on samples of an engine that drifted from the policy is never checkpointed
         # (only rounds of the trainer's own weights: a stale round's drift is policy change, not a sync fault)
         fresh = not step_log.get(prefetch.STALENESS)
-        savable, unhealthy = self.health.check(state.step, step_log[METRIC] if fresh else None, state.last_checkpoint)
+        savable, unhealthy = self.health.check(state.step, step_log[METRIC], state.last_checkpoint, stale=not fresh)
         # a step with the rambling signature (truncation and entropy jumped together) is not checkpointed either
         entropy = step_log["entropy"] if step_log["trained_sequences"] else None
         calm, rambling = state.rambling.check(state.step, step_log["truncated_frac"], entropy, state.last_checkpoint)

@@ -2,7 +2,11 @@
 -> one optimizer step per update batch (`Policy.update`), by the loss the policy calls (`Policy.loss`, a
 `PolicyLoss`).
 
-    result = update_policy(policy, cfg, kept, prompts, labeled, step=step, n_updates=n_updates)
+    result = update_policy(policy, cfg, kept, prompts, labeled, step=step, n_updates=n_updates, answers=answers)
+
+When no rank trains a sequence that carries the engine's log-probs (every reward equal: exactly what a corrupted
+weight push causes), `probe_sequences` of the step's answers are scored by the policy without gradient, so the
+rollout engine's health (logprob_diff_rollout_vs_policy) is measured every step all the same.
 
 The rank's kept groups arrive with their update batch (`trapo.training.sampling.update_plan`), so every rank runs
 the same number of optimizer steps. Collective: every rank calls it, maybe with no groups.
@@ -17,9 +21,11 @@ import torch
 from trapo.algorithm.loss import LossSpec, group_advantages
 from trapo.config import Config
 from trapo.engine import dist
-from trapo.engine.batch import build_sequences
+from trapo.engine.batch import TrainSequence, build_sequences
 from trapo.engine.policy import UPDATE_SUMS, Policy
 from trapo.training.sampling import KeptGroups
+
+PROBE_SEQUENCES = 4  # per rank: answers scored for the engine's health when the update trains none
 
 
 @dataclass
@@ -62,10 +68,13 @@ def update_policy(
     step: int,
     n_updates: int,
     entropy_coef: float | None = None,
+    answers: tuple[list[list[int]], list[list]] | None = None,
 ) -> UpdateResult:
     """Optimizer steps over this rank's kept groups, in the `n_updates` update batches that `kept.update_of`
     indexes (as many on every rank). prompts, labeled: [k], one per kept group. entropy_coef: the adaptive
-    coefficient (loss.entropy_target), else None."""
+    coefficient (loss.entropy_target), else None. answers: (prompts [b], rollouts [b][G]) of this rank's
+    answers in the step, for `probe_sequences` when nothing trained carries the engine's log-probs (default:
+    the kept groups)."""
     spec, g = policy.loss.spec, cfg.rollout.n
     lengths = [[len(r.token_ids) for r in group] for group in kept.rollouts]
     advantages, penalty = shaped_advantages(kept.rewards, lengths, spec, g)
@@ -93,6 +102,11 @@ def update_policy(
         parts = resplit(policy.with_logprobs([s for p in parts for s in p], "old_logprobs"), parts)
     if spec.needs_reference:  # the KL term's reference: the initial weights
         parts = resplit(policy.with_logprobs([s for p in parts for s in p], "ref_logprobs"), parts)
+    # Nothing trained carries the engine's log-probs on any rank (decided alike: a forward is collective): its
+    # health from a probe, scored before the optimizer step moves the weights; steps that train are untouched.
+    probed = {}
+    if not dist.all_max(int(any(s.engine_logprobs is not None for p in parts for s in p))):
+        probed = engine_health(policy, probe_sequences(*(answers or (prompts, kept.rollouts))))
     result = UpdateResult(applied=True, sums=dict.fromkeys(UPDATE_SUMS, 0.0), work={})
     if spec.penalizes_length:
         result.sums.update(overlong_penalty=float(penalty.sum()), overlong_responses=float(penalty.numel()))
@@ -101,4 +115,36 @@ def update_policy(
         result.applied &= ok
         result.sums = {name: result.sums[name] + part_sums[name] for name in UPDATE_SUMS}
         result.work = {name: result.work.get(name, 0) + n for name, n in part_work.items()}
+    result.sums.update(probed)
     return result
+
+
+def probe_sequences(prompts: list[list[int]], rollouts: list[list], k: int = PROBE_SEQUENCES) -> list[TrainSequence]:
+    """A fixed share of this rank's answers with the engine's log-probs: min(k, all), evenly spaced in
+    question-major order (no random draw: runs stay reproducible). prompts: [b]; rollouts: [b][G]."""
+    flat = [(p, r) for p, group in zip(prompts, rollouts) for r in group if r.logprobs is not None and r.token_ids]
+    picks = [flat[i * len(flat) // k] for i in range(min(k, len(flat)))]
+    return build_sequences(
+        prompts=[p for p, _ in picks],
+        responses=[[r.token_ids] for _, r in picks],
+        advantages=[[0.0] for _ in picks],
+        gate=[0.0 for _ in picks],
+        labeled=[True for _ in picks],
+        engine_logprobs=[[r.logprobs] for _, r in picks],
+        truncated=[[r.truncated] for _, r in picks],
+    )
+
+
+def engine_health(policy: Policy, seqs: list[TrainSequence]) -> dict[str, float]:
+    """The update's comparison of the policy's log-probs with the engine's (`PolicyLoss`: logprob_diff,
+    logprob_gap, logprob_tokens) on `seqs`, scored without gradient. Collective: every rank calls it, maybe
+    with no sequences."""
+    scored = policy.with_logprobs(seqs, "old_logprobs")
+    diff = gap = tokens = 0.0
+    for s in scored:
+        old = torch.tensor(s.old_logprobs, dtype=torch.float32)  # [L]
+        engine = torch.tensor(s.engine_logprobs, dtype=torch.float32)  # [L]
+        diff += float((old - engine).abs().sum())
+        gap += float((engine - old).sum())
+        tokens += old.numel()
+    return {"logprob_diff": diff, "logprob_gap": gap, "logprob_tokens": tokens}
