@@ -8,6 +8,10 @@ the grader's forked executors) inherit it; unset, every hook is a no-op. Tests s
                   engine samples garbage, as after a corrupted sync (rollout.health trips; docs/reliability.md)
     grader_crash  a Math-Verify executor given the gold GRADER_CRASH_GOLD kills itself, every time, as the
                   out-of-memory killer would, so the grader's recovery path runs deterministically
+    grader_first_start
+                  the first Math-Verify supervisor kills itself during its start-up, as the out-of-memory
+                  killer would; one-shot: the process that started it switches the fault off (`spend`), so the
+                  retry starts
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from typing import NoReturn
 
 VARIABLE = "TRAPO_FAULT"
-FAULTS = ("push_noise", "grader_crash")
+FAULTS = ("push_noise", "grader_crash", "grader_first_start")
 GRADER_CRASH_GOLD = "trapo-fault-grader-crash"
 
 
@@ -35,6 +39,12 @@ def env(name: str) -> dict[str, str]:
     return {VARIABLE: name}
 
 
+def spend(name: str) -> None:
+    """Switch the one-shot fault `name` off in this process and the children it starts from now on."""
+    if hit(name):
+        del os.environ[VARIABLE]
+
+
 def noisy(named_tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
     """push_noise's effect: each floating-point tensor (of more than one element) plus noise of 8x its spread,
     drawn from one generator seeded 0 so a run with the fault repeats itself."""
@@ -49,6 +59,7 @@ def noisy(named_tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, ob
 
 
 def crash() -> NoReturn:
-    """grader_crash's effect: this process dies at once, as the out-of-memory killer's SIGKILL ends it."""
+    """grader_crash's and grader_first_start's effect: this process dies at once, as the out-of-memory killer's
+    SIGKILL ends it."""
     os.kill(os.getpid(), signal.SIGKILL)
     raise SystemExit(137)  # not reached: SIGKILL cannot be caught

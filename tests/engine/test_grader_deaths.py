@@ -6,6 +6,8 @@ request, so the item sits in an executor's pipe until the test kills that execut
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -127,3 +129,54 @@ def _replacements_die(verifier):
     assert results["v"] == [Verdict.FAILED] * 3 and verifier.failed == 3 and verifier.timeouts == 0
     assert verifier.judge_many(PAIRS) == RIGHT  # the next request starts a supervisor that lives
     assert verifier._supervisor.proc.pid != first
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "started"])
+def test_a_first_supervisor_killed_while_starting_is_retried_and_the_verdicts_come_back(forked, monkeypatch, caplog):
+    """The grader_first_start fault (trapo/faults.py): the first supervisor kills itself while warming up, as
+    the out-of-memory killer would, whether forked from the test suite's grader parent or started as in a
+    user's run."""
+    from trapo import faults
+
+    if not forked:
+        monkeypatch.delenv(graders.ENV, raising=False)
+    monkeypatch.setenv(faults.VARIABLE, "grader_first_start")  # the first supervisor inherits it
+    started = []
+    start = verifier_module.start_supervisor
+    monkeypatch.setattr(verifier_module, "start_supervisor", lambda *a: started.append(start(*a)) or started[-1])
+    verifier = MathVerifier(num_workers=2, timeout=20.0)
+    try:
+        assert verifier.judge_many(PAIRS) == RIGHT
+        assert len(started) == 2 and started[0].poll() is not None  # it died at start-up, then a retry
+        if not forked:  # a forked one's exit status goes to the grader parent
+            assert started[0].wait() == -signal.SIGKILL
+        assert verifier.failed == 0 and verifier.timeouts == 0
+        assert "failed to start" in caplog.text and "trying again" in caplog.text
+        assert faults.VARIABLE not in os.environ  # one-shot: spent by the start it killed
+    finally:
+        verifier.close()
+
+
+def test_a_first_supervisor_that_fails_to_start_twice_ends_in_one_line(monkeypatch):
+    """A broken installation: every supervisor exits before it is ready. The first start is retried once, then
+    one line names the cause and the fix."""
+    tries = []
+
+    def broken(num_workers, max_workers, spec):
+        tries.append(spec)
+        return subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.exit(1)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+
+    monkeypatch.setattr(verifier_module, "start_supervisor", broken)
+    verifier = MathVerifier(num_workers=2, timeout=20.0)
+    try:
+        with pytest.raises(verifier_module.GraderStartError) as raised:
+            verifier.judge_many(PAIRS)
+    finally:
+        verifier.close()
+    assert len(tries) == 2  # retried once, as a killed start would be
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("Math-Verify failed to start twice in a row: Math-Verify worker exited at start-up")
+    assert "is math-verify installed?" in message and "-m trapo.engine.grading.supervisor" in message

@@ -1,8 +1,13 @@
-"""Step grading: gold rewards, majority-vote pseudo pass rates, hidden-gold precision."""
+"""Step grading: gold rewards, majority-vote pseudo pass rates, hidden-gold precision; and end to end, a run whose
+first Math-Verify supervisor dies while it starts (the grader_first_start fault, trapo/faults.py)."""
 
 import math
 import time
 
+import pytest
+from toyrun import metrics, overrides, train
+
+from trapo import faults, runtime
 from trapo.data import Question
 from trapo.engine.grading.verifier import MathVerifier
 from trapo.training.grading import grade
@@ -68,3 +73,20 @@ def test_a_spent_budget_sends_nothing_to_the_workers():
     assert g.rewards[0] == [1.0, 0.0, 0.0]  # exact fast paths still decide; `2\cdot 6` needed Math-Verify: cut
     assert g.rewards[1] == [0.0, 0.0, 0.0]  # three singletons (x+1 vs 1+x was cut): a tie
     assert g.budget_cut == 1 + 3 and g.timeouts == 0
+
+
+@pytest.mark.toy_run
+def test_a_run_whose_first_grader_dies_while_starting_ends_as_an_undisturbed_one(toy_dir, tmp_path):
+    """The first supervisor kills itself during its start-up, as the out-of-memory killer would: it is retried as a
+    replacement is, and the run's metrics are an undisturbed run's (timings aside)."""
+    clean = train(overrides(toy_dir, tmp_path, run_name="clean", max_steps=3, mode="trapo"))
+    env = runtime.subprocess_env(**faults.env("grader_first_start"))
+    killed = train(overrides(toy_dir, tmp_path, run_name="killed", max_steps=3, mode="trapo"), env=env)
+    assert "Traceback" not in clean.stderr + killed.stderr
+    with open(tmp_path / "killed" / "log.txt") as f:
+        assert "Math-Verify: a supervisor failed to start" in f.read()  # the fault did kill the first start
+    untimed = ("timing", "tokens_per_s", "rollout_generate_s")
+    rows = [
+        [{k: v for k, v in r.items() if k not in untimed} for r in metrics(tmp_path / n)] for n in ("clean", "killed")
+    ]
+    assert [r["step"] for r in rows[0]] == [1, 2, 3] and rows[1] == rows[0]

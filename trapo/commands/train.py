@@ -143,6 +143,7 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
     started.log = log
     from trapo.commands import toy
     from trapo.engine.checkpoint import CheckpointError
+    from trapo.engine.grading.verifier import GraderStartError
     from trapo.engine.rollout_link import split_world
     from trapo.training.rollout_worker import serve
     from trapo.training.trainer import Preempted, TrainingError, run
@@ -167,6 +168,10 @@ def _main(argv: list[str] | None, started: _StartUp) -> int:
         console.say(str(err))
         return Preempted.EXIT_CODE
     except TrainingError as err:
+        console.say(str(err))
+        return 3
+    except GraderStartError as err:  # a broken installation: the cause and the fix, the traceback in log.txt
+        _traceback_to_log(log)
         console.say(str(err))
         return 3
     except Exception as err:

@@ -44,6 +44,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from trapo import faults
 from trapo.engine.grading.executor import _Checker, _executor_main
 from trapo.engine.grading.protocol import _read_message, _write_message
 
@@ -446,6 +447,8 @@ def _serve(workers: int, max_workers: int, spec: str = "math", warm: bool = True
 
         verifier = load_verifier(spec)
         make_checker = lambda: TaskChecker(verifier)  # noqa: E731
+    if faults.hit("grader_first_start"):  # dies warming up, before "ready", as the out-of-memory killer's pick
+        faults.crash()
     gc.collect()
     gc.freeze()  # executors share these pages; the collector would otherwise copy them on its first pass
     supervisor = Supervisor(workers, max_workers, make_checker)

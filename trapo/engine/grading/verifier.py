@@ -19,8 +19,9 @@ and the item re-run once (`supervisor`). A supervisor that dies mid-request
 is restarted and sent the items it had not answered, once; restarts back off
 (1, 2, 4 s) while a new one fails to start. What still cannot be decided is
 FAILED: scored as not equal, counted, and warned about, never a timeout and
-never an exception (only a supervisor that never started once raises: a broken
-installation). What exhausted a timeout is remembered (answered at once next
+never an exception. The first supervisor is retried the same way; only two
+failed starts in a row before any supervisor came up raise `GraderStartError`:
+a broken installation. What exhausted a timeout is remembered (answered at once next
 time); the parent mirrors that memory, hands it to every replacement
 supervisor, and a checkpoint keeps it (`memory` / `load_memory`), so rewards
 do not change when a process is replaced or a run resumes.
@@ -41,6 +42,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trapo import faults
 from trapo.algorithm.rewards.judge import Verdict
 from trapo.engine.grading.protocol import decode_value
 from trapo.engine.grading.supervisor import remember
@@ -55,6 +57,10 @@ _PACKAGE_PARENT = Path(__file__).resolve().parents[3]  # the directory that hold
 
 class _StartFailed(Exception):
     """A supervisor exited or hung while importing Math-Verify."""
+
+
+class GraderStartError(RuntimeError):
+    """No supervisor has ever started: two tries in a row failed, as a broken installation does. One line."""
 
 
 class _Unavailable(Exception):
@@ -129,9 +135,9 @@ class MathVerifier:
     executors kept (with their parse caches); max_workers: how many may run
     at once while slow answers are timing out (spares are forked for the
     items queued behind them, and retired after the request); startup_timeout:
-    seconds the supervisor may take to import Math-Verify. A supervisor that
-    cannot start at all raises RuntimeError (a broken installation); no answer
-    content ever raises. spec: `reward.verifier`; other than `math`, the task
+    seconds the supervisor may take to import Math-Verify. A first supervisor
+    that fails to start twice in a row raises GraderStartError (a broken
+    installation); no answer content ever raises. spec: `reward.verifier`; other than `math`, the task
     verifier it names runs in the executors instead of Math-Verify
     (`verifiers`), and `extract_many` reads answers with it.
     """
@@ -227,12 +233,15 @@ class MathVerifier:
             self._supervisor = None
         if self._supervisor is None:
             self._supervisor = _SupervisorProcess(self.num_workers, self.max_workers, self.spec)
+            faults.spend("grader_first_start")  # one-shot: the supervisor started next comes up
         return self._supervisor
 
     def _ready(self, deadline: float | None) -> _SupervisorProcess | None:
         """A ready supervisor: the running one, or a new one (given the mirrored memory); None when `deadline`
-        comes first. The first supervisor failing to start is a broken installation (RuntimeError); a
-        replacement that fails is tried again after each of _RESTART_WAITS, then _Unavailable."""
+        comes first. A supervisor that fails to start (the first or a replacement) is tried again after each
+        of _RESTART_WAITS, then _Unavailable; the first failing twice in a row is a broken installation
+        (GraderStartError)."""
+        first_failures = 0
         for wait in (0.0, *_RESTART_WAITS):
             if wait:
                 if deadline is not None and time.monotonic() + wait >= deadline:
@@ -245,8 +254,10 @@ class MathVerifier:
                     return None
             except _StartFailed as err:
                 if not self._started_once:
-                    raise RuntimeError(str(err)) from None
-                log.warning("%s: a replacement supervisor failed to start (%s); trying again", self.name, err)
+                    first_failures += 1
+                    if first_failures == 2:  # a killed start is not repeated; a broken installation is
+                        raise GraderStartError(f"{self.name} failed to start twice in a row: {err}") from None
+                log.warning("%s: a supervisor failed to start (%s); trying again", self.name, err)
                 continue
             self._started_once = True
             if fresh and (self._slow_answers or self._slow_pairs) and not self._restore(sup):
