@@ -1,5 +1,5 @@
 """The fault switch (trapo/faults.py): off unless named, one name at a time, unknown names refused; the faults'
-effects themselves are driven end to end by tests/training/test_health.py and tests/algorithm/test_grader_deaths.py."""
+effects themselves are driven end to end by tests/training/test_health.py and tests/engine/test_grader_deaths.py."""
 
 import os
 
