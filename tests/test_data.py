@@ -82,6 +82,16 @@ def test_invalid_unicode_is_named_by_file_and_line(tmp_path):
         load_questions([str(f)])
 
 
+def test_bytes_that_are_not_utf8_are_named_by_file_line_and_column_in_one_line(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"question": "ok", "answer": "1"}\n\n{"question": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DataError) as err:
+        load_questions([str(f)])
+    assert str(err.value) == (
+        f"{f} line 3: not UTF-8 text (byte 0xe9 at column 18); re-encode the file as UTF-8 or remove the row"
+    )
+
+
 @pytest.mark.parametrize(
     "gold, problem",
     [

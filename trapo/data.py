@@ -156,12 +156,25 @@ def parquet_rows(path: Path) -> list[Question]:
     return out
 
 
+def not_utf8(path: Path, n: int, line: bytes, at: int) -> DataError:
+    """The error for a byte that is not UTF-8 at index `at` of line `n` (its bytes, `line`) of `path`."""
+    return DataError(
+        f"{path} line {n}: not UTF-8 text (byte {line[at]:#04x} at column {at + 1}); "
+        "re-encode the file as UTF-8 or remove the row"
+    )
+
+
 def jsonl_rows(path: Path) -> list[Question]:
     out = []
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: cannot read as UTF-8 text ({err})") from None
+        raw = path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read it ({err.strerror})") from None
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        start = raw.rfind(b"\n", 0, err.start) + 1  # the bad byte's line, named as its rows are
+        raise not_utf8(path, raw.count(b"\n", 0, err.start) + 1, raw[start:], err.start - start) from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue

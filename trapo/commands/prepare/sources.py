@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from trapo import hub
-from trapo.data import DataError, valid_unicode
+from trapo.data import DataError, not_utf8, valid_unicode
 
 LAYOUTS = {
     "verl": ("prompt", "reward_model"),
@@ -107,10 +107,7 @@ def _jsonl_lines(path: Path):
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    raise DataError(
-                        f"{path} line {n}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
-                        "re-encode the file as UTF-8 or remove the row"
-                    ) from None
+                    raise not_utf8(path, n, raw, err.start) from None
                 if line.strip():
                     yield n, line
     except OSError as err:
