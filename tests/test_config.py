@@ -89,6 +89,33 @@ def test_overrides_are_typed_and_dotted():
     assert parse_override("a.b.c=[1, 2]") == {"a": {"b": {"c": [1, 2]}}}
 
 
+def test_a_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: [1e-6, 2e-6\nloss:\n  clip_eps: 0.2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bad))
+    assert str(err.value) == (
+        f"config file {bad}:3:5: not valid YAML: expected ',' or ']', but got ':' "
+        "(while parsing a flow sequence at 2:7); fix it there"
+    )
+    with pytest.raises(ConfigError) as err:  # an override's value: the same one line, without a place
+        load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["train.lr=[1"])
+    assert str(err.value) == (
+        "override 'train.lr=[1': value is not valid YAML: expected ',' or ']', but got '<stream end>' "
+        "(while parsing a flow sequence at 1:1)"
+    )
+
+
+def test_a_setting_named_without_its_section_gets_the_dotted_key():
+    toy = os.path.join(ROOT, "configs", "toy.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(toy, ["lr=1e-6"])
+    assert str(err.value) == "override 'lr=1e-6': key 'lr' is not a known setting; did you mean 'train.lr'?"
+    with pytest.raises(ConfigError) as err:  # in the wrong section: the same
+        load_config(toy, ["rollout.clip_eps=0.2"])
+    assert str(err.value).endswith("key 'rollout.clip_eps' is not a known setting; did you mean 'loss.clip_eps'?")
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [

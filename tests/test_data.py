@@ -82,6 +82,32 @@ def test_invalid_unicode_is_named_by_file_and_line(tmp_path):
         load_questions([str(f)])
 
 
+def test_bytes_that_are_not_utf8_are_named_by_file_line_and_column_in_one_line(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"question": "ok", "answer": "1"}\n\n{"question": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DataError) as err:
+        load_questions([str(f)])
+    assert str(err.value) == (
+        f"{f} line 3: not UTF-8 text (byte 0xe9 at column 18); re-encode the file as UTF-8 or remove the row"
+    )
+
+
+def test_parquet_text_that_is_not_utf8_is_named_by_file_row_and_field_in_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = pa.array([b"ok", b"caf\xe9"], type=pa.binary())  # bytes a string column holds as they are
+    question = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+    f = tmp_path / "latin1.parquet"
+    pq.write_table(pa.table({"answer": pa.array(["1", "2"]), "question": question}), f)
+    with pytest.raises(DataError) as err:
+        load_questions([str(f)])
+    assert str(err.value) == (
+        f"{f} row 1: field 'question' is not UTF-8 text (byte 0xe9 at byte 4 of its text); "
+        "re-encode the file's text as UTF-8 or remove the row"
+    )
+
+
 @pytest.mark.parametrize(
     "gold, problem",
     [

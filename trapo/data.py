@@ -116,9 +116,13 @@ def _flag(value, where: str, field: str) -> bool | None:
 
 def parquet_rows(path: Path) -> list[Question]:
     try:
-        rows = pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises many types; all mean "not a readable parquet"
         raise DataError(f"{path}: cannot read as parquet ({err})") from None
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:  # a string column whose bytes are not UTF-8: pyarrow names only a byte offset
+        raise parquet_not_utf8(path, table) from None
     out = []
     for i, row in enumerate(rows):
         where = f"{path} row {i}"
@@ -156,12 +160,40 @@ def parquet_rows(path: Path) -> list[Question]:
     return out
 
 
+def not_utf8(path: Path, n: int, line: bytes, at: int) -> DataError:
+    """The error for a byte that is not UTF-8 at index `at` of line `n` (its bytes, `line`) of `path`."""
+    return DataError(
+        f"{path} line {n}: not UTF-8 text (byte {line[at]:#04x} at column {at + 1}); "
+        "re-encode the file as UTF-8 or remove the row"
+    )
+
+
+def parquet_not_utf8(path: Path, table) -> DataError:
+    """The first value of `table` (read from `path`) that is not UTF-8, named by row and field."""
+    for name in table.column_names:
+        column = table.column(name)
+        for i in range(len(column)):
+            try:
+                column[i].as_py()
+            except UnicodeDecodeError as err:
+                return DataError(
+                    f"{path} row {i}: field '{name}' is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                    f"byte {err.start + 1} of its text); re-encode the file's text as UTF-8 or remove the row"
+                )
+    return DataError(f"{path}: cannot read as parquet (text that is not UTF-8)")
+
+
 def jsonl_rows(path: Path) -> list[Question]:
     out = []
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: cannot read as UTF-8 text ({err})") from None
+        raw = path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read it ({err.strerror})") from None
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        start = raw.rfind(b"\n", 0, err.start) + 1  # the bad byte's line, named as its rows are
+        raise not_utf8(path, raw.count(b"\n", 0, err.start) + 1, raw[start:], err.start - start) from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue

@@ -227,7 +227,9 @@ def test_vote_over_answers_that_each_exhaust_the_timeout_takes_about_one_timeout
     start = time.monotonic()
     assert majority_votes([TOWERS], spy, SHORT, tally=tally) == [(None, [False] * len(TOWERS))]
     elapsed = time.monotonic() - start
-    assert elapsed < 1.5 * SHORT + 0.5, elapsed  # not one timeout per comparison (28 of them)
+    # not one timeout per comparison (28 of them, 14 s on the 2 workers); how close to one timeout a vote
+    # comes is a machine's speed, measured in bench/bench_vote.py
+    assert elapsed < 10 * SHORT, elapsed
     assert tally == Tally(timeouts=len(TOWERS), budget_cut=0)
     assert spy.prepared == [TOWERS] and spy.judged == []  # parsed once each, side by side; never compared
     # Among ordinary answers they are frozen singletons; the rest still cluster by equivalence.
@@ -283,13 +285,14 @@ def test_integrals_of_polynomials_get_the_probe_value_of_their_antiderivative():
 
 def test_vote_counts_exactly_the_answers_that_cannot_be_parsed_in_time(spy):
     """Towers exhaust any timeout (counted once each, never compared); 16-deep fractions did too, in the
-    probe value (about 15 s of evalf): now they are ready in a tenth of a second and cost no timeout."""
+    probe value (about 15 s of evalf): now they are ready at once and cost no timeout."""
     deep = [_nested_fraction(DEEP, seed) for seed in range(3)]
     answers = [TOWERS[0], deep[0], deep[1], TOWERS[1], deep[0], deep[2], "x+1"]
     tally = Tally()
-    # a longer timeout than SHORT: the fractions' parse must not time out on a loaded machine, the towers' always does
-    assert majority_votes([answers], spy, 3.0, tally=tally) == [(deep[0], [a == deep[0] for a in answers])]
-    assert tally == Tally(timeouts=2, budget_cut=0)
+    # The towers wait out any timeout; the fractions' parse (a tenth of a second when quiet) must not, even on a
+    # slow loaded 2-core machine behind a replaced worker's start: a timeout generous for them, not a fast one.
+    assert majority_votes([answers], spy, 10.0, tally=tally) == [(deep[0], [a == deep[0] for a in answers])]
+    assert tally == Tally(timeouts=2, budget_cut=0)  # the two towers: the answers that cannot be parsed at all
     sent = {a for pairs in spy.judged for pair in pairs for a in pair}
     assert TOWERS[0] not in sent and TOWERS[1] not in sent  # frozen after their one parse
 
@@ -404,7 +407,7 @@ def test_budget_cuts_comparisons_and_counts_them(spy):
     deadline = start + 0.3
     rewards = math_rewards([f"\\boxed{{{t}}}" for t in TOWERS], ["\\frac{1}{2}"] * 8, spy, 30.0, deadline, tally)
     votes = majority_votes([TOWERS], spy, 30.0, deadline, tally)
-    assert time.monotonic() - start < 0.3 + 0.5  # not 30 s
+    assert time.monotonic() - start < 10  # cut at the deadline, not after the 30 s timeout (a loaded machine: slack)
     assert rewards == [0.0] * 8 and votes == [(None, [False] * 8)]
     assert tally == Tally(timeouts=0, budget_cut=8 + 28)  # every comparison cut: 8 rewards, 1+2+..+7 in the vote
     assert spy.judge_many([("x", "y")], 30.0, deadline) == [Verdict.CUT]

@@ -346,6 +346,12 @@ def test_malformed_and_invalid_rows_are_named_by_file_and_line_and_prose_golds_a
     first_bad.write_bytes(b"\n\xff\n" + good.encode())
     with pytest.raises(DataError, match=r"first.jsonl line 2: not UTF-8 text \(byte 0xff at column 1\)"):
         run([str(first_bad), "--labeled", "1", "--out", out])
+    raw = pa.array([b"1+1?", b"caf\xe9?"], type=pa.binary())  # a string column's bytes, not UTF-8 in row 1
+    latin1 = tmp_path / "latin1.parquet"
+    question = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+    pq.write_table(pa.table({"question": question, "final_answer": pa.array(["2", "3"])}), latin1)
+    with pytest.raises(DataError, match=r"latin1.parquet row 1: field 'question' is not UTF-8 text \(byte 0xe9"):
+        run([str(latin1), "--labeled", "1", "--out", out])
     rows = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(6)]
     rows += [{"question": "Which one?", "answer": "see the solution above"}]
     prose = tmp_path / "prose.jsonl"

@@ -50,15 +50,16 @@ def test_grade_on_degenerate_outputs_counts_timeouts_and_stays_bounded():
         questions = [q("\\frac{1}{2}", True), q("5", False), q("x+1", False)]
         start = time.monotonic()
         g = grade(questions, texts, timeout=1.0, verifier=verifier)
-        # labeled rewards and the vote's parsing, each about one timeout: not one per comparison
-        assert time.monotonic() - start < 2 * (1.5 * 1.0 + 0.5)
+        # labeled rewards and the vote's parsing, each about one timeout: not one per comparison (8 + 28 of 1 s
+        # on 2 workers: 18 s); the timeout counts below are the outcome, a slow loaded machine gets slack here
+        assert time.monotonic() - start < 12
         assert g.rewards[0] == [0.0] * 8 and g.rewards[1] == [0.0] * 8 and g.pass_rates[2] == 7 / 8
         assert g.pseudo_correct[1:] == [0.0, 1.0]  # 8 singletons: a tie, no pseudo-label
         assert g.timeouts == 8 + 8 and g.budget_cut == 0
 
         start = time.monotonic()  # with a budget, whatever is not decided in time counts as not equal
         g = grade(questions[:2], [[f"\\boxed{{{t}}}" for t in TOWERS[::-1]]] * 2, 30.0, verifier, budget=0.5)
-        assert time.monotonic() - start < 0.5 + 0.5
+        assert time.monotonic() - start < 10  # cut at the budget, not after the 30 s timeout
         assert g.rewards == [[0.0] * 8] * 2 and g.budget_cut == 8 + 28 and g.timeouts == 0
     finally:
         verifier.close()

@@ -171,6 +171,20 @@ def test_backend_auto_is_vllm_where_it_is_installed_else_hf_said_once_and_record
         run_record.resolve_backend(tp, say=lines.append)
 
 
+def test_backend_auto_with_separate_placement_is_hf_and_says_why(tmp_path):
+    """Separate rollout ranks run hf only: auto chooses it there whether or not vLLM is installed."""
+    lines = []
+    separate = toy_config(tmp_path, "rollout.placement=separate", "rollout.ranks=1")
+    assert separate.rollout.backend == "auto"  # the default passes validation with separate
+    chosen = run_record.resolve_backend(separate, say=lines.append)
+    assert chosen.rollout.backend == "hf" and lines == [
+        "rollout.backend auto: hf (rollout.placement=separate runs hf on its rollout ranks (vLLM there is not "
+        "built yet))"
+    ]
+    with pytest.raises(ConfigError, match="got 'vllm': set rollout.backend=hf"):
+        toy_config(tmp_path, "rollout.placement=separate", "rollout.backend=vllm")
+
+
 @pytest.mark.parametrize("vllm_here", [True, False], ids=["vllm-here", "no-vllm-here"])
 def test_a_resume_keeps_the_backend_it_started_with_unless_resume_changes_names_it(tmp_path, monkeypatch, vllm_here):
     """A run that started with one engine resumes with it on a machine where auto would pick the other."""

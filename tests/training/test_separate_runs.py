@@ -17,6 +17,7 @@ SHARED = pytest.mark.xdist_group("stale_run")  # the tests of the one stale_run:
 
 RUN = dict(mode="trapo", max_steps=8, save_steps=2)
 SEPARATE = {"rollout.placement": "separate", "rollout.ranks": 1}
+AUTO = {"rollout.backend": "auto"}  # the default (toyrun.overrides names hf)
 NOT_COMPARED = {"timing", "tokens_per_s", "rollout_generate_s"}  # wall-clock figures
 ONLY_SEPARATE = {
     "pushed_gb",
@@ -61,8 +62,11 @@ def stale_run(toy_dir, tmp_path_factory):
 
 def test_staleness_0_writes_what_the_colocated_trainer_writes(toy_dir, tmp_path):
     train(overrides(toy_dir, tmp_path, run_name="colocated", **RUN))
-    train(overrides(toy_dir, tmp_path, run_name="separate", **RUN, **SEPARATE), nproc=2)
+    # the default backend, auto, chooses hf for separate rollout ranks and says so
+    out = train(overrides(toy_dir, tmp_path, run_name="separate", **RUN, **SEPARATE, **AUTO), nproc=2)
     colocated, separate = tmp_path / "colocated", tmp_path / "separate"
+    chose = "rollout.backend auto: hf (rollout.placement=separate runs hf on its rollout ranks"
+    assert chose in (separate / "log.txt").read_text(), out.stdout[-2000:]
     leave_out = NOT_COMPARED | ONLY_SEPARATE | {NOISE}
     assert rows(colocated, leave_out) == rows(separate, leave_out)  # loss, rewards, pass rates, gate...
     # the same tokens, scored in another process: their logprobs may differ in the last bits (seen on an AMD EPYC)

@@ -103,12 +103,40 @@ def _apply(obj: Any, values: dict, source: str, prefix: str = "") -> None:
 
 
 def _unknown(key: Any, names: list[str], prefix: str, where: str) -> ConfigError:
-    """A key that is not among `names`: what replaced it (a removed key), or the closest name."""
+    """A key that is not among `names`: what replaced it (a removed key), the settings of that name in other
+    sections (`lr`: train.lr), or the closest name."""
     if f"{prefix}{key}" in REMOVED_KEYS:
         return ConfigError(f"{where} was removed: {REMOVED_KEYS[f'{prefix}{key}']}")
+    elsewhere = [dotted for dotted in _settings(Config()) if dotted.rsplit(".", 1)[-1] == str(key)]
     close = difflib.get_close_matches(str(key), names, n=1)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+    if elsewhere:  # the setting's own name in another section: `lr` for train.lr
+        hint = f"; did you mean {' or '.join(repr(k) for k in elsewhere)}?"
+    elif close:
+        hint = f"; did you mean '{prefix}{close[0]}'?"
+    else:
+        hint = f"; known keys: {', '.join(names)}"
     return ConfigError(f"{where} is not a known setting{hint}")
+
+
+def _settings(obj: Any, prefix: str = "") -> list[str]:
+    """The dotted key of every setting (not section) in the dataclass `obj`."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out += _settings(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+    return out
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What the YAML parser expected or found, in one line (where a construct it was reading began too)."""
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    context, opened = getattr(err, "context", None), getattr(err, "context_mark", None)
+    return f"{problem} ({' '.join(context.split())}{_at(opened)})" if context else problem
+
+
+def _at(mark) -> str:
+    """' at line:column' (1-based, as editors count) of a YAML mark; empty without one."""
+    return f" at {mark.line + 1}:{mark.column + 1}" if mark else ""
 
 
 def check_key(dotted: str, source: str) -> None:
@@ -137,7 +165,7 @@ def parse_override(text: str) -> dict:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {_yaml_problem(err)}") from None
     out: dict = {}
     node = out
     parts = key.strip().split(".")
@@ -162,7 +190,9 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
+            mark = getattr(err, "problem_mark", None)  # editors count from 1, the parser from 0
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+            raise ConfigError(f"config file {where}: not valid YAML: {_yaml_problem(err)}; fix it there") from None
         _apply(cfg, data, f"config file {path}")
     origins = {}  # dotted key -> the override that set it, so a range error names the override
     for text in overrides:

@@ -255,10 +255,10 @@ def _placement(cfg: Config, need) -> None:
         )
         return
     need(
-        r.backend == "hf",
+        r.backend in ("hf", "auto"),
         "rollout.backend",
         f"rollout.placement=separate runs the hf backend on its rollout ranks (vLLM there is not built yet); "
-        f"got {r.backend!r}: set rollout.backend=hf",
+        f"got {r.backend!r}: set rollout.backend=hf (or auto, which chooses hf there)",
     )
     if r.max_staleness > 0:
         need(

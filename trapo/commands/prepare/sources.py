@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from trapo import hub
-from trapo.data import DataError, valid_unicode
+from trapo.data import DataError, not_utf8, parquet_not_utf8, valid_unicode
 
 LAYOUTS = {
     "verl": ("prompt", "reward_model"),
@@ -91,10 +91,12 @@ def _records(path: Path, columns: tuple[str, ...]) -> list[tuple[str, object]]:
     editor counts, each as training names it; the record) of every row."""
     if path.suffix == ".parquet":
         names = pq.read_schema(path).names
-        return [
-            (f"row {i}", rec)
-            for i, rec in enumerate(pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist())
-        ]
+        table = pq.read_table(path, columns=[c for c in columns if c in names])
+        try:
+            records = table.to_pylist()
+        except UnicodeDecodeError:  # named by row and field, as training names it
+            raise parquet_not_utf8(path, table) from None
+        return [(f"row {i}", rec) for i, rec in enumerate(records)]
     return [(f"line {n}", _json(path, n, line)) for n, line in _jsonl_lines(path)]
 
 
@@ -107,10 +109,7 @@ def _jsonl_lines(path: Path):
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    raise DataError(
-                        f"{path} line {n}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
-                        "re-encode the file as UTF-8 or remove the row"
-                    ) from None
+                    raise not_utf8(path, n, raw, err.start) from None
                 if line.strip():
                     yield n, line
     except OSError as err:
