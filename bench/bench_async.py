@@ -64,10 +64,6 @@ def overrides(toy_dir: str, out: str, name: str, steps: int, tokens: int, extra:
         "rollout.backend": "hf",
         "rollout.max_tokens": tokens,
         "rollout.min_tokens": tokens,
-        # forced lengths hold the stop token's probability at 0, which the engine's log-probs see and the
-        # policy's do not: the health guard would stop the run for a drift that is only the forcing
-        "rollout.health.warn": "null",
-        "rollout.health.stop": "null",
         **extra,
     }
     return toy_overrides(toy_dir) + [f"{k}={v}" for k, v in kv.items()]

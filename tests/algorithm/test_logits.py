@@ -193,3 +193,68 @@ def test_response_selection_layout_matches_trainer_logits():
     s = lm_head_token_stats(hidden_states[:, :-1][mask], head, ids[:, 1:][mask], chunk_tokens=3)
     old = token_logprobs(head(hidden_states)[:, :-1].float(), ids[:, 1:])  # [b, T-1]
     torch.testing.assert_close(scatter_to_mask(s.logprobs, mask), torch.where(mask, old, 0.0))
+
+
+def test_held_back_rows_take_the_softmax_without_the_held_ids_by_hand():
+    # One row, V = 3, logits (0, 0, log 2), id 2 held back: p = (1/2, 1/2, 0) instead of (1/4, 1/4, 1/2).
+    head = torch.nn.Linear(1, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.0], [0.0], [math.log(2.0)]]))
+    hidden, targets = torch.ones(2, 1), torch.tensor([0, 0])
+    s = lm_head_token_stats(
+        hidden,
+        head,
+        targets,
+        entropy=True,
+        held_rows=torch.tensor([True, False]),
+        held_ids=torch.tensor([2]),
+    )
+    torch.testing.assert_close(s.logprobs, torch.tensor([math.log(0.5), math.log(0.25)]))
+    want_free = -(2 * 0.25 * math.log(0.25) + 0.5 * math.log(0.5))
+    torch.testing.assert_close(s.entropy, torch.tensor([math.log(2.0), want_free]))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 23])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_held_back_rows_match_the_naive_masked_softmax_values_and_gradients(chunk, temperature):
+    head, hidden, targets, coef = _setup(bias=True)
+    held_ids = torch.tensor([3, 17, 40])
+    held_rows = torch.arange(N) % 3 != 1  # chunks with and without held rows
+    targets = torch.where(held_rows & torch.isin(targets, held_ids), 0, targets)  # a held id is never sampled
+
+    def naive():
+        logits = head(hidden).float() / temperature  # [N, V]
+        masked = logits.index_fill(-1, held_ids, float("-inf"))
+        logits = torch.where(held_rows[:, None], masked, logits)
+        logp = logits.log_softmax(-1)
+        p = logp.exp()
+        ent = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
+        return logp.gather(-1, targets[:, None])[:, 0], ent, torch.zeros(N)
+
+    def ours():
+        s = lm_head_token_stats(
+            hidden,
+            head,
+            targets,
+            temperature=temperature,
+            chunk_tokens=chunk,
+            entropy=True,
+            held_rows=held_rows,
+            held_ids=held_ids,
+        )
+        return s.logprobs, s.entropy, torch.zeros(N)
+
+    want = _values_and_grads(naive, head, hidden, coef * 100)  # large output gradients: no overflow to nan
+    got = _values_and_grads(ours, head, hidden, coef * 100)
+    for name, g, w in zip(["logprobs", "entropy", "kl", "d hidden", "d weight"], got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_held_back_rows_refuse_kl_uniform_and_half_arguments():
+    head, hidden, targets, _ = _setup()
+    rows, ids = torch.ones(N, dtype=torch.bool), torch.tensor([1])
+    with pytest.raises(ValueError, match="infinite"):
+        lm_head_token_stats(hidden, head, targets, kl_uniform=True, held_rows=rows, held_ids=ids)
+    with pytest.raises(ValueError, match="together"):
+        lm_head_token_stats(hidden, head, targets, held_rows=rows)

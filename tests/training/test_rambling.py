@@ -120,9 +120,9 @@ def test_a_checkpoint_from_before_the_loop_rule_loads_and_the_loop_count_survive
 
 @pytest.mark.toy_run
 def test_a_toy_run_whose_answers_all_run_to_the_limit_stops_and_resumes_from_its_last_good_step(toy_dir, tmp_path):
-    # every answer cut at 4 tokens from step 1 (no stop token before them): a loop, at whatever entropy. The
-    # health guard is off: forced lengths raise its metric without a fault (the engine samples stop-masked).
-    loop = {"rollout.max_tokens": 4, "rollout.min_tokens": 4, "rollout.health.stop": "null"}
+    # every answer cut at 4 tokens from step 1 (no stop token before them): a loop, at whatever entropy; the
+    # health guard stays on (the policy's log-probs are stop-masked as the engine's)
+    loop = {"rollout.max_tokens": 4, "rollout.min_tokens": 4}
     guard = {"rollout.rambling.loop_steps": 2, "rollout.rambling.stop_steps": 2}
     args = overrides(toy_dir, tmp_path, run_name="loop", max_steps=8, save_steps=1, **loop, **guard)
     out = train(args, check=False)

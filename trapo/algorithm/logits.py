@@ -95,12 +95,21 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     return z.float()
 
 
-def _chunk_log_probs(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """log p = log_softmax(z / tau) of one chunk, [c, V] fp32, computed in place in the logits' buffer."""
+def _chunk_log_probs(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, held=None) -> Tensor:
+    """log p = log_softmax(z / tau) of one chunk, [c, V] fp32, computed in place in the logits' buffer.
+    held: None, or (rows [c] bool, ids [S]): those rows' softmax leaves the ids out (see `lm_head_token_stats`)."""
     z = _chunk_logits(h, weight, bias)
     if temperature != 1.0:
         z.div_(temperature)
+    if held is not None:
+        _hold_back(z, *held, torch.finfo(z.dtype).min)
     return z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+
+
+def _hold_back(z: Tensor, rows: Tensor, ids: Tensor, value: float) -> None:
+    """z[r, ids] = value in place for each row r where rows is true. The finite fill (not -inf) gives p = 0 and
+    p log p = 0 there, so the entropy stays finite."""
+    z[rows.nonzero()[:, 0, None], ids[None, :]] = value
 
 
 def _row_dot(a: Tensor, b: Tensor) -> Tensor:
@@ -140,10 +149,10 @@ class _LeanHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy, kl_uniform):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, entropy, kl_uniform, held_rows, held_ids):
         columns = []
-        for h, t in zip(hidden.split(chunk), targets.split(chunk)):
-            logp = _chunk_log_probs(h, weight, bias, temperature)  # [c, V]
+        for h, t, held in zip(hidden.split(chunk), targets.split(chunk), _held_chunks(held_rows, held_ids, chunk)):
+            logp = _chunk_log_probs(h, weight, bias, temperature, held)  # [c, V]
             stats = [logp.gather(1, t[:, None])[:, 0]]
             if entropy:
                 stats.append(-_row_dot(logp.exp(), logp))
@@ -151,7 +160,7 @@ class _LeanHead(torch.autograd.Function):
                 stats.append(-logp.mean(dim=-1) - math.log(logp.shape[-1]))
             columns.append(stats)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.options = (temperature, chunk, entropy, kl_uniform)
+        ctx.options = (temperature, chunk, entropy, kl_uniform, held_rows, held_ids)
         if not columns:  # no rows: empty statistics
             return tuple(hidden.new_zeros(0, dtype=torch.float32) for _ in range(1 + entropy + kl_uniform))
         return tuple(torch.cat(column) for column in zip(*columns))
@@ -159,7 +168,7 @@ class _LeanHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         hidden, weight, bias, targets = ctx.saved_tensors
-        temperature, chunk, entropy, kl_uniform = ctx.options
+        temperature, chunk, entropy, kl_uniform, held_rows, held_ids = ctx.options
         g_lp = grads[0]
         g_ent = grads[1] if entropy else None
         g_kl = grads[1 + entropy] if kl_uniform else None
@@ -169,10 +178,10 @@ class _LeanHead(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if ctx.needs_input_grad[2] else None
         start = 0
-        for h, t in zip(hidden.split(chunk), targets.split(chunk)):
+        for h, t, held in zip(hidden.split(chunk), targets.split(chunk), _held_chunks(held_rows, held_ids, chunk)):
             rows = slice(start, start + h.shape[0])
             start += h.shape[0]
-            dz = _chunk_logit_grad(h, weight, bias, t, temperature, g_lp, g_ent, g_kl, rows)  # [c, V] fp32
+            dz = _chunk_logit_grad(h, weight, bias, t, temperature, g_lp, g_ent, g_kl, rows, held)  # [c, V] fp32
             if grad_hidden is not None:
                 grad_hidden[rows] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
@@ -182,12 +191,20 @@ class _LeanHead(torch.autograd.Function):
                 grad_bias += dz.sum(0).to(acc)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
-def _chunk_logit_grad(h, weight, bias, targets, temperature, g_lp, g_ent, g_kl, rows) -> Tensor:
+def _held_chunks(rows: Tensor | None, ids: Tensor | None, chunk: int):
+    """Per chunk of rows: None (no held rows at all), or (that chunk's rows [c] bool, ids)."""
+    if rows is None:
+        while True:
+            yield None
+    yield from ((part, ids) for part in rows.split(chunk))
+
+
+def _chunk_logit_grad(h, weight, bias, targets, temperature, g_lp, g_ent, g_kl, rows, held=None) -> Tensor:
     """dL / d(raw logits) of one chunk, [c, V] fp32 (see `_LeanHead`); g_*: [N] output gradients or None."""
-    logp = _chunk_log_probs(h, weight, bias, temperature)  # [c, V]
+    logp = _chunk_log_probs(h, weight, bias, temperature, held)  # [c, V]
     p = logp.exp()
     c, vocab = logp.shape
     zero = logp.new_zeros(c)
@@ -202,6 +219,8 @@ def _chunk_logit_grad(h, weight, bias, targets, temperature, g_lp, g_ent, g_kl, 
     dz[torch.arange(c, device=dz.device), targets] += gl
     if g_kl is not None:
         dz.sub_(gk[:, None] / vocab)
+    if held is not None:  # a held-back logit does not move p (the products above may overflow there)
+        _hold_back(dz, *held, 0.0)
     if temperature != 1.0:
         dz.div_(temperature)  # z' = z / tau
     return dz
@@ -215,7 +234,16 @@ def _lean_forward(head: torch.nn.Module):
             return plain(hidden)
         o = options
         return _LeanHead.apply(
-            hidden, head.weight, head.bias, targets, o["temperature"], o["chunk"], o["entropy"], o["kl_uniform"]
+            hidden,
+            head.weight,
+            head.bias,
+            targets,
+            o["temperature"],
+            o["chunk"],
+            o["entropy"],
+            o["kl_uniform"],
+            o.get("held_rows"),
+            o.get("held_ids"),
         )
 
     return forward
@@ -230,6 +258,8 @@ def lm_head_token_stats(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     entropy: bool = False,
     kl_uniform: bool = False,
+    held_rows: Tensor | None = None,
+    held_ids: Tensor | None = None,
 ) -> TokenStats:
     """Per-token log p(target), and optionally H(p) and KL(U || p), straight from hidden states.
 
@@ -240,6 +270,11 @@ def lm_head_token_stats(
     ([V, H] weight, optional bias); targets: [N] int64, the token each row
     predicts. Returns TokenStats of float32 [N] tensors (entropy / kl_uniform
     None unless requested).
+
+    held_rows [N] bool and held_ids [S] int64: at those rows p is the softmax
+    over the vocabulary without held_ids (their probability is 0), the
+    distribution an engine samples from while its min_tokens holds the stop
+    tokens back. KL(U || p) is infinite there: not computed with held rows.
 
     Memory: rows go through the head `chunk_tokens` at a time (`_LeanHead`):
     no [N, V] tensor exists in forward or backward, only a few [chunk, V], and
@@ -259,12 +294,17 @@ def lm_head_token_stats(
         raise ValueError(f"lm_head_token_stats: chunk_tokens must be >= 1, got {chunk_tokens}")
     if not temperature > 0.0:
         raise ValueError(f"lm_head_token_stats: temperature must be > 0, got {temperature}")
+    if (held_rows is None) != (held_ids is None):
+        raise ValueError("lm_head_token_stats: held_rows and held_ids go together")
+    if held_rows is not None and kl_uniform:
+        raise ValueError("lm_head_token_stats: KL(U || p) is infinite where tokens are held back")
     if not getattr(head, "_trapo_lean", False):
         head.forward = _lean_forward(head)
         head._trapo_lean = True
-    stats = iter(
-        head(hidden, targets, temperature=temperature, chunk=chunk_tokens, entropy=entropy, kl_uniform=kl_uniform)
-    )
+    options = dict(temperature=temperature, chunk=chunk_tokens, entropy=entropy, kl_uniform=kl_uniform)
+    if held_rows is not None:
+        options.update(held_rows=held_rows.bool(), held_ids=held_ids.to(device=hidden.device, dtype=torch.long))
+    stats = iter(head(hidden, targets, **options))
     return TokenStats(next(stats), next(stats) if entropy else None, next(stats) if kl_uniform else None)
 
 

@@ -156,6 +156,7 @@ class RolloutConfig:
     max_tokens: int = 3000  # response budget; also the Dr.GRPO loss denominator's length
     # No stop token ends a response before this many tokens (vLLM's min_tokens; transformers' min_new_tokens):
     # benchmarks force lengths with min_tokens = max_tokens. 0: stop tokens end a response anywhere.
+    # The policy's log-probs and entropy there are of the same stop-masked distribution (Policy.hold_back).
     min_tokens: int = 0
     # Share of each GPU's memory vLLM may take (weights + KV cache). vLLM sizes its KV cache once, when
     # the engine is built, from this share (sleep and wake map the same pool again: it never grows).

@@ -130,6 +130,7 @@ class Policy:
 
         self.world, self.pad_id = world, pad_id
         self.train_cfg, self.temperature = train, rollout.temperature
+        self.min_tokens, self.held_ids = rollout.min_tokens, None  # see `hold_back`
         self.loss = loss  # what `update` calls; the config's loss keys are read only through it
         self.device = dist.comm_device()
         dtype = torch_dtype(model.dtype)
@@ -268,6 +269,13 @@ class Policy:
                 dummy = TrainSequence(ids=[pad, pad], prompt_len=1, advantage=0.0, weight=0.0, labeled=True)
                 yield group, build([dummy], pad)
 
+    def hold_back(self, stop_token_ids: list[int]) -> None:
+        """The stop tokens the engine holds back before rollout.min_tokens response tokens: the policy's
+        log-probs and entropy at those positions are then of the distribution the engine sampled from (the
+        softmax without them), so the importance weights and the health check compare like with like."""
+        if self.min_tokens > 0 and stop_token_ids:
+            self.held_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=self.device)
+
     def _token_stats(self, batch: dict, *, entropy: bool = False, kl_uniform: bool = False, engine=None) -> TokenStats:
         """Log-probs (and entropy, KL(U || p)) of the response tokens, [b, T-1] each, 0 elsewhere.
 
@@ -300,6 +308,10 @@ class Policy:
             )
         hidden = out.hidden_states[-1][:, :-1][rows]  # [N, H], after the final norm: what the head reads
         targets = ids[:, 1:][rows]  # [N]
+        held = {}
+        if self.held_ids is not None and not kl_uniform:  # self-certainty is of the model's own distribution
+            index = mask.long().cumsum(-1) - 1  # [b, T-1]: which response token each position predicts
+            held = dict(held_rows=(index < self.min_tokens)[mask], held_ids=self.held_ids)
         stats = lm_head_token_stats(
             hidden,
             engine.module.get_output_embeddings(),
@@ -308,6 +320,7 @@ class Policy:
             chunk_tokens=self.train_cfg.loss_chunk_tokens,
             entropy=entropy,
             kl_uniform=kl_uniform,
+            **held,
         )
         return TokenStats(*(None if s is None else scatter_to_mask(s, mask) for s in stats))
 

@@ -143,6 +143,7 @@ def open_rollout_source(
     model_dir, tokenizer = inputs.model_dir, inputs.tokenizer
     generation = getattr(policy.model, "generation_config", None)
     stops = stop_token_ids(tokenizer, generation and generation.eos_token_id)
+    policy.hold_back(stops)  # the ids the engine holds back before rollout.min_tokens
     if cfg.rollout.placement == "separate":
         engine = RemoteEngine.connect(
             settings,
