@@ -21,8 +21,10 @@ same 64 answers one by one against a gold: the vote should cost at most 1.5x
 the grading (it parses each answer once and waits on a slow one at most
 once) and count no more timeouts than the grading does. Three answer sets
 (seeds), each side on a fresh verifier (cold parse caches), in alternating
-order. Saves the lines to outputs/bench/vote.txt and writes the `bench-vote`
-block of docs/benchmarks.md (`--no-docs`: not).
+order. Then the same side by side on a second mix (`finding_six`, two shuffles: code-injection strings,
+heavy answers that parse in time but make comparisons run out of it, broken LaTeX and odd unicode, fuzz
+strings of LaTeX tokens; printed, not yet held to the target). Saves the lines to outputs/bench/vote.txt
+and writes the `bench-vote` block of docs/benchmarks.md (`--no-docs`: not).
 
     PYTHONPATH=. python bench/bench_vote.py [--timeout 5] [--workers 2] [--mixed-timeout 2]
 """
@@ -257,6 +259,30 @@ def degenerate_answers(seed: int, n: int = 64) -> list[str]:
     return out
 
 
+def finding_six(seed: int = 0) -> list[str]:
+    """64 answers: 6 code-injection strings; 18 heavy ones (exponent towers, factorials of huge numbers,
+    100,000-character digit strings, 5,000-deep braces, a 60x60 matrix); 28 broken LaTeX and odd unicode;
+    12 fuzz strings of LaTeX tokens; shuffled."""
+    rng = random.Random(seed)
+    injection = ["__import__('os').system('id')", 'eval("1+1")', "'; DROP TABLE answers; --", "{{7*7}}"]
+    injection += ["\\input{/etc/passwd}", "\\immediate\\write18{rm -rf /}"]
+    matrix = "\\\\".join("&".join(str(rng.randint(0, 9)) for _ in range(60)) for _ in range(60))
+    heavy = ["9^{9^{9^{9}}}", "2^{2^{2^{2^{2^{2}}}}}", "10^{10^{10^{10}}}", "7^{7^{7^{7}}}", "3^{9^{2^{11}}}"]
+    heavy += ["(10^{100})!", "(10^{10})!", "99999999!", "(2^{64})!!", "((10^6)!)!", "\\left(10^{20}\\right)!"]
+    heavy += ["(9^{9^9})!", "\\Gamma(10^{30})", "91417776317066907439^{15000806360837783533}"]
+    heavy += ["1" + "0" * 100_000, "".join(rng.choice("0123456789") for _ in range(100_000))]
+    heavy += ["{" * 5000 + "1" + "}" * 5000, "\\begin{pmatrix}" + matrix + "\\end{pmatrix}"]
+    broken = ["\\frac{1}{", "\\sqrt[", "}{", "x^{", "\\left(\\right", "\\frac{\\frac{}{}}{}", "\\begin{matrix}"]
+    broken += ["∞", "√2", "½", "𝟙𝟚", "\u200b", "\u202eevil", "①②", "２３", "🙂", "x²+y²", "∑_{i}", "α+β", "ℵ_0"]
+    broken += ["\\\\\\\\", "^^^", "_{_{_}}", "\\end{align}", "$$", "1,,2", "\\frac12}", "{{{"]
+    tokens = ["\\left(", "\\right)", "\\sqrt[", "]{", "}", "\\int", "_{", "^{", "\\sum", "x", "\\cdot", "\\frac{"]
+    tokens += ["\\\\", "&", "\\begin{matrix}", "\\end{matrix}", "\\infty", "!", "\\binom{", "\\prod", "e", "\\pi"]
+    fuzz = [" ".join(rng.choice(tokens) for _ in range(rng.randint(10, 60))) for _ in range(12)]
+    answers = injection + heavy + broken + fuzz
+    rng.shuffle(answers)
+    return answers
+
+
 def timed(side: str, answers: list[str], timeout: float, workers: int) -> tuple[float, Tally]:
     """Seconds of one side on a fresh verifier (started and warmed before the clock): "vote", the majority
     vote over `answers`; "grading", each answer against MIXED_GOLD."""
@@ -274,17 +300,19 @@ def timed(side: str, answers: list[str], timeout: float, workers: int) -> tuple[
     return seconds, tally
 
 
-def mixed(timeout: float, workers: int, seeds: int = 3) -> tuple[list[str], float]:
-    """The vote over mixed degenerate answers beside grading them one by one: its printed lines, the worst
-    ratio of the vote's time to the grading's."""
+def mixed(
+    timeout: float, workers: int, seeds: int = 3, build=degenerate_answers, what: str = "mixed degenerate answers"
+) -> tuple[list[str], float]:
+    """The vote over mixed degenerate answers (`build(seed)`) beside grading them one by one: its printed lines,
+    the worst ratio of the vote's time to the grading's."""
     lines = [
-        f"vote over 64 mixed degenerate answers vs grading them one by one against a gold "
+        f"vote over 64 {what} vs grading them one by one against a gold "
         f"({timeout:g} s timeout, {workers} workers, fresh verifiers; target vote/grading <= {MIXED_TARGET})"
     ]
     print(lines[0], flush=True)
     ratios = []
     for seed in range(seeds):
-        answers = degenerate_answers(seed)
+        answers = build(seed)
         order = ("vote", "grading") if seed % 2 else ("grading", "vote")  # alternate who runs first
         results = {side: timed(side, answers, timeout, workers) for side in order}
         (vote_s, vote_tally), (grade_s, grade_tally) = results["vote"], results["grading"]
@@ -345,9 +373,10 @@ def main() -> None:
     logging.getLogger("trapo.engine.grading.verifier").setLevel(logging.ERROR)  # the timeouts are the point: counted
     tower_lines, towers_met = towers(args.timeout, args.workers)
     mixed_lines, worst = mixed(args.mixed_timeout, args.workers)
+    six_lines, _ = mixed(args.mixed_timeout, args.workers, 2, finding_six, "answers of finding 6's kinds")
     out = ROOT / "outputs/bench"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vote.txt").write_text("\n".join(tower_lines + mixed_lines) + "\n")
+    (out / "vote.txt").write_text("\n".join(tower_lines + mixed_lines + six_lines) + "\n")
     if not args.no_docs:
         from trapo.commands import readme
 
