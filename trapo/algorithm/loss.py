@@ -346,6 +346,19 @@ class LossSpec:
         return overlong_penalty(lengths, self.max_tokens, self.overlong_buffer, self.overlong_penalty)
 
 
+AGREEMENT = ("logprob_diff", "logprob_gap", "logprob_tokens")
+
+
+def engine_agreement(old: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the rollout engine's log-probs are from the policy's on the tokens of `mask`: logprob_diff (sum of
+    |log pi_old - log pi_engine|), logprob_gap (sum of log pi_engine - log pi_old), logprob_tokens."""
+    return {
+        "logprob_diff": torch.where(mask, (old - engine).abs(), 0.0).sum(),
+        "logprob_gap": torch.where(mask, engine - old, 0.0).sum(),
+        "logprob_tokens": mask.sum(),
+    }
+
+
 class PolicyLoss:
     """The run's policy loss as one object: built once from its `LossSpec` and the world size, then called
     with each micro-batch's tensors (`loss_fn(logprobs, mask, advantages, weights, ...) -> (loss, sums)`).
@@ -431,9 +444,7 @@ class PolicyLoss:
             "entropy": metrics.get("entropy", 0.0) * n,
             "clip_frac": metrics["clip_frac"] * n,
             "trained_tokens": n,
-            "logprob_diff": torch.where(mask, (old - engine).abs(), 0.0).sum() if engine is not None else 0.0,
-            "logprob_gap": torch.where(mask, engine - old, 0.0).sum() if engine is not None else 0.0,
-            "logprob_tokens": n if engine is not None else 0.0,
+            **(engine_agreement(old, engine, mask) if engine is not None else dict.fromkeys(AGREEMENT, 0.0)),
             "is_weight": is_metrics.get("is_weight_mean", 0.0) * n,
             "is_capped": is_metrics.get("is_capped_frac", 0.0) * n,
             "is_tokens": n if is_weights is not None else 0.0,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trapo.algorithm.loss import LossSpec, group_advantages
+from trapo.algorithm.loss import AGREEMENT, LossSpec, engine_agreement, group_advantages
 from trapo.config import Config
 from trapo.engine import dist
 from trapo.engine.batch import TrainSequence, build_sequences
@@ -139,12 +139,10 @@ def engine_health(policy: Policy, seqs: list[TrainSequence]) -> dict[str, float]
     """The update's comparison of the policy's log-probs with the engine's (`PolicyLoss`: logprob_diff,
     logprob_gap, logprob_tokens) on `seqs`, scored without gradient. Collective: every rank calls it, maybe
     with no sequences."""
-    scored = policy.with_logprobs(seqs, "old_logprobs")
-    diff = gap = tokens = 0.0
-    for s in scored:
+    sums = dict.fromkeys(AGREEMENT, 0.0)
+    for s in policy.with_logprobs(seqs, "old_logprobs"):
         old = torch.tensor(s.old_logprobs, dtype=torch.float32)  # [L]
         engine = torch.tensor(s.engine_logprobs, dtype=torch.float32)  # [L]
-        diff += float((old - engine).abs().sum())
-        gap += float((engine - old).sum())
-        tokens += old.numel()
-    return {"logprob_diff": diff, "logprob_gap": gap, "logprob_tokens": tokens}
+        for name, value in engine_agreement(old, engine, torch.ones_like(old, dtype=torch.bool)).items():
+            sums[name] += float(value)
+    return sums
