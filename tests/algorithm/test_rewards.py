@@ -1,16 +1,12 @@
 import os
 import random
-import signal
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
 import pytest
 
 from trapo.algorithm.rewards import (
-    Tally,
-    Verdict,
     decide_pairs,
     extract_boxed,
     majority_vote,
@@ -18,8 +14,8 @@ from trapo.algorithm.rewards import (
     math_reward,
     math_rewards,
 )
-from trapo.algorithm.rewards.answers import MAX_ANSWER_CHARS, choice_letter, exact_number, fast_equal, normalize
-from trapo.engine.grading.verifier import MathVerifier, default_verifier
+from trapo.algorithm.rewards.answers import MAX_ANSWER_CHARS, choice_letter, exact_number, fast_equal
+from trapo.engine.grading.verifier import default_verifier
 
 TIMEOUT = 2.0  # short, to keep adversarial tests quick; the default is 5 s
 judge = default_verifier()  # the rewards' judge: Math-Verify in worker processes (trapo/engine/grading/)
@@ -186,231 +182,3 @@ def test_majority_vote_ties_and_empty_give_no_label():
 def test_majority_votes_batch_matches_single_calls():
     groups = [["1", "1", "2"], ["x", "y", "y"], [None, "B", "(B)"], []]
     assert majority_votes(groups, judge) == [majority_vote(g, judge) for g in groups]
-
-
-# --- degenerate answers: timeouts told apart, votes that cannot stall, the grading budget
-
-SHORT = 1.0  # per-comparison timeout for the tests below
-# Exponent towers: evaluating them (the numeric pre-filter) runs into any timeout, while being parsed.
-TOWERS = [f"9^{{9^{{9^{{{k}}}}}}}" for k in range(4, 12)]
-# Three spellings of 9^387420489: each parses at once, but comparing two of them runs into the timeout.
-SAME_HUGE = ["9^{9^9}", "9^{387420489}", "3^{774840978}"]
-
-
-class SpyVerifier(MathVerifier):
-    """A real verifier that records what is sent to it."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.judged: list[list[tuple[str, str]]] = []
-        self.prepared: list[list[str]] = []
-
-    def judge_many(self, pairs, timeout=None, deadline=None):
-        self.judged.append(list(pairs))
-        return super().judge_many(pairs, timeout, deadline)
-
-    def prepare_many(self, groups, timeout=None, deadline=None):
-        self.prepared.append([a for g in groups for a in g])
-        return super().prepare_many(groups, timeout, deadline)
-
-
-@pytest.fixture
-def spy():
-    verifier = SpyVerifier(num_workers=2, timeout=SHORT)
-    verifier.start()
-    yield verifier
-    verifier.close()
-
-
-def test_vote_over_answers_that_each_exhaust_the_timeout_takes_about_one_timeout(spy):
-    tally = Tally()
-    start = time.monotonic()
-    assert majority_votes([TOWERS], spy, SHORT, tally=tally) == [(None, [False] * len(TOWERS))]
-    elapsed = time.monotonic() - start
-    # not one timeout per comparison (28 of them, 14 s on the 2 workers); how close to one timeout a vote
-    # comes is a machine's speed, measured in bench/bench_vote.py
-    assert elapsed < 10 * SHORT, elapsed
-    assert tally == Tally(timeouts=len(TOWERS), budget_cut=0)
-    assert spy.prepared == [TOWERS] and spy.judged == []  # parsed once each, side by side; never compared
-    # Among ordinary answers they are frozen singletons; the rest still cluster by equivalence.
-    answers = [*TOWERS[:3], "x+1", "1+x", "1+x", TOWERS[0], "2"]
-    label, agree = majority_votes([answers], spy, SHORT)[0]
-    assert label == "1+x" and agree == [False] * 3 + [True] * 3 + [False] * 2
-
-
-DEEP = 16  # nesting of the deep fractions below
-
-
-def _nested_fraction(depth: int, seed: int) -> str:
-    rng = random.Random(seed)
-    inner = "x"
-    for _ in range(depth):
-        inner = f"\\frac{{{rng.randint(1, 9)}+{inner}}}{{{rng.randint(1, 9)}-y}}"
-    return inner
-
-
-def test_deep_fractions_get_their_probe_value_at_once_and_the_same_value_as_evalf_subs():
-    """The pre-filter's value of a nested fraction, in linear time: evalf(subs=...) took seconds from 12 deep
-    (exponential in the nesting), so a vote over such answers counted every one as a timeout."""
-    import cmath
-
-    import sympy
-
-    from trapo.engine.grading.executor import _Checker, _probe
-
-    checker = _Checker()
-    for depth in (2, 6, 10):  # the reference path, where it still finishes in a fraction of a second
-        answer = _nested_fraction(depth, depth)
-        expr = checker.parse(answer)[0]
-        reference = complex(expr.evalf(15, subs={x: _probe(x.name) for x in expr.free_symbols}))
-        assert abs(checker.value(answer) - reference) <= 1e-12 * abs(reference), depth
-    deep = [_nested_fraction(DEEP, seed) for seed in range(3)]
-    for answer in deep:
-        value = checker.value(answer)
-        assert isinstance(value, complex) and cmath.isfinite(value)  # a number, not a pre-filter failure
-    assert isinstance(checker.parse(deep[0])[0], sympy.Expr)
-
-
-def test_integrals_of_polynomials_get_the_probe_value_of_their_antiderivative():
-    """`\\int x` parsed to an unevaluated Integral(x, x): no probe value, so every comparison with it went
-    to sympy's simplify (0.5-0.8 s each beside a deep fraction, in the vote over mixed answers)."""
-    from trapo.engine.grading.executor import _Checker
-
-    checker = _Checker()
-    assert checker.value("\\int x") == checker.value("\\frac{x^2}{2}") is not None
-    assert checker.value("\\int y") == checker.value("xy") is not None  # y is constant in x, as to Math-Verify
-    assert checker.differ("\\int x", _nested_fraction(DEEP, 0))
-    assert checker.value("\\int e^{x^2} dx") is None  # no antiderivative worked out: Math-Verify decides
-
-
-def test_vote_counts_exactly_the_answers_that_cannot_be_parsed_in_time(spy):
-    """Towers exhaust any timeout (counted once each, never compared); 16-deep fractions did too, in the
-    probe value (about 15 s of evalf): now they are ready at once and cost no timeout."""
-    deep = [_nested_fraction(DEEP, seed) for seed in range(3)]
-    answers = [TOWERS[0], deep[0], deep[1], TOWERS[1], deep[0], deep[2], "x+1"]
-    tally = Tally()
-    # The towers wait out any timeout; the fractions' parse (a tenth of a second when quiet) must not, even on a
-    # slow loaded 2-core machine behind a replaced worker's start: a timeout generous for them, not a fast one.
-    assert majority_votes([answers], spy, 10.0, tally=tally) == [(deep[0], [a == deep[0] for a in answers])]
-    assert tally == Tally(timeouts=2, budget_cut=0)  # the two towers: the answers that cannot be parsed at all
-    sent = {a for pairs in spy.judged for pair in pairs for a in pair}
-    assert TOWERS[0] not in sent and TOWERS[1] not in sent  # frozen after their one parse
-
-
-def test_vote_holds_without_the_soft_alarm():
-    """A computation no signal interrupts (C code) is cut by killing its executor, still side by side."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # inherited by the worker processes
-    try:
-        verifier = MathVerifier(num_workers=2, timeout=SHORT)
-        verifier.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
-    try:
-        tally = Tally()
-        start = time.monotonic()
-        assert majority_votes([TOWERS], verifier, SHORT, tally=tally) == [(None, [False] * len(TOWERS))]
-        assert time.monotonic() - start < 1.5 * SHORT + 1.0  # + forking replacements
-        assert tally.timeouts == len(TOWERS)
-        assert majority_vote(["x+1", "1+x", "y"], judge) == ("x+1", [True, True, False])  # workers replaced
-        assert verifier.equal_many([("x+1", "1+x")]) == [True]
-    finally:
-        verifier.close()
-
-
-def test_vote_never_compares_an_answer_again_after_its_comparison_timed_out(spy):
-    a, b, c = SAME_HUGE
-    tally = Tally()
-    assert majority_votes([[a, a, b, c, "7"]], spy, SHORT, tally=tally) == [(a, [True, True, False, False, False])]
-    sent = [p for pairs in spy.judged for p in pairs]
-    assert (a, b) in sent and (a, c) in sent and (b, c) not in sent  # b timed out against a: frozen
-    assert tally.timeouts == 2
-
-
-def test_a_huge_exact_power_is_answered_as_a_timeout_without_waiting_for_it():
-    """Math-Verify subtracting a 10^21-bit integer power from an answer without a probe value computes it
-    exactly: the comparison would wait out the whole timeout, each round, while that power leads the vote.
-    The executor's guard gives the alarm's verdict (a timeout, counted; the new answer frozen) at once."""
-    huge = "91417776317066907439^{15000806360837783533}"
-    answers = [huge, huge, "\\int e^{x^2}", "\\int e^{x^3}", "\\int e^{x^4}"]  # integrals with no probe value
-    verifier = MathVerifier(num_workers=2, timeout=30.0)
-    verifier.start()
-    try:
-        tally, started = Tally(), time.perf_counter()
-        assert majority_votes([answers], verifier, 30.0, tally=tally) == [(huge, [True, True, False, False, False])]
-        assert time.perf_counter() - started < 30.0  # not one of the three comparisons waited out its timeout
-        assert tally.timeouts == 3
-    finally:
-        verifier.close()
-
-
-def test_a_vote_settles_pairs_whose_probe_values_differ_without_sending_them(spy):
-    """The parse ahead brings each answer's probe value back: pairs whose values differ are not equal, as
-    the executor would say; only a pair whose values agree goes to Math-Verify."""
-    one = "\\frac{1}{x+1}"
-    same = "\\frac{x+1}{x+1}\\cdot\\frac{1}{x+1}"  # 1/(x+1) too, spelled otherwise
-    answers = [one] * 3 + ["\\frac{2}{x+1}"] * 2 + ["x^2+1", same]
-    assert majority_votes([answers], spy, SHORT) == [(one, [True] * 3 + [False] * 3 + [True])]
-    assert [p for pairs in spy.judged for p in pairs] == [(one, same)]
-    spy.judged.clear()
-    big = ["9^{9^5}", "8^{9^5}", "7^{9^5}"]  # beyond float range: their values cross the wire as mpmath numbers
-    assert majority_votes([[big[0]] * 2 + big[1:] + ["7"]], spy, SHORT) == [(big[0], [True, True, False, False, False])]
-    assert not any(spy.judged)  # every pair settled by its values, none sent
-
-
-def test_identical_answers_cost_no_comparisons(spy):
-    assert majority_votes([["x+1"] * 8, ["\\sqrt{2}"] * 5 + [None] * 3], spy, SHORT) == [
-        ("x+1", [True] * 8),
-        ("\\sqrt{2}", [True] * 5 + [False] * 3),
-    ]
-    assert spy.judged == [] and spy.prepared == []
-    assert majority_votes([["x+1"] * 4 + ["1+x"] * 3 + ["x + 1"]], spy, SHORT)[0][0] == "x+1"
-    assert spy.prepared == [["x+1", "1+x"]]  # each distinct string parsed once
-    assert [p for pairs in spy.judged for p in pairs] == [("x+1", "1+x")]
-
-
-def test_votes_unchanged_on_ordinary_answers(benchmarks_dir, spy):
-    """Same clustering as comparing each new answer with every cluster, one comparison at a time."""
-
-    def reference(answers):
-        keys = [normalize(a) if a is not None and a.strip() and len(a) <= MAX_ANSWER_CHARS else None for a in answers]
-        counts = Counter(k for k in keys if k is not None)
-        order = sorted(counts, key=lambda k: (-counts[k], keys.index(k)))
-        raw = {k: answers[keys.index(k)] for k in order}
-        clusters = []
-        for key in order:
-            home = next((c for c in clusters if decide_pairs([(raw[c[0]], raw[key])], spy)[0]), None)
-            if home is None:
-                clusters.append([key])
-            else:
-                home.append(key)
-        sizes = [sum(counts[k] for k in c) for c in clusters]
-        if not sizes or sizes.count(max(sizes)) > 1:
-            return None, [False] * len(answers)
-        winner = clusters[sizes.index(max(sizes))]
-        return raw[winner[0]], [k in winner for k in keys]
-
-    golds = sorted(set(_golds(benchmarks_dir, "math.parquet", "math")))
-    rng = random.Random(1)
-    groups = []
-    for _ in range(24):
-        gold, w1, w2 = rng.sample(golds, 3)
-        spellings = [gold, gold.replace("\\frac", "\\dfrac"), gold + " ", w1, w2, None]
-        groups.append([rng.choice(spellings) for _ in range(8)])
-    tally = Tally()
-    assert majority_votes(groups, spy, tally=tally) == [reference(g) for g in groups]
-    assert tally == Tally()
-
-
-def test_budget_cuts_comparisons_and_counts_them(spy):
-    tally = Tally()
-    start = time.monotonic()
-    deadline = start + 0.3
-    rewards = math_rewards([f"\\boxed{{{t}}}" for t in TOWERS], ["\\frac{1}{2}"] * 8, spy, 30.0, deadline, tally)
-    votes = majority_votes([TOWERS], spy, 30.0, deadline, tally)
-    assert time.monotonic() - start < 10  # cut at the deadline, not after the 30 s timeout (a loaded machine: slack)
-    assert rewards == [0.0] * 8 and votes == [(None, [False] * 8)]
-    assert tally == Tally(timeouts=0, budget_cut=8 + 28)  # every comparison cut: 8 rewards, 1+2+..+7 in the vote
-    assert spy.judge_many([("x", "y")], 30.0, deadline) == [Verdict.CUT]
-    # Fast paths still decide after the deadline; the rest is cut without a round trip.
-    assert decide_pairs([("12", "12.0"), ("x+1", "1+x")], judge, deadline=deadline, tally=tally) == [True, False]
-    assert tally.budget_cut == 8 + 28 + 1

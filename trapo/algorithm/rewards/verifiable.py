@@ -164,7 +164,7 @@ def math_reward(response: str, gold: str, judge: Judge, timeout: float = DEFAULT
 
 @dataclass
 class _Ballot:
-    """One question's answers, as the vote sees them."""
+    """One question's answers, as the vote sees them, and where its clustering stands."""
 
     keys: list  # per response: its answer after `normalize` (a task verifier: its key); None without one
     counts: Counter  # key -> responses with it
@@ -173,6 +173,102 @@ class _Ballot:
     clusters: list[list[str]] = field(default_factory=list)  # keys; the first is the representative
     frozen: set[str] = field(default_factory=set)  # keys that exhausted the timeout: never compared again
     values: dict[str, object] = field(default_factory=dict)  # key -> its probe value (complex or mpmath), if any
+    met: dict[str, set[str]] = field(default_factory=dict)  # key not yet placed -> representatives it differs from
+    strikes: Counter = field(default_factory=Counter)  # key -> its comparisons that timed out, blamed elsewhere
+    placed: set[str] = field(default_factory=set)  # keys in a cluster
+    turn: int = 0  # keys of `order` before it are placed
+
+    def live(self) -> list[list[str]]:
+        """Clusters a key is still compared with: those whose representative is not frozen."""
+        return [c for c in self.clusters if c[0] not in self.frozen]
+
+    def open_keys(self) -> list[str]:
+        """Keys not yet placed, in order."""
+        return [k for k in self.order[self.turn :] if k not in self.placed]
+
+    def unmet(self, key: str) -> list[str]:
+        """The live representatives `key` is still to be compared with (none once it is frozen)."""
+        if key in self.frozen:
+            return []
+        met = self.met.get(key, ())
+        return [c[0] for c in self.live() if c[0] not in met]
+
+    def asks(self) -> list[tuple[str, list[str]]]:
+        """This round's comparisons: each open key with the live representatives it has not met, in cluster
+        order. An answer past float range goes into one comparison its value cannot settle per round: any may
+        time out (Math-Verify working the number out), and then it is frozen and no other waits on it. A key
+        stops at the first representative it must wait for, so that it still joins the first it equals."""
+        trying: set[str] = set()
+        out = []
+        for key in self.open_keys():
+            reps = []
+            for rep in self.unmet(key):
+                risky = self.risky(rep, key)
+                if not trying.isdisjoint(risky):
+                    break
+                trying |= risky
+                reps.append(rep)
+            if reps:
+                out.append((key, reps))
+        return out
+
+    def risky(self, rep: str, key: str) -> set[str]:
+        """Of `rep` and `key`, the answers past float range, where their values cannot settle the comparison."""
+        a, b = self.values.get(rep), self.values.get(key)
+        if values_differ(a, b):
+            return set()
+        return {k for k, v in ((rep, a), (key, b)) if _astronomical(v)}
+
+    def advance(self) -> None:
+        """Place keys in order while their place is known: a frozen key alone; a key that differs from every
+        live representative starts a cluster (the clusters after it will be compared with it)."""
+        while self.turn < len(self.order):
+            key = self.order[self.turn]
+            if key not in self.placed:
+                if self.unmet(key):
+                    return  # comparisons still to come
+                self.clusters.append([key])
+                self.placed.add(key)
+            self.turn += 1
+
+    def settle(self, key: str, reps: list[str], verdicts: list[Verdict]) -> None:
+        """Take `key`'s verdicts against the representatives `reps` (in cluster order). It joins the first it
+        equals. A timeout blamed on a representative (`_blame`) freezes it; one blamed on `key`, or a second
+        timeout of `key` wherever blamed (each costs a timeout, whoever is slow), freezes `key`, alone. What is
+        left differs: `advance` places the key once it has met every live representative."""
+        for rep, v in zip(reps, verdicts):
+            if v.timed_out:
+                blamed = _blame(self, rep, key, v)
+                self.frozen.add(blamed)
+                self.strikes[key] += blamed == rep
+        home = next((r for r, v in zip(reps, verdicts) if v is Verdict.EQUAL), None)
+        if home is not None:
+            self.frozen.discard(key)  # found its cluster: a timeout elsewhere does not matter
+            next(c for c in self.clusters if c[0] == home).append(key)
+            self.placed.add(key)
+        elif self.strikes[key] >= 2:
+            self.frozen.add(key)  # placed alone by `advance`, at its turn
+        elif key not in self.frozen:
+            self.met.setdefault(key, set()).update(reps)
+
+
+def _blame(ballot: _Ballot, rep: str, key: str, verdict: Verdict) -> str:
+    """The answer a timed-out comparison of representative `rep` with `key` is blamed on (and frozen).
+
+    Parsing: the answer being parsed. Comparing two parsed answers: the one whose probe value is past float
+    range where only one is (Math-Verify works such numbers out exactly: sympy's (10^{100})! beside `a+b`),
+    else the newcomer, `key`. So a heavy representative is frozen after one round, not met by every later key.
+    """
+    if verdict is Verdict.GOLD_TIMEOUT:
+        return rep
+    if verdict is Verdict.TIMEOUT and _astronomical(ballot.values.get(rep)) > _astronomical(ballot.values.get(key)):
+        return rep
+    return key
+
+
+def _astronomical(value) -> bool:
+    """A probe value past float range (an mpmath number; complex ones are in range)."""
+    return value is not None and not isinstance(value, complex)
 
 
 def _ballot(answers: Sequence[str | None], keys: Sequence | None = None) -> _Ballot:
@@ -223,33 +319,14 @@ def _freeze_slow_answers(ballots, judge: Judge, timeout, deadline, tally) -> Non
 
 
 def _judge_round(asks, judge: Judge, timeout, deadline) -> list[Verdict]:
-    """The verdicts of one round's comparisons, (ballot, key, clusters compared) each, in order. A pair
-    whose probe values (from the parse ahead) differ is not equal, settled here, as the executor would
+    """The verdicts of one round's comparisons, (ballot, key, representatives) each, in order. A pair whose
+    probe values (from the parse ahead) differ is not equal, settled here, as the executor would
     (`answers.values_differ`): only the rest is sent."""
-    pairs = [(b, c[0], key) for b, key, live in asks for c in live]
+    pairs = [(b, rep, key) for b, key, reps in asks for rep in reps]
     differ = [values_differ(b.values.get(rep), b.values.get(key)) for b, rep, key in pairs]
     asked = [(b.raw[rep], b.raw[key]) for (b, rep, key), known in zip(pairs, differ) if not known]
     sent = iter(judge_pairs(asked, judge, timeout, deadline))
     return [Verdict.NOT_EQUAL if known else next(sent) for known in differ]
-
-
-def _place(ballot: _Ballot, key: str, compared: list[list[str]], verdicts: list[Verdict]) -> None:
-    """Put `key` into the first compared cluster it equals, else into a new one of its own.
-
-    Timeouts freeze the answer they are blamed on: a representative whose
-    parsing timed out (GOLD_TIMEOUT), or `key` itself when its parsing or
-    the comparison timed out and it found no cluster.
-    """
-    for cluster, v in zip(compared, verdicts):
-        if v is Verdict.GOLD_TIMEOUT:
-            ballot.frozen.add(cluster[0])
-    home = next((c for c, v in zip(compared, verdicts) if v is Verdict.EQUAL), None)
-    if home is not None:
-        home.append(key)
-        return
-    ballot.clusters.append([key])
-    if any(v in (Verdict.TIMEOUT, Verdict.PRED_TIMEOUT) for v in verdicts):
-        ballot.frozen.add(key)
 
 
 def _outcome(ballot: _Ballot) -> tuple[str | None, list[bool]]:
@@ -273,16 +350,22 @@ def majority_votes(
 
     Clustering per group: distinct answers (after `normalize`; identical
     strings are one answer, never compared) in order of count, then first
-    appearance; each joins the first existing cluster whose representative
-    (its first, most frequent member) it equals, else starts a new one. Round
-    r compares every group's r-th distinct answer with that group's clusters,
-    all groups in one batch, so at most G rounds are needed.
+    appearance; each joins the first cluster whose representative (its first,
+    most frequent member) it equals, else starts a new one.
+
+    Each round sends, for every group at once, the comparisons of each answer
+    not yet placed with every cluster it has not met: the later answers meet
+    a new representative in the round after it starts its cluster, side by
+    side, not one round each, so the slow comparisons of a round cost one
+    timeout together. An answer whose value is past float range takes part
+    in one comparison its value cannot settle per round (`_Ballot.asks`).
 
     Degenerate answers cannot stall it: the answers that need Math-Verify are
-    parsed once, side by side, before round 1, and an answer that exhausts the
-    timeout (parsing, or compared) is frozen, never compared again; after
-    `deadline` the comparisons left count as not equal, unsent. `tally`
-    counts both. Without timeouts the result is the plain clustering above.
+    parsed once, side by side, before round 1; an answer that exhausts the
+    timeout (parsing, or a comparison blamed on it: `_blame`) is frozen,
+    alone, never compared again; after `deadline` the comparisons left count
+    as not equal, unsent. `tally` counts both. Without timeouts the result is
+    the plain clustering above.
 
     keys: per group, each answer's key from a task verifier (`verifiers.extract_answers`): answers with
     equal keys are one answer (the key wins over `equal`), which is asked only across keys.
@@ -291,20 +374,19 @@ def majority_votes(
     ballots = [_ballot(answers, None if keys is None else keys[g]) for g, answers in enumerate(groups)]
     if not task:  # a task verifier has nothing to parse ahead
         _freeze_slow_answers(ballots, judge, timeout, deadline, tally)
-    for step in range(max((len(b.order) for b in ballots), default=0)):
-        asks = []  # (ballot, key, clusters compared)
+    while True:
+        asks = []  # (ballot, key, representatives it has not met, in cluster order)
         for b in ballots:
-            if step < len(b.order):
-                key = b.order[step]
-                live = [] if key in b.frozen else [c for c in b.clusters if c[0] not in b.frozen]
-                asks.append((b, key, live))
+            b.advance()
+            asks += [(b, key, reps) for key, reps in b.asks()]
+        if not asks:
+            return [_outcome(b) for b in ballots]
         verdicts = iter(_judge_round(asks, judge, timeout, deadline))
-        for b, key, live in asks:
-            mine = [next(verdicts) for _ in live]
+        for b, key, reps in asks:
+            mine = [next(verdicts) for _ in reps]
             if tally is not None:
                 tally.add(mine)
-            _place(b, key, live, mine)
-    return [_outcome(b) for b in ballots]
+            b.settle(key, reps, mine)
 
 
 def majority_vote(

@@ -36,6 +36,8 @@ _NO_FILTER = ("%", "circ", "degree", "text", "mathrm", "mbox")
 # An exact rational power whose result has more bits than this runs far past any timeout and takes over 100 MB
 # (the measured growth: docs/upstream-notes.md).
 EXACT_POWER_BITS = 10**9
+# n! past this (over 2*10^8 bits) takes sympy minutes: 10^6! 4.6 s, 3*10^6! 29 s (docs/upstream-notes.md).
+EXACT_FACTORIAL_MAX = 10**7
 
 
 def _probe(name: str) -> float:
@@ -74,6 +76,24 @@ def _guard_exact_powers(numbers) -> None:
     numbers.Rational._eval_power = guard(numbers.Rational._eval_power, lambda r: max(abs(r.p), r.q).bit_length())
 
 
+def _guard_factorials(factorial) -> None:
+    """Have sympy's exact factorial of an integer (`factorial`: sympy's class, which Gamma of an integer also
+    evaluates through) raise `_Overtime` at once past EXACT_FACTORIAL_MAX. Math-Verify
+    comparing (10^{100})! with an answer without a probe value works it out, and the soft alarm would ring
+    only after the whole timeout: the verdict is the alarm's, given without the wait."""
+    original = factorial.eval  # bound to the class
+    if getattr(original, "guarded", False):
+        return
+
+    def eval(cls, n):
+        if getattr(n, "is_Integer", False) and n.p > EXACT_FACTORIAL_MAX:
+            raise _Overtime()
+        return original(n)
+
+    eval.guarded = True
+    factorial.eval = classmethod(eval)
+
+
 class _Checker:
     """Math-Verify with a parse cache and the numeric pre-filter (lives in an executor). A task verifier's
     executors run `verifiers.TaskChecker` instead, which has the same methods."""
@@ -89,6 +109,7 @@ class _Checker:
 
         self._mpmath, self._sympy, self._parse, self._verify = mpmath, sympy, parse, verify
         _guard_exact_powers(sympy.core.numbers)
+        _guard_factorials(sympy.functions.combinatorial.factorials.factorial)
         self._set = FiniteSet  # the set class Math-Verify builds and flattens
         self.reseed = lambda: seed(0)
         self.parsed: dict[str, list] = {}
