@@ -6,10 +6,11 @@
                                                 # (block async-precision of docs/async-rollouts.md)
 
 The toy task (16 labeled + 48 unlabeled questions, 16 a step, G = 8) with forced lengths
-(rollout.min_tokens = rollout.max_tokens, so every round costs the same), the hf backend, `--steps` steps:
+(rollout.min_tokens = rollout.max_tokens, so every round costs the same), `--steps` steps, with the hf
+backend, then with vLLM (`--backends`):
 
     colocated, 2 threads      one process, OMP_NUM_THREADS=2: both cores for every phase, one after another
-    colocated, 1 thread       one process pinned to core 0: what one core does alone
+    colocated, 1 thread       one process pinned to core 0: what one core does alone (hf only)
     separate s=0 / s=1        one training process pinned to core 0, one rollout process pinned to core 1
                               (one thread each); s = rollout.max_staleness
 
@@ -61,7 +62,6 @@ def overrides(toy_dir: str, out: str, name: str, steps: int, tokens: int, extra:
         "train.update_batch_size": 16,
         "selection.warmup_epochs": 1,
         "rollout.rambling.loop_truncated": "null",  # every answer at the limit is the forcing, not a loop
-        "rollout.backend": "hf",
         "rollout.max_tokens": tokens,
         "rollout.min_tokens": tokens,
         **extra,
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--precision", type=int, nargs="*", metavar="SEED", help="the selection study instead")
     parser.add_argument("--epochs", type=int, default=10, help="--precision: epochs per run")
+    parser.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     args = parser.parse_args()
     if args.precision is not None:
         return precision(args.precision or [0, 1], args.epochs, args.write_docs)
@@ -184,32 +185,45 @@ def main() -> None:
         # the toy the runs load (configs/toy.yaml under their toy.* overrides), so that they find it built
         build_assets(load_config(str(ROOT / "configs" / "toy.yaml"), toy_overrides(toy_dir)).toy, log=lambda m: None)
         sep = {"rollout.placement": "separate", "rollout.ranks": 1}
-        runs = {
-            "colocated, 2 threads": ({}, 2, [None]),
-            "colocated, 1 thread (core 0)": ({}, 1, ["0"]),
-            "separate s=0 (cores 0 + 1)": ({**sep, "rollout.max_staleness": 0}, 1, ["0", "1"]),
-            "separate s=1 (cores 0 + 1)": ({**sep, "rollout.max_staleness": 1}, 1, ["0", "1"]),
-        }
+        runs = {}
+        for backend in args.backends:
+            engine = {"rollout.backend": backend}
+            runs[f"{backend} colocated, 2 threads"] = (engine, 2, [None])
+            if backend == "hf":  # the projection's phase shares
+                runs["hf colocated, 1 thread (core 0)"] = (engine, 1, ["0"])
+            runs[f"{backend} separate s=0 (cores 0 + 1)"] = (
+                {**engine, **sep, "rollout.max_staleness": 0},
+                1,
+                ["0", "1"],
+            )
+            runs[f"{backend} separate s=1 (cores 0 + 1)"] = (
+                {**engine, **sep, "rollout.max_staleness": 1},
+                1,
+                ["0", "1"],
+            )
         results = {}
         for i, (name, (extra, threads, cores)) in enumerate(runs.items()):
             launch(overrides(toy_dir, tmp, f"run{i}", args.steps, args.tokens, extra), threads=threads, cores=cores)
             results[name] = summary(Path(tmp) / f"run{i}")
-    head = f"{'':<30} {'s/step':>7} {'generate':>9} {'wait':>6} {'grade':>6} {'update':>7} {'push':>6} {'reward':>7}"
+    head = f"{'':<34} {'s/step':>7} {'generate':>9} {'wait':>6} {'grade':>6} {'update':>7} {'push':>6} {'reward':>7}"
     lines = [
-        f"toy, hf backend, 16 questions x G=8 a step, {args.tokens} forced tokens, {args.steps} steps, "
+        f"toy, 16 questions x G=8 a step, {args.tokens} forced tokens, {args.steps} steps, "
         f"{os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f} at the end: other work shares them); "
         f"medians of steps 2..{args.steps}, seconds",
         head,
     ]
     for name, r in results.items():
         lines.append(
-            f"{name:<30} {r['step']:7.3f} {r['generate']:9.3f} {r['wait']:6.3f} {r['grade']:6.3f} "
+            f"{name:<34} {r['step']:7.3f} {r['generate']:9.3f} {r['wait']:6.3f} {r['grade']:6.3f} "
             f"{r['update']:7.3f} {r['push']:6.3f} {r['reward']:7.3f}"
         )
-    base = results["colocated, 2 threads"]["step"]
-    speedups = ", ".join(f"{name.split(' (')[0]} {base / r['step']:.2f}x" for name, r in results.items())
-    lines.append(f"  speed-up over colocated 2 threads: {speedups}")
-    lines += projection(results["colocated, 1 thread (core 0)"])
+    for backend in args.backends:
+        base = results[f"{backend} colocated, 2 threads"]["step"]
+        mine = {name: r for name, r in results.items() if name.startswith(backend)}
+        speedups = ", ".join(f"{name.split(' (')[0]} {base / r['step']:.2f}x" for name, r in mine.items())
+        lines.append(f"  {backend}: speed-up over colocated 2 threads: {speedups}")
+    if "hf" in args.backends:
+        lines += projection(results["hf colocated, 1 thread (core 0)"])
     text = "\n".join(lines)
     print(text)
     if args.write_docs:

@@ -31,6 +31,7 @@ TOY = [
 # it blocks vLLM's import, where the pre-imported parent has made it: a fresh interpreter only
 FRESH = {os.path.join(ROOT, "tests", "scripts", "without_vllm.py")}
 VLLM = {"rollout.backend": "vllm"}  # for the tests of what vLLM does (the push, sleep, its engines, its resume)
+VLLM_RUN = dict(mode="trapo", max_steps=8, save_steps=4, **VLLM)  # conftest's vllm_run: colocated vLLM, 8 steps
 
 
 def overrides(toy_dir, out, **kv):
@@ -233,6 +234,36 @@ def stopped_at(run_dir, dest, step):
         if int(ckpt.name.split("-")[1]) > step:
             shutil.rmtree(ckpt)
     return Path(dest)
+
+
+NOT_COMPARED = {"timing", "tokens_per_s", "rollout_generate_s"}  # wall-clock figures: what two runs never share
+
+
+def rows(run_dir, leave_out=NOT_COMPARED):
+    """The run's metrics.jsonl rows without the keys `leave_out`: what two runs that must agree are compared by."""
+    return [{k: v for k, v in row.items() if k not in leave_out} for row in metrics(run_dir)]
+
+
+def final_weights(run_dir):
+    """(the last checkpoint's name, its Hugging Face weights)."""
+    from safetensors.torch import load_file
+
+    last = sorted(Path(run_dir, "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[-1]))[-1]
+    weights = {}
+    for f in (last / "hf").glob("*.safetensors"):
+        weights.update(load_file(f))
+    return last.name, weights
+
+
+def same_weights(a, b):
+    """Whether runs `a` and `b` ended at the same step with bit-equal weights."""
+    (step_a, wa), (step_b, wb) = final_weights(a), final_weights(b)
+    return step_a == step_b and wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+
+
+def selections(run_dir):
+    with open(os.path.join(run_dir, "selection.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def metrics(run_dir):

@@ -57,5 +57,31 @@ def test_doctor_prints_the_rollout_gpu_and_the_training_gpu():
     *_, plan = plans(8, 80, "rollout.ranks=4", "rollout.hf_max_batch=64")
     text = format_plan(plan, "trapo_1k_3k")
     assert "rollout.placement separate: the last 4 GPUs hold only the engine" in text
-    assert "rollout GPU: the hf engine and its KV cache only" in text and "training GPU, update" in text
+    assert "rollout GPU: the engine and its KV cache only" in text and "training GPU, update" in text
     assert "verdict: fits on 8 x 80 GiB" in text
+
+
+def test_a_vllm_rollout_gpu_holds_its_share_of_the_card_and_the_training_gpus_no_engine():
+    cfg, arch, ds, plan = plans(8, 80, "rollout.ranks=4", "rollout.backend=vllm", "rollout.gpu_memory_utilization=0.9")
+    items = {i.name: i for i in plan.phases["rollout"]}
+    share = items["vLLM: rollout.gpu_memory_utilization 0.9 x card"]
+    assert share.bytes == -(-9 * 80 * GiB // 10) and share.counted
+    assert (
+        sum(i.bytes for i in plan.phases["rollout"] if i.counted)
+        == share.bytes + items[next(n for n in items if n.startswith("reserve"))].bytes
+    )  # the engine's share and the reserve: nothing of the trainer's
+    # weights 2 B x 7,615,616,512 in the share; its KV cache: what the share leaves, 57,344 B a token
+    assert items["  of which weights"].bytes == 2 * 7_615_616_512 and not items["  of which weights"].counted
+    kv = items["  of which KV cache"].bytes
+    assert (
+        kv
+        == share.bytes
+        - sum(items[f"  of which {w}"].bytes for w in ("weights", "profile activations"))
+        - items["  of which non-torch, CUDA graphs (assumed)"].bytes
+    )
+    # 1,024 + 8,192 tokens a sequence; the rollout GPU's share of the round: 64 / 4 questions x 8
+    assert plan.kv["sequences_held"] == kv // (57_344 * 9216) and plan.kv["sequences_needed"] == 128 and plan.fits
+    hf = plans(8, 80, "rollout.ranks=4")[3]  # the training GPUs: the same plan as with hf (no engine, no vLLM asleep)
+    assert plan.phases["update"] == hf.phases["update"] and plan.phases["start-up"] == hf.phases["start-up"]
+    *_, starved = plans(8, 80, "rollout.ranks=4", "rollout.backend=vllm", "rollout.gpu_memory_utilization=0.2")
+    assert not starved.fits and "raise rollout.gpu_memory_utilization" in starved.problems[-1]

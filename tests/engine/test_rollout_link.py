@@ -31,8 +31,8 @@ def test_weights_arrive_whole_with_their_version_and_sends_do_not_wait_for_the_r
     trainer.send({"kind": "generate", "prompts": [[1, 2]]}, 1)
     assert sent == 3 * 4 * 4 + 5 * 2
     header = rollout.recv(0, "weights")
-    version, got = rollout.receive_weights(header)
-    assert version == 7 and list(got) == ["a.weight", "b.bias"]
+    got = dict(rollout.receive_weights(header))
+    assert header["version"] == 7 and list(got) == ["a.weight", "b.bias"]
     assert all(torch.equal(got[name], t) and got[name].dtype == t.dtype for name, t in weights)
     assert rollout.recv(0, "a request") == {"kind": "generate", "prompts": [[1, 2]]}  # in the order sent
     rollout.send({"answer": 1}, 0)
@@ -40,12 +40,33 @@ def test_weights_arrive_whole_with_their_version_and_sends_do_not_wait_for_the_r
     trainer.flush()
 
 
-def test_damaged_weights_are_refused_naming_the_version():
+def test_weights_travel_in_buckets_each_checked_before_its_tensors_are_handed_on():
+    trainer, rollout = pair()
+    weights = [(f"w{i}", torch.full((i + 1,), float(i))) for i in range(6)]  # 4, 8, ..., 24 bytes
+    trainer.send_weights(iter(weights), 2, [1], bucket_bytes=20)  # buckets: w0 w1 | w2 | w3 | w4 | w5
+    trainer.send({"kind": "stop"}, 1)
+    header = rollout.recv(0, "weights")
+    assert [n for n, _, _ in header["meta"]] == ["w0", "w1"] and header["count"] is None  # more to come
+    stream = rollout.receive_weights(header)
+    first = next(stream)  # the first bucket is handed on before the rest has been read
+    assert first[0] == "w0" and torch.equal(first[1], weights[0][1])
+    rest = list(stream)
+    assert [n for n, _ in [first, *rest]] == [n for n, _ in weights]
+    assert all(torch.equal(t, dict(weights)[n]) for n, t in rest)
+    assert rollout.recv(0, "a request") == {"kind": "stop"}  # the next message follows the last bucket
+    trainer.flush()
+
+
+def test_damaged_or_incomplete_weights_are_refused_naming_the_version():
     trainer, rollout = pair()
     header = {"kind": "weights", "version": 3, "count": 1, "meta": [("w", (2,), torch.float32)]}
     trainer.send_tensor(torch.tensor([1.0, 2.0]), 1)
     with pytest.raises(LinkError, match="version 3 arrived damaged"):
-        rollout.receive_weights({**header, "checksum": checksum([torch.tensor([1.0, 2.5])])})
+        list(rollout.receive_weights({**header, "checksum": checksum([torch.tensor([1.0, 2.5])])}))
+    trainer.send_tensor(torch.tensor([1.0, 2.0]), 1)
+    good = checksum([torch.tensor([1.0, 2.0])])
+    with pytest.raises(LinkError, match="version 3 arrived incomplete .* 1 tensors of 2"):
+        list(rollout.receive_weights({**header, "count": 2, "checksum": good}))
     trainer.flush()
 
 

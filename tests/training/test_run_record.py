@@ -171,18 +171,20 @@ def test_backend_auto_is_vllm_where_it_is_installed_else_hf_said_once_and_record
         run_record.resolve_backend(tp, say=lines.append)
 
 
-def test_backend_auto_with_separate_placement_is_hf_and_says_why(tmp_path):
-    """Separate rollout ranks run hf only: auto chooses it there whether or not vLLM is installed."""
+@pytest.mark.parametrize("vllm_here", [True, False], ids=["vllm-here", "no-vllm-here"])
+def test_backend_auto_with_separate_placement_chooses_as_colocated_and_says_why(tmp_path, monkeypatch, vllm_here):
+    """Separate rollout ranks run either engine: auto chooses vLLM where it is installed, else hf."""
+    if not vllm_here:
+        monkeypatch.setitem(sys.modules, "vllm", None)
     lines = []
     separate = toy_config(tmp_path, "rollout.placement=separate", "rollout.ranks=1")
     assert separate.rollout.backend == "auto"  # the default passes validation with separate
     chosen = run_record.resolve_backend(separate, say=lines.append)
-    assert chosen.rollout.backend == "hf" and lines == [
-        "rollout.backend auto: hf (rollout.placement=separate runs hf on its rollout ranks (vLLM there is not "
-        "built yet))"
-    ]
-    with pytest.raises(ConfigError, match="got 'vllm': set rollout.backend=hf"):
-        toy_config(tmp_path, "rollout.placement=separate", "rollout.backend=vllm")
+    why = "vLLM is installed" if vllm_here else "vLLM is not installed"
+    assert chosen.rollout.backend == ("vllm" if vllm_here else "hf") and len(lines) == 1 and why in lines[0]
+    assert toy_config(tmp_path, "rollout.placement=separate", "rollout.backend=vllm").rollout.backend == "vllm"
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size.*one engine per rollout rank"):
+        toy_config(tmp_path, "rollout.placement=separate", "rollout.backend=vllm", "rollout.tensor_parallel_size=2")
 
 
 @pytest.mark.parametrize("vllm_here", [True, False], ids=["vllm-here", "no-vllm-here"])

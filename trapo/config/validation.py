@@ -255,10 +255,10 @@ def _placement(cfg: Config, need) -> None:
         )
         return
     need(
-        r.backend in ("hf", "auto"),
-        "rollout.backend",
-        f"rollout.placement=separate runs the hf backend on its rollout ranks (vLLM there is not built yet); "
-        f"got {r.backend!r}: set rollout.backend=hf (or auto, which chooses hf there)",
+        r.tensor_parallel_size == 1,
+        "rollout.tensor_parallel_size",
+        f"rollout.placement=separate runs one engine per rollout rank (an engine across rollout ranks is not "
+        f"built); got {r.tensor_parallel_size}: set rollout.tensor_parallel_size=1",
     )
     if r.max_staleness > 0:
         need(

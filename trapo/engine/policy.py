@@ -197,8 +197,8 @@ class Policy:
             console.warn_once("rollout_is_top_p", bias)
         # The hf backend generates with the bf16 partitions themselves: they stay (validation refuses true).
         offload = train.offload_during_rollout
-        if offload is None:
-            offload = on_gpu and rollout.backend == "vllm"
+        if offload is None:  # a colocated vLLM engine needs the room; separate rollout ranks generate elsewhere
+            offload = on_gpu and rollout.backend == "vllm" and rollout.placement != "separate"
         # With LoRA nothing moves: the adapters' states are small, and DeepSpeed's lp_params offload maps a
         # frozen base onto the trainable partitions' buffer, which breaks it (docs/upstream-notes.md).
         self.offload_states = _offloadable_states(offload and not self.lora)

@@ -102,15 +102,12 @@ def installed(package: str) -> bool:
         return False
 
 
-def choose_backend(requested: str, recorded: str | None = None, placement: str = "colocated") -> tuple[str, str]:
-    """(backend, why) for `requested`: itself unless it is "auto"; for auto hf with rollout.placement separate
-    (its rollout ranks run hf only), else the run's `recorded` backend (a resume keeps the engine it started
-    with), else vllm when it is installed, else hf. `why` is the start-up line's reason (empty for a backend
-    named outright)."""
+def choose_backend(requested: str, recorded: str | None = None) -> tuple[str, str]:
+    """(backend, why) for `requested`: itself unless it is "auto"; for auto the run's `recorded` backend (a
+    resume keeps the engine it started with), else vllm when it is installed, else hf, with either rollout
+    placement. `why` is the start-up line's reason (empty for a backend named outright)."""
     if requested != "auto":
         return requested, ""
-    if placement == "separate":
-        return "hf", "rollout.placement=separate runs hf on its rollout ranks (vLLM there is not built yet)"
     if recorded in BACKENDS and recorded != "auto":
         return recorded, "as this run started (its config.yaml); resume_changes=[rollout.backend] chooses again"
     if installed("vllm"):

@@ -13,9 +13,12 @@ returns; the data leaves when the receiver posts its receive), so a round reques
 blocks the trainer while the rollout rank generates. Every receive waits at most `timeout_s`; a rollout rank
 that died or hangs ends the run with one line naming it (`LinkError`).
 
-Weights travel as a header (version, tensor count, names, shapes, dtypes, a checksum) and then the tensors;
-the receiver recomputes the checksum and the count before it accepts them (`receive_weights`).
-GPU note: tensors go through host memory over gloo (no NCCL path yet).
+Weights travel in buckets of about BUCKET_BYTES: each a header (version, names, shapes, dtypes, a checksum;
+the last one also the version's tensor count) and then its tensors. The receiver checks each bucket's
+checksum before it hands the bucket's tensors on, and the count at the last (`receive_weights`), so a rollout
+rank loads a version bucket by bucket, never holding a second copy of the model. A bucket is posted as it
+is gathered; its host copy lives until the rollout rank takes it (while that rank still generates the round
+before, that is the whole version). GPU note: tensors go through host memory over gloo (no NCCL path yet).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import datetime
 import hashlib
 import os
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -32,6 +35,7 @@ from trapo.config import ConfigError
 from trapo.engine.policy import TrainingError
 
 TAG = 41  # the link's only tag: messages between a pair arrive in the order they were sent
+BUCKET_BYTES = 256 * 2**20  # weights are sent in buckets of about this size (one tensor larger: alone)
 PORT_OFFSET = 1  # the link's TCPStore listens on MASTER_PORT + 1 on the master's host
 
 
@@ -142,31 +146,63 @@ class RolloutLink:
 
     # ------------------------------------------------------------------ weights
 
-    def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, peers: list[int]) -> int:
-        """Every (name, tensor) to every peer, labelled with `version`; the bytes sent to one peer."""
-        named = [(name, t.detach().to("cpu").contiguous()) for name, t in named_tensors]
+    def send_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, peers: list[int], bucket_bytes=None
+    ) -> int:
+        """Every (name, tensor) to every peer, labelled with `version`, in buckets of about `bucket_bytes`
+        (BUCKET_BYTES), each posted as soon as it is full; the bytes sent to one peer."""
+        limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        bucket, size, total, count = [], 0, 0, 0
+        for name, tensor in named_tensors:
+            tensor = tensor.detach().to("cpu").contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > limit:
+                self._send_bucket(bucket, version, peers, last=None)
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size, total, count = size + nbytes, total + nbytes, count + 1
+        self._send_bucket(bucket, version, peers, last=count)
+        return total
+
+    def _send_bucket(self, bucket: list, version: int, peers: list[int], last: int | None) -> None:
+        """One bucket's header and tensors to every peer; `last`: the version's tensor count, on its last bucket."""
         header = {
             "kind": "weights",
             "version": version,
-            "count": len(named),
-            "meta": [(name, tuple(t.shape), t.dtype) for name, t in named],
-            "checksum": checksum(t for _, t in named),
+            "count": last,
+            "meta": [(name, tuple(t.shape), t.dtype) for name, t in bucket],
+            "checksum": checksum(t for _, t in bucket),
         }
         for peer in peers:
             self.send(header, peer)
-            for _, tensor in named:
+            for _, tensor in bucket:
                 self.send_tensor(tensor, peer)
-        return sum(t.numel() * t.element_size() for _, t in named)
 
-    def receive_weights(self, header: dict, peer: int = 0) -> tuple[int, dict[str, torch.Tensor]]:
-        """The tensors announced by `header` (already received), checked: (version, {name: tensor})."""
-        weights = {}
-        for name, shape, dtype in header["meta"]:
-            weights[name] = self.recv_tensor(torch.empty(shape, dtype=dtype), peer, f"weights {header['version']}")
-        if len(weights) != header["count"] or checksum(weights.values()) != header["checksum"]:
-            raise LinkError(
-                f"weights of version {header['version']} arrived damaged on link rank {self.rank}: "
-                f"{len(weights)} tensors of {header['count']}, checksum {checksum(weights.values())!r} "
-                f"instead of {header['checksum']!r}"
-            )
-        return header["version"], weights
+    def receive_weights(self, header: dict, peer: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (name, tensor) pairs of the version whose first bucket `header` announces (already received),
+        bucket by bucket: a bucket's tensors come only once its checksum matched, and the version's tensor
+        count is checked at its last bucket. Read it to the end: the next message follows it on the link."""
+        version, received = header["version"], 0
+        while True:
+            what = f"weights {version}"
+            bucket = [
+                (n, self.recv_tensor(torch.empty(shape, dtype=dtype), peer, what)) for n, shape, dtype in header["meta"]
+            ]
+            got = checksum(t for _, t in bucket)
+            if got != header["checksum"]:
+                raise LinkError(
+                    f"weights of version {version} arrived damaged on link rank {self.rank}: a bucket of "
+                    f"{len(bucket)} tensors has checksum {got!r} instead of {header['checksum']!r}"
+                )
+            yield from bucket
+            received += len(bucket)
+            if header["count"] is not None:
+                if received != header["count"]:
+                    raise LinkError(
+                        f"weights of version {version} arrived incomplete on link rank {self.rank}: {received} "
+                        f"tensors of {header['count']}"
+                    )
+                return
+            header = self.recv(peer, what)
+            if header.get("kind") != "weights" or header.get("version") != version:
+                raise LinkError(f"link rank {self.rank}: weights {version} were cut off by a {header.get('kind')!r}")

@@ -7,7 +7,7 @@
 - sampling.py          which groups a step trains on (DAPO dynamic sampling), the epoch's data cursor
 - rollout_source.py    where a step's rollouts come from: this rank's engine, or (separate) the rollout ranks'
 - prefetch.py          separate placement: which rounds are asked for ahead, and the staleness they train at
-- rollout_worker.py    a rollout rank's serving loop: open the engine, stage weights, answer requests in order
+- rollout_worker.py    a rollout rank's loop: open its engine (hf or vLLM), load weights as they come, answer in order
 - update.py            shaped rewards -> advantages -> update batches -> optimizer steps
 - settings.py          the config cut into what the engine and the math run: the loss's rules, the engine's sizing
 - evaluation.py        generate, grade, score benchmarks: the trainer's Evaluator; `python -m trapo eval` above

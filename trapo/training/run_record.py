@@ -244,16 +244,16 @@ def recorded(run_dir: Path, key: str):
 
 def resolve_backend(cfg: Config, say=console.say) -> Config:
     """`cfg` with rollout.backend "auto" made the engine that runs, said in one line (`say`): a resume
-    rollout.placement separate always hf (its rollout ranks run nothing else); a resume (resume_from set)
-    keeps the backend its config.yaml records unless resume_changes names rollout.backend; otherwise vLLM
-    when it is installed, else hf. The result is what config.yaml records, so the next resume compares like
-    with like. The backend's cross-key checks run again on the choice. A named backend: `cfg`."""
+    (resume_from set) keeps the backend its config.yaml records unless resume_changes names rollout.backend;
+    otherwise vLLM when it is installed, else hf, on either rollout placement. The result is what config.yaml
+    records, so the next resume compares like with like. The backend's cross-key checks run again on the
+    choice. A named backend: `cfg`."""
     if cfg.rollout.backend != "auto":
         return cfg
     before = None
     if cfg.resume_from and "rollout.backend" not in cfg.resume_changes:
         before = recorded(cfg.run_dir, "rollout.backend")
-    backend, why = choose_backend("auto", before, cfg.rollout.placement)
+    backend, why = choose_backend("auto", before)
     say(f"rollout.backend auto: {backend} ({why})")
     chosen = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend=backend))
     validate(chosen, f"rollout.backend auto ({backend})")

@@ -55,6 +55,9 @@ def engine_settings(cfg: Config, *, rank: int, world: int, overrides: dict) -> E
     tensor-parallel group share one), and sampled tokens' log-probs kept (logprob_diff_rollout_vs_policy).
     overrides: the model attributes the run sets over the checkpoint's (`Policy.overrides`)."""
     r = cfg.rollout
+    separate = r.placement == "separate"
+    # how many engines share a round: the rollout ranks (separate), else the training ranks' groups
+    engines = r.ranks if separate else world // r.tensor_parallel_size
     return EngineSettings(
         backend=r.backend,
         dtype=cfg.model.dtype,
@@ -66,11 +69,12 @@ def engine_settings(cfg: Config, *, rank: int, world: int, overrides: dict) -> E
             tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
             cpu_kv_cache_gb=r.cpu_kv_cache_gb,
-            enable_sleep_mode=r.enable_sleep_mode,
+            # a rollout rank's engine has its GPU to itself: nothing to make room for between rounds
+            enable_sleep_mode=r.enable_sleep_mode and not separate,
             enable_prefix_caching=r.enable_prefix_caching,
             sampled_logprobs=True,
             # The most sequences an engine runs at once in training: its questions (a tensor-parallel
-            # group pools its ranks') x G. Validation queues beyond it.
-            max_num_seqs=cfg.train.rollout_batch_size // world * r.tensor_parallel_size * r.n,
+            # group pools its ranks'; a rollout rank takes at most a ceiling share) x G. Validation queues beyond it.
+            max_num_seqs=-(-cfg.train.rollout_batch_size // engines) * r.n,
         ),
     )
