@@ -1,6 +1,7 @@
 """rollout.placement separate with vLLM on the rollout rank (the toy: one training rank and one rollout rank,
 as the deepspeed launcher's 2 processes): staleness 0 against the colocated vLLM trainer (conftest's
-vllm_run); staleness 1, its kill -9 and resume. The hf rollout rank's own tests: test_separate_runs.py."""
+vllm_run); staleness 1, its kill -9 and resume, a SIGTERM to the group and its resume; a rollout rank that
+dies. The hf rollout rank's own tests: test_separate_runs.py."""
 
 import os
 import signal
@@ -73,3 +74,48 @@ def test_vllm_is_named_for_the_rollout_rank_and_a_tensor_parallel_engine_refused
     out = train(args, nproc=2, check=False)
     assert out.returncode == 2
     assert "rollout.tensor_parallel_size" in out.stderr and "set rollout.tensor_parallel_size=1" in out.stderr
+
+
+def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_dir, tmp_path, stale_vllm_run):
+    import torch
+
+    args = overrides(toy_dir, tmp_path, run_name="term", **STALE)
+    ranks = Ranks(args, nproc=2)
+    log = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (
+        time.time() < deadline
+        and ranks.procs[0].poll() is None
+        and (not log.is_file() or len(log.read_text().splitlines()) < 3)
+    ):
+        time.sleep(0.05)
+    os.killpg(ranks.pgid, signal.SIGTERM)  # the training rank and the rollout rank with its engine
+    err = ranks.wait(timeout=300).stderr
+    stopped_at = len(log.read_text().splitlines())
+    assert stopped_at < 8 and f"stopped by a signal after step {stopped_at}" in err, err[-3000:]
+    state = torch.load(tmp_path / "term" / "checkpoints" / f"step-{stopped_at}" / "trainer_state.pt", weights_only=True)
+    assert [version for _, version, _ in state["rounds_in_flight"]] == [stopped_at - 1]  # the next round, one behind
+    train([*args, "resume_from=latest"], nproc=2)
+    assert rows(tmp_path / "term") == rows(stale_vllm_run)
+    assert same_weights(tmp_path / "term", stale_vllm_run)
+
+
+def test_a_dead_vllm_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_path):
+    args = overrides(toy_dir, tmp_path, run_name="dead", **STALE, dist_timeout_minutes=1)
+    ranks = Ranks(args, nproc=2)
+    trainer, rollout = ranks.procs
+    log = tmp_path / "dead" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while (
+        time.time() < deadline
+        and trainer.poll() is None
+        and (not log.is_file() or len(log.read_text().splitlines()) < 2)
+    ):
+        time.sleep(0.1)
+    rollout.send_signal(signal.SIGKILL)
+    rollout.wait()
+    trainer.wait(timeout=120)
+    out = ranks.wait()
+    assert trainer.returncode == 3, out.stderr[-2000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "rollout link" in line]
+    assert len(lines) == 1 and "rollout rank 0 (link rank 1) stopped answering" in lines[0], out.stdout + out.stderr
