@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train test test-fast bytecode eval data doctor report readme-figures reproduce-toy studies-toy lint bench bench-peers clean-venv gpu-kit gpu-check
+.PHONY: setup train test test-fast bytecode eval data doctor report readme-figures reproduce-toy studies-toy lint bench bench-peers clean-venv gpu-kit gpu-check gpu-bench
 
 setup: $(STAMP)
 
@@ -170,12 +170,19 @@ BUDGET_S ?=
 REPORT_DIR ?=
 GPU_CHECK_ARGS = $(if $(PART),--part $(PART)) $(if $(ONLY),--only $(ONLY)) $(if $(BUDGET_S),--budget-s $(BUDGET_S)) \
 	$(if $(REPORT_DIR),--report-dir $(REPORT_DIR))
+GPU_BENCH_ARGS = $(if $(BUDGET_S),--budget-s $(BUDGET_S)) $(if $(REPORT_DIR),--report-dir $(REPORT_DIR))
+# `make gpu-bench [BUDGET_S=480] [REPORT_DIR=dir]`, after gpu-check on the node (its kit): where a step's GPU time
+# goes at the 1.5B shape, profiled, into <date>-<gpu>-bench.md (trapo/commands/gpu_check/bench.py)
 ifeq ($(GPU_CHECK_DRY_RUN),1)
 gpu-check: $(STAMP)
 	$(PY) -m trapo gpu-check --dry-run $(GPU_CHECK_ARGS)
+gpu-bench: $(STAMP)
+	$(PY) -m trapo gpu-bench --dry-run $(GPU_BENCH_ARGS)
 else
 gpu-check:
 	python3 -m trapo gpu-check $(GPU_CHECK_ARGS)
+gpu-bench:
+	python3 -m trapo gpu-bench $(GPU_BENCH_ARGS)
 endif
 
 clean-venv:

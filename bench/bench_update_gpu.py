@@ -83,6 +83,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed updates per path, after one warm-up")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, to check the script runs")
+    p.add_argument("--no-checkpointing", action="store_true", help="model.gradient_checkpointing=false")
+    p.add_argument("--only-ours", action="store_true", help="our path alone: no full-logits path, no packing run")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     if not gpu and not args.cpu_smoke:
@@ -105,7 +107,7 @@ def main() -> None:
         Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).save_pretrained(model_dir)
     overrides = [
         "model.dtype=bfloat16",
-        "model.gradient_checkpointing=true",
+        f"model.gradient_checkpointing={'false' if args.no_checkpointing else 'true'}",
         "loss.entropy_coef=0.01",
         f"train.micro_batch_tokens={args.tokens}",
         f"rollout.max_tokens={args.length}",
@@ -124,7 +126,8 @@ def main() -> None:
     tokens = sum(len(s.ids) for s in seqs)
     ours = policy._token_stats
     rows = []
-    for name, stats in (("ours (chunked head)", ours), ("full logits", full_logits_stats(policy))):
+    paths = [("ours (chunked head)", ours)] + ([] if args.only_ours else [("full logits", full_logits_stats(policy))])
+    for name, stats in paths:
         policy._token_stats = stats
         if gpu:
             torch.cuda.empty_cache()
@@ -134,20 +137,23 @@ def main() -> None:
         mfu = 6 * params * tokens / sec / (args.peak_tflops * 1e12)
         rows.append((name, tokens / sec, mfu, peak, sec))
     device = torch.cuda.get_device_name(0) if gpu else "CPU (smoke run: not a measurement)"
+    checkpointing = "no gradient checkpointing" if args.no_checkpointing else "gradient checkpointing"
     print(
         f"{device}; {params / 1e9:.2f}B parameters; {args.seqs} x {args.length} tokens per update, "
-        f"micro_batch_tokens {args.tokens}, bf16, ZeRO-3, gradient checkpointing"
+        f"micro_batch_tokens {args.tokens}, bf16, ZeRO-3, {checkpointing}"
     )
     print(f"{'path':22s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'s/update':>9s}")
     for name, tps, mfu, peak, sec in rows:
         print(f"{name:22s} {tps:10.0f} {mfu:6.1%} {peak:9.2f} {sec:9.3f}")
-    print(
-        f"peak memory ours/full logits: {rows[0][3] / rows[1][3]:.2f}; time ours/full logits: "
-        f"{rows[0][4] / rows[1][4]:.2f}"
-    )
+    if not args.only_ours:
+        print(
+            f"peak memory ours/full logits: {rows[0][3] / rows[1][3]:.2f}; time ours/full logits: "
+            f"{rows[0][4] / rows[1][4]:.2f}"
+        )
     policy._token_stats = ours
     plan_line(cfg, model_dir, rows[0][3], gpu)
-    packing_vs_padding(policy, cfg, shape, args, gpu)
+    if not args.only_ours:
+        packing_vs_padding(policy, cfg, shape, args, gpu)
 
 
 def plan_line(cfg, model_dir: str, measured_gib: float, gpu: bool) -> None:

@@ -41,7 +41,18 @@ def test_one_entry_point_lists_every_command_and_dispatches():
     out = _python("-m", "trapo", "--help")
     assert out.returncode == 0
     listed = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["train", "eval", "configs", "prepare", "doctor", "report", "reproduce", "gpu-kit", "gpu-check"]
+    assert listed == [
+        "train",
+        "eval",
+        "configs",
+        "prepare",
+        "doctor",
+        "report",
+        "reproduce",
+        "gpu-kit",
+        "gpu-check",
+        "gpu-bench",
+    ]
     assert "readme" not in out.stdout  # a maintainer's tool: it runs (below), unlisted
     # `deepspeed --module trapo doctor ...` runs `python -m trapo --local_rank=N doctor ...`
     out = _python("-m", "trapo", "--local_rank=0", "doctor", "--help")

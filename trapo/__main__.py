@@ -23,6 +23,10 @@ COMMANDS = {
     "reproduce": ("trapo.commands.reproduce", "the paper's claims on the toy task (make reproduce-toy)"),
     "gpu-kit": ("trapo.commands.gpu_kit", "an offline wheel kit for a new GPU node's Python and torch (make gpu-kit)"),
     "gpu-check": ("trapo.commands.gpu_check", "a new GPU node's acceptance check, in a time box (make gpu-check)"),
+    "gpu-bench": (
+        "trapo.commands.gpu_check.bench",
+        "where a GPU step's time goes, profiled, in a time box (make gpu-bench)",
+    ),
 }
 # Maintainers' tools: run like the commands above, kept out of --help's list, which is the user's.
 MAINTAINER = {

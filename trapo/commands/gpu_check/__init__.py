@@ -363,11 +363,14 @@ def default_report_dir(dry_run: bool) -> Path:
     return ROOT / "docs" / "gpu" if (ROOT / ".git").exists() else Path.cwd() / "gpu-reports"
 
 
-def run_checks(check: Check, fns: list, env: dict, dry_run: bool, deadline: float, write) -> None:
-    """Each check in turn, its own failure its finding; one whose estimate no longer fits before `deadline`
-    (earlier ones ran long) is skipped, named in the report. `write()` rewrites the report after each."""
+def run_checks(
+    check: Check, fns: list, env: dict, dry_run: bool, deadline: float, write, estimates: dict | None = None
+) -> None:
+    """Each check in turn, its own failure its finding; one whose estimate (`estimates`, plan.ESTIMATES) no
+    longer fits before `deadline` (earlier ones ran long) is skipped, named in the report. `write()` rewrites
+    the report after each."""
     for fn in fns:
-        estimate = plan.ESTIMATES.get(fn.__name__, 30.0)
+        estimate = (plan.ESTIMATES if estimates is None else estimates).get(fn.__name__, 30.0)
         left = deadline - time.time()
         if left < 30 or (not dry_run and estimate > left):
             check.add(fn.__name__, False, f"not run: {left:.0f} s of the time box left, estimated {estimate:.0f} s")

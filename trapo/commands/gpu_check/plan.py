@@ -92,12 +92,37 @@ ESTIMATES = {
 }
 
 
-def within_budget(order: list[str], budget: float = BUDGET_S) -> tuple[list[str], float]:
-    """The longest prefix of `order` (skipping none) whose estimates fit `budget`: (names, planned seconds)."""
+def bench_update_only_s(checkpointing: bool = True, seqs: int = 32, length: int = 2048, steps: int = 3) -> float:
+    """bench_update_gpu --only-ours: one warm-up + `steps` updates of our path (no recompute without checkpointing)."""
+    shape = Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, sequences=seqs, prompt=length // 4, answer=length)
+    setup = PROCESS_S + PARAM_S * R1_1P5B.params + 2 * R1_1P5B.params * 2 / DISK_BYTES_S
+    update = update_s(shape) * (1.0 if checkpointing else 6 / 8)  # 6 x params x tokens instead of 8
+    return setup + (steps + 1) * update
+
+
+PROFILE_S = 20.0  # the profiler's recording and summary of one update and one decode stretch
+DECODE_STRETCH = 32  # tokens per row of the profiled decode stretch (shape_step.DECODE_STRETCH)
+
+# `make gpu-bench`'s variants -> estimated GPU seconds, in the order they run: the real loop profiled, then the
+# update with and without gradient checkpointing
+BENCH_ESTIMATES = {
+    "kit": KIT_S,
+    "step_profiled": shape_step_s(R1_1P5B)
+    + PROFILE_S
+    + generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=DECODE_STRETCH)),
+    "update_checkpointing": bench_update_only_s(checkpointing=True),
+    "update_no_checkpointing": bench_update_only_s(checkpointing=False),
+}
+
+
+def within_budget(order: list[str], budget: float = BUDGET_S, estimates: dict | None = None) -> tuple[list[str], float]:
+    """The longest prefix of `order` (skipping none) whose `estimates` (ESTIMATES) fit `budget`: (names, planned
+    seconds)."""
+    estimates = ESTIMATES if estimates is None else estimates
     planned, total = [], 0.0
     for name in order:
-        if total + ESTIMATES[name] > budget:
+        if total + estimates[name] > budget:
             break
         planned.append(name)
-        total += ESTIMATES[name]
+        total += estimates[name]
     return planned, total

@@ -26,18 +26,26 @@ class Check:
 
 
 def write_report(
-    check: Check, env_lines: list[str], title: str, make_args: str, dry_run: bool, seconds: float, folder: Path
+    check: Check,
+    env_lines: list[str],
+    title: str,
+    make_args: str,
+    dry_run: bool,
+    seconds: float,
+    folder: Path,
+    command: str = "gpu-check",
 ) -> Path:
-    """`check`'s rows and logs under the node's environment, as `folder`/<date>-<gpu>[-<title>].md; its path."""
+    """`check`'s rows and logs under the node's environment, as `folder`/<date>-<gpu>[-<title>].md; its path.
+    command: the make target that ran (gpu-check, gpu-bench)."""
     gpu = next((line for line in env_lines if line.startswith("nvidia-smi:")), "")
     name = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", gpu.split(":", 1)[-1].split(",")[0].lower())
     name = name.strip("-") or "unknown-gpu"
     stem = f"{datetime.date.today().isoformat()}-{name}" + (f"-{title}" if title else "")
     note = " (GPU_CHECK_DRY_RUN=1: CPU, toy and tiny shapes; not GPU figures)" if dry_run else ""
     lines = [
-        f"# GPU check {stem}",
+        f"# {'GPU check' if command == 'gpu-check' else 'GPU bench'} {stem}",
         "",
-        f"`make gpu-check{make_args}`{note}, {seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
+        f"`make {command}{make_args}`{note}, {seconds / 60:.1f} min. Written by trapo/commands/gpu_check.",
         "",
         "## Environment",
         "",

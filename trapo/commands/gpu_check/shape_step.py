@@ -1,7 +1,7 @@
 """Training steps at a real model's shape with random weights (no hub), each phase's time and peak memory beside
 the memory plan's: one check of `make gpu-check`, run in a process of its own.
 
-    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora]
+    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora] [--profile]
 
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2, the questions and tokenizer the toy's;
 rollout.backend=hf with 512-token answers (random weights rarely stop early), 64 questions x 8, bf16, ZeRO-3,
@@ -9,13 +9,17 @@ gradient checkpointing (--dry-run: the toy's shape, 16 questions x 8 answers of 
 the second has Adam moments, as the plan's rollout and update phases assume. Every answer is trained (mode
 naive_semi gates none out, and train.skip_zero_advantage=false keeps the zero advantages random weights earn),
 so the update is measured at its largest. --lora: Qwen2.5-Math-7B's shape with the adapters and the DeepSpeed
-config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one GPU. Prints
-one JSON line.
+config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one GPU.
+--profile (`make gpu-bench`): the first step's update under torch.profiler (the same kernels as the second's,
+whose figures are reported without the profiler's overhead; its optimizer step also allocates Adam's moments),
+then one decode stretch (the round's rows, DECODE_STRETCH tokens each, forced) under it too: their summaries
+(gpu_check/profile.py) and the stretch's tokens/s. Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import time
@@ -24,6 +28,7 @@ from pathlib import Path
 from trapo.engine.memory_plan import BUILTIN, Arch
 
 ANSWERS = 8  # per question
+DECODE_STRETCH = 32  # tokens per row of the profiled decode stretch: enough steps to average, few events
 
 
 def hf_shape(arch: Arch) -> dict:
@@ -83,6 +88,43 @@ def build_model(work: Path, dry_run: bool, shape: dict = R1_DISTILL_1P5B) -> tup
     return model_dir, toy / "train.jsonl"
 
 
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def profiling(on: bool, profiles: dict):
+    """The step's update phase under torch.profiler (`profiles["update"]`), through the step timer's hook."""
+    from trapo.commands.gpu_check.profile import profiled
+    from trapo.training.metrics import StepTimer
+
+    if on:
+        StepTimer.watch = lambda name: (
+            profiled(name, profiles, device()) if name == "update" else contextlib.nullcontext()
+        )
+    try:
+        yield
+    finally:
+        StepTimer.watch = None
+
+
+def decode_stretch(trainer, questions: int, profiles: dict) -> float:
+    """One decode stretch under torch.profiler (`profiles["decode"]`): the round's rows (questions x ANSWERS),
+    DECODE_STRETCH tokens each (forced), in generation's turn; its response tokens per second."""
+    from trapo.commands.gpu_check.profile import profiled
+
+    source = trainer.rollouts
+    prompts = source.prompts[:questions]
+    tokens = DECODE_STRETCH
+    with source.turn(), profiled("decode", profiles, device()):
+        source.engine.generate(
+            prompts, n=ANSWERS, temperature=1.0, max_tokens=tokens, min_tokens=tokens, seeds=list(range(len(prompts)))
+        )
+    return round(len(prompts) * ANSWERS * tokens / profiles["decode"]["wall_s"], 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from trapo import runtime
 
@@ -91,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", required=True)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--lora", action="store_true", help="Qwen2.5-Math-7B's shape with rank-32 adapters")
+    parser.add_argument("--profile", action="store_true", help="profile the second update and a decode stretch")
     args = parser.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -133,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     cfg = load_config(str(runtime.ROOT / "configs" / "toy.yaml"), overrides)
     trainer = Trainer(cfg)
+    profiles: dict = {}
     try:
-        logs = [trainer.train_step() for _ in range(2)]
+        # --profile: the first step's update (the second, measured, runs without the profiler's overhead)
+        with profiling(args.profile, profiles):
+            logs = [trainer.train_step()]
+        logs.append(trainer.train_step())
+        if args.profile:
+            profiles["decode_tokens_per_s"] = decode_stretch(trainer, questions, profiles)
     finally:
         trainer.close()
     last, params = logs[-1], list(trainer.policy.model.parameters())
@@ -149,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "trained_sequences": last["trained_sequences"],
         "logprob_diff_rollout_vs_policy": last["logprob_diff_rollout_vs_policy"],
         "zero_stage": trainer.policy.engine.zero_optimization_stage(),
+        **({"profile": profiles} if args.profile else {}),
     }
     if torch.cuda.is_available():
         ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())

@@ -1,0 +1,77 @@
+"""`make gpu-bench`'s dry run (the same script on CPU, toy and tiny shapes) and its profiler summary."""
+
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from toyrun import ROOT, run
+
+from trapo.commands.gpu_check.profile import profiled, summarize
+
+
+def event(key, device_us=0.0, cpu_us=0.0, count=1):
+    return SimpleNamespace(key=key, self_device_time_total=device_us, self_cpu_time_total=cpu_us, count=count)
+
+
+def test_summary_names_the_longest_kernels_and_the_time_outside_them():
+    events = [
+        event("gemm_bf16", device_us=6000, cpu_us=50, count=28),
+        event("flash_fwd", device_us=3000, count=28),
+        event("aten::mm", cpu_us=900),  # an operator: its kernel is counted, not its own CPU time
+        event("elementwise", device_us=1000, count=100),
+    ]
+    summary = summarize(events, wall_s=0.02, device="cuda", top=2)
+    # kernels 6 + 3 + 1 ms of 20 ms wall: half of the stretch outside kernels
+    assert summary["kernel_s"] == 0.01 and summary["outside_share"] == 0.5
+    assert summary["top"] == [
+        {"name": "gemm_bf16", "s": 0.006, "share": 0.6, "calls": 28},
+        {"name": "flash_fwd", "s": 0.003, "share": 0.3, "calls": 28},
+    ]
+    on_cpu = summarize(events, wall_s=0.0005, device="cpu")  # CPU: operators are the kernels; share clipped at 0
+    assert [r["name"] for r in on_cpu["top"]] == ["aten::mm"] and on_cpu["outside_share"] == 0.0
+
+
+def test_a_real_profile_of_a_matmul_stretch_is_summarized():
+    import torch
+
+    into = {}
+    a = torch.randn(256, 256)
+    with profiled("mm", into, "cpu"):
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+    summary = into["mm"]
+    assert summary["top"][0]["name"] in ("aten::mm", "aten::matmul") and summary["top"][0]["calls"] == 20
+    assert 0 < summary["kernel_s"] and 0 <= summary["outside_share"] <= 1
+    assert sum(r["share"] for r in summary["top"]) == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.toy_run
+def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
+    out = run([sys.executable, "-m", "trapo", "gpu-bench", "--dry-run", "--report-dir", str(tmp_path)], timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    assert all(line.startswith("[PASS]") for line in rows), rows
+    names = [line.split("]", 1)[1].split(":", 1)[0].strip() for line in rows]
+    assert names == [
+        "kit",
+        "shape step (tiny shape, dry run)",
+        "profile",
+        "profile",
+        "update, gradient checkpointing (tiny shape, dry run)",
+        "update, no gradient checkpointing (tiny shape, dry run)",
+    ]
+    assert "profile: a decode stretch" in out.stdout and "tokens/s" in rows[3]
+    *_, summary, planned = out.stdout.strip().splitlines()
+    match = re.fullmatch(
+        r"one call: kit, step_profiled, update_checkpointing, update_no_checkpointing planned in (\d+) s "
+        r"\(limit 480\)",
+        planned,
+    )
+    assert match and int(match[1]) <= 480, planned
+    report = Path(ROOT) / summary.split("report ")[-1]
+    assert report.name.endswith("-cpu-dry-run-bench.md") and report.parent.resolve() == tmp_path.resolve()
+    text = report.read_text()
+    assert text.startswith("# GPU bench") and "`make gpu-bench` (GPU_CHECK_DRY_RUN=1" in text
+    assert "### profile: a decode stretch" in text and "outside kernels" in text

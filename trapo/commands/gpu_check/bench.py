@@ -1,0 +1,143 @@
+"""`make gpu-bench`: where a GPU's time goes in a training step, in one time-boxed run, with a report.
+
+    make gpu-bench                       # on the node, after make gpu-check (the same kit, installed offline)
+    make gpu-bench BUDGET_S=900          # a longer time box
+    GPU_CHECK_DRY_RUN=1 make gpu-bench   # the same script on CPU, toy and tiny shapes (the test suite runs it)
+
+At the 1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B's widths, random weights, the hf backend, 64 questions x 8
+answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process of its own, planned within
+`--budget-s` by plan.BENCH_ESTIMATES (the kit's install included):
+
+    step_profiled             two training steps: the second's rollout tokens/s, update and step seconds and
+                              each phase's peak beside the memory plan's; torch-profiler summaries of the
+                              first step's update and of one decode stretch (gpu_check/profile.py: the
+                              longest kernels, the share of wall time outside kernels) and that stretch's
+                              tokens/s
+    update_checkpointing      bench/bench_update_gpu.py, our path: update tokens/s, MFU (6 x params x tokens),
+                              peak against the plan, with gradient checkpointing (the default)
+    update_no_checkpointing   the same without it (where memory allows: the row says what ran out)
+
+The dry run runs every variant on CPU and ends with `one call: <variants> planned in <N> s (limit <B>)`: the
+plan for the GPU, by the estimates. The report goes to `--report-dir`/<date>-<gpu>-bench.md (docs/gpu/ in
+a clone; the dry run's to .gpucheck/reports/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from trapo import runtime
+from trapo.commands import gpu_check
+from trapo.commands.gpu_check import plan
+from trapo.commands.gpu_check.processes import shell, tail
+from trapo.commands.gpu_check.profile import lines as profile_lines
+from trapo.commands.gpu_check.report import Check, shown, write_report
+
+
+def _json_line(out: str) -> dict | None:
+    return next((json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{")), None)
+
+
+def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
+    cmd = [sys.executable, "-m", "trapo.commands.gpu_check.shape_step", "--work", str(gpu_check.WORK / "bench")]
+    code, out = shell([*cmd, "--profile", *(["--dry-run"] if dry_run else [])], env, 600)
+    result = _json_line(out)
+    name = "1.5B-shape step, eager decoding, checkpointing" if not dry_run else "shape step (tiny shape, dry run)"
+    if code != 0 or result is None or "profile" not in result:
+        check.add(name, False, f"failed ({code})", tail(out, 40))
+        return
+    timing, peak, planned = result["timing_s"], result.get("peak_gib") or {}, result.get("plan_gib") or {}
+    tokens = result["answers"] * (result["mean_response_tokens"] or 0)
+    phases = ", ".join(
+        f"{k} {timing[k]:.2f} s" + (f" (peak {peak[k]:.1f} GiB, plan {planned.get(k)})" if k in peak else "")
+        for k in ("rollout", "update", "step")
+        if k in timing
+    )
+    check.add(
+        name,
+        result["trained_sequences"] == result["answers"],
+        f"rollout {tokens / timing['rollout']:,.0f} response tokens/s, step {tokens / timing['step']:,.0f}; {phases}; "
+        f"logprob_diff_rollout_vs_policy {result['logprob_diff_rollout_vs_policy']:.2e}",
+        json.dumps(result),
+    )
+    profile = result["profile"]
+    for key, title in (("update", "profile: the first step's update"), ("decode", "profile: a decode stretch")):
+        summary = profile[key]
+        figure = f"{summary['wall_s']:.2f} s, outside kernels {summary['outside_share']:.0%}; top: " + "; ".join(
+            f"{r['name'][:60]} {r['share']:.0%}" for r in summary["top"][:3]
+        )
+        if key == "decode":
+            figure += f"; {profile['decode_tokens_per_s']:,.0f} tokens/s"
+        check.add(title, True, figure, "\n".join(profile_lines(summary, title, top=10)))
+
+
+def _update(check: Check, env: dict, dry_run: bool, checkpointing: bool) -> None:
+    cmd = [sys.executable, "bench/bench_update_gpu.py", "--only-ours", *(["--cpu-smoke"] if dry_run else [])]
+    code, out = shell([*cmd, *([] if checkpointing else ["--no-checkpointing"])], env, 480)
+    row = next((line for line in out.splitlines() if line.startswith("ours")), "")
+    plan_line = next((line for line in out.splitlines() if line.startswith("memory plan")), "")
+    name = f"update, {'gradient checkpointing' if checkpointing else 'no gradient checkpointing'}"
+    name += "" if not dry_run else " (tiny shape, dry run)"
+    failed = "out of memory" if "OutOfMemoryError" in out else f"failed ({code})"
+    check.add(
+        name, code == 0 and bool(row), f"{' '.join(row.split())} | {plan_line}" if code == 0 else failed, tail(out)
+    )
+
+
+def update_checkpointing(check: Check, env: dict, dry_run: bool) -> None:
+    _update(check, env, dry_run, True)
+
+
+def update_no_checkpointing(check: Check, env: dict, dry_run: bool) -> None:
+    _update(check, env, dry_run, False)
+
+
+ORDER = [step_profiled, update_checkpointing, update_no_checkpointing]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trapo gpu-bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget-s", type=float, default=plan.BUDGET_S, help=f"the time box (default {plan.BUDGET_S})")
+    parser.add_argument("--report-dir", type=Path, help="where the report goes (default: as gpu-check's)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
+        help="on CPU with the toy and tiny shapes, every variant (also GPU_CHECK_DRY_RUN=1)",
+    )
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s {args.budget_s:g}: give the time box in seconds, more than 0")
+    folder = args.report_dir or gpu_check.default_report_dir(args.dry_run)
+    started, began = time.perf_counter(), time.time()
+    gpu_check.WORK.mkdir(exist_ok=True)
+    env = runtime.subprocess_env(PYTHONUNBUFFERED="1")
+    site = [] if args.dry_run else [str(gpu_check.WORK / "site")]
+    env["PYTHONPATH"] = os.pathsep.join([*site, env["PYTHONPATH"]])
+    names = [fn.__name__ for fn in ORDER]
+    planned, planned_s = plan.within_budget(["kit", *names], args.budget_s, plan.BENCH_ESTIMATES)
+    fns = ORDER if args.dry_run else [fn for fn in ORDER if fn.__name__ in planned]
+    make_args = f" BUDGET_S={args.budget_s:g}" if args.budget_s != plan.BUDGET_S else ""
+    print(f"gpu-bench{' (dry run on CPU)' if args.dry_run else ''}: environment", flush=True)
+    env_lines = gpu_check.environment(args.dry_run, env)
+    check = Check()
+    kit_started = time.perf_counter()
+    gpu_check.install_kit(check, env, args.dry_run)
+    check.seconds["kit"], check.estimates["kit"] = time.perf_counter() - kit_started, plan.BENCH_ESTIMATES["kit"]
+
+    def write() -> Path:
+        seconds = time.perf_counter() - started
+        return write_report(check, env_lines, "bench", make_args, args.dry_run, seconds, folder, "gpu-bench")
+
+    deadline = began + args.budget_s + gpu_check.GRACE_S
+    gpu_check.run_checks(check, fns, env, args.dry_run, deadline, write, plan.BENCH_ESTIMATES)
+    path = write()
+    failed = sum(not ok for _, ok, _ in check.rows)
+    print(f"gpu-bench: {len(check.rows) - failed} passed, {failed} failed; report {shown(path)}")
+    print(f"one call: {', '.join(planned)} planned in {planned_s:.0f} s (limit {args.budget_s:g})")
+    return 1 if failed else 0
