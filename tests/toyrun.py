@@ -85,13 +85,20 @@ def _forkable(cmd):
 
 
 def free_port() -> int:
-    """A port no one listens on now, for a launcher's --master_port: a fixed one can still be held by the
-    last run's exiting processes, or by another test's run under `make test`'s two workers."""
+    """A port no one listens on now, nor on the next one, for a launcher's --master_port (a separate run's
+    rollout link listens on MASTER_PORT + 1): a fixed one can still be held by the last run's exiting
+    processes, or by another test's run under `make test`'s two workers."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s, socket.socket() as after:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                after.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 _SERVERS = []

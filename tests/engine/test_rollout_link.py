@@ -114,3 +114,13 @@ def test_a_request_is_ordered_and_keyed_alike_whatever_the_training_world():
         [4],
     ]
     assert request_key([interleave(two), None], {"n": 8}) == request_key([interleave(three), None], {"n": 8})
+
+
+def test_a_link_port_in_use_is_named_with_the_fix():
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(LinkError, match=r"port \d+ \(the launcher's MASTER_PORT \+ 1\) is in use .* --master_port"):
+            RolloutLink(0, 2, 5.0, ("127.0.0.1", held.getsockname()[1]))

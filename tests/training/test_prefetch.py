@@ -65,7 +65,11 @@ def test_step_values_give_the_k1_estimate_of_the_stale_vs_current_kl():
     "overrides, key, says",
     [
         (["rollout.max_staleness=1"], "rollout.max_staleness", "only rollout.placement=separate"),
-        (["rollout.placement=separate", "rollout.backend=vllm"], "rollout.backend", "set rollout.backend=hf"),
+        (
+            ["rollout.placement=separate", "rollout.backend=vllm", "rollout.tensor_parallel_size=2"],
+            "rollout.tensor_parallel_size",
+            "set rollout.tensor_parallel_size=1",
+        ),
         (["rollout.placement=separate", "rollout.backend=hf", "rollout.ranks=0"], "rollout.ranks", "must be >= 1"),
         (
             ["rollout.placement=separate", "rollout.backend=hf", "rollout.max_staleness=1", "loss.rollout_is=off"],

@@ -92,6 +92,11 @@ class RolloutLink:
             store = tdist.TCPStore(host, port, size, rank == 0, timeout=self.timeout)
             self.group = tdist.ProcessGroupGloo(store, rank, size, self.timeout)
         except RuntimeError as err:
+            if "EADDRINUSE" in str(err):  # the launcher's port is free, the next one is not
+                raise LinkError(
+                    f"rollout link: port {port} (the launcher's MASTER_PORT + 1) is in use by another process: "
+                    "launch again with another --master_port"
+                ) from None
             raise LinkError(
                 f"rollout link (port {port}): link rank {rank} of {size} could not connect within "
                 f"{timeout_s:g} s: {str(err).splitlines()[0]}"
