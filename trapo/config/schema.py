@@ -278,7 +278,9 @@ class LossConfig:
 
 @dataclass
 class RewardConfig:
-    unlabeled: Literal["majority", "self_certainty", "token_entropy", "sentence_entropy"] = "majority"
+    # an unlabeled answer's reward: majority (TTRL: 1 in the majority cluster), cluster_share (EMPO: the share
+    # of the G answers in its cluster), or a confidence score (Table 1's baselines)
+    unlabeled: Literal["majority", "cluster_share", "self_certainty", "token_entropy", "sentence_entropy"] = "majority"
     timeout: float = 5.0  # seconds per Math-Verify comparison
     step_budget: float | None = 60.0  # seconds for one step's grading on a rank; then undecided = not equal
     workers: int = 2  # Math-Verify worker processes per rank
@@ -287,6 +289,8 @@ class RewardConfig:
     # (docs/tasks.md, trapo/algorithm/rewards/verifiers.py)
     verifier: str = "math"
 
+
+VOTE_REWARDS = ("majority", "cluster_share")  # reward.unlabeled values read off the vote (no policy forward)
 
 # Keys that no longer exist -> what replaces them (a clearer error than a did-you-mean guess).
 REMOVED_KEYS = {"selection.random": "replaced by selection.strategy=random"}

@@ -6,7 +6,8 @@ answers and keys the vote.)
 Unlabeled question: the TTRL pseudo-label is the majority answer over its G
 responses; its pseudo pass rate (paper eq. "pass_rate" with the pseudo-label)
 is the fraction of responses that agree with it, and with the `majority`
-reward each agreeing response scores 1. A hidden gold, when present, is only
+reward each agreeing response scores 1; with `cluster_share` (EMPO) each response
+scores the share of the G responses in its cluster. A hidden gold, when present, is only
 compared with the pseudo-label (diagnostics), never used for reward.
 
 Degenerate outputs (the collapse the paper describes for unsupervised
@@ -23,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trapo.algorithm.rewards import Judge, Tally, answer_rewards, decide_pairs, majority_votes
+from trapo.algorithm.rewards import Judge, Tally, answer_rewards, cluster_votes, decide_pairs
 from trapo.algorithm.rewards.verifiers import extract_answers
 from trapo.algorithm.selection import confidence_kind
-from trapo.config import Config
+from trapo.config import VOTE_REWARDS, Config
 from trapo.data import Question
 from trapo.engine.batch import build_sequences
 from trapo.engine.grading.verifier import default_verifier
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Grades:
-    rewards: list[list[float]]  # [b][G]; for unlabeled questions the majority-vote reward
+    rewards: list[list[float]]  # [b][G]; for unlabeled questions the vote's reward (`unlabeled`)
     pass_rates: list[float]  # [b]
     pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
     timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
@@ -71,6 +72,7 @@ def grade(
     verifier: Judge | None = None,
     *,
     budget: float | None = None,
+    unlabeled_reward: str = "majority",
 ) -> Grades:
     """questions: [b]; texts: [b][G] response texts.
 
@@ -78,7 +80,9 @@ def grade(
     `reward.verifier`), None for the process-wide Math-Verify one. budget: seconds
     (wall clock) for the whole call, labeled rewards, votes and hidden-gold
     checks together, or None for no bound; once spent, comparisons not yet
-    decided count as not equal and are not sent to the workers.
+    decided count as not equal and are not sent to the workers. unlabeled_reward: `reward.unlabeled`; the
+    unlabeled questions' rewards are the vote's `majority` agreement, or its `cluster_share` (a confidence
+    reward's scores replace them later: `round_rewards`).
     """
     deadline = None if budget is None else time.monotonic() + max(0.0, budget)
     judge = default_verifier() if verifier is None else verifier
@@ -118,10 +122,12 @@ def grade(
     unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
     if unlabeled:
         group_keys = None if flat_keys is None else [keys[i] for i in unlabeled]
-        votes = majority_votes([answers[i] for i in unlabeled], judge, timeout, deadline, tally, group_keys)
+        votes = cluster_votes([answers[i] for i in unlabeled], judge, timeout, deadline, tally, group_keys)
         checks = []  # (question position, hidden gold, pseudo-label)
-        for i, (label, agree) in zip(unlabeled, votes):
-            rewards[i] = [1.0 if a else 0.0 for a in agree]
+        for i, vote in zip(unlabeled, votes):
+            label, agree = vote.label, vote.agree
+            share = unlabeled_reward == "cluster_share"  # EMPO: p(cluster | question); TTRL: in the majority
+            rewards[i] = list(vote.share) if share else [1.0 if a else 0.0 for a in agree]
             pseudo_labels[i] = label
             pass_rates[i] = sum(agree) / len(agree)
             gold = questions[i].answer
@@ -147,7 +153,7 @@ def confidence_kinds(cfg: Config, labeled: torch.Tensor) -> list[str]:
     selection = confidence_kind(cfg.selection.strategy)
     if selection is not None and labeled.any() and not labeled.all():
         kinds.append(selection)
-    if cfg.reward.unlabeled != "majority":
+    if cfg.reward.unlabeled not in VOTE_REWARDS:
         kinds.append(cfg.reward.unlabeled)
     return list(dict.fromkeys(kinds))
 
@@ -174,7 +180,7 @@ def confidence_scores(
 
 def round_rewards(grades: Grades, confidence: dict[int, list[float]]) -> list[list[float]]:
     """[b][G] rewards: the graded ones, or, for the unlabeled questions at the positions `confidence` holds,
-    their confidence scores (`reward.unlabeled` a confidence reward; empty under `majority`)."""
+    their confidence scores (`reward.unlabeled` a confidence reward; empty under the vote's rewards)."""
     rewards = list(grades.rewards)
     for pos, scores in confidence.items():
         rewards[pos] = scores

@@ -75,6 +75,8 @@ def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float
         "labeled_pass_sum": sum(labeled_rates),
         "unlabeled_questions": len(unlabeled),
         "unlabeled_pass_sum": sum(p for p, _, _ in unlabeled),
+        # the vote's reward (majority agreement, or the cluster share), each question's mean over its G
+        "unlabeled_reward_sum": sum(sum(r) / len(r) for q, r in zip(questions, grades.rewards) if not q.labeled and r),
         "unlabeled_in_loss": sum(m for _, _, m in unlabeled),
         "pseudo_known": len(known),
         "pseudo_right": sum(known),
@@ -87,15 +89,16 @@ def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float
     }
 
 
-def step_values(totals: dict[str, float], *, world: int, updates: int, applied: bool, majority: bool) -> dict:
+def step_values(totals: dict[str, float], *, world: int, updates: int, applied: bool, vote_reward: bool) -> dict:
     """The logged values of one step from the sums over all ranks (pure).
 
     totals: `step_sums` plus the update sums of `trapo.engine.policy.UPDATE_SUMS`,
     each added over ranks and (update sums) over the step's `updates`
     optimizer steps. Each rank's loss is its share of the global loss times
     the world size (see the loss denominator), so the step's loss is the sum
-    over ranks / world, averaged over updates. majority: the unlabeled reward
-    is majority agreement (then it equals the unlabeled pass rate).
+    over ranks / world, averaged over updates. vote_reward: the unlabeled reward
+    is read off the vote (majority agreement, equal to the unlabeled pass rate, or
+    the cluster share), not a confidence score.
     """
     n_lab, n_unl = totals["labeled_questions"], totals["unlabeled_questions"]
     trained_tokens = max(totals["trained_tokens"], 1.0)
@@ -131,7 +134,7 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "reward_labeled": lab_pass,
         "pass_rate_labeled": lab_pass,
         "pass_rate_unlabeled": unl_pass,
-        "reward_unlabeled": unl_pass if majority else None,
+        "reward_unlabeled": totals["unlabeled_reward_sum"] / n_unl if vote_reward and n_unl else None,
         "unlabeled_in_loss": int(totals["unlabeled_in_loss"]),
         "pseudo_label_precision": totals["pseudo_right"] / totals["pseudo_known"] if totals["pseudo_known"] else None,
         "response_tokens": int(totals["response_tokens"]),

@@ -31,7 +31,7 @@ import torch
 from trapo import console, hub, runtime
 from trapo.algorithm.rewards.verifiers import require_verifier
 from trapo.algorithm.selection import confidence_kind
-from trapo.config import Config, dump_config, to_dict
+from trapo.config import VOTE_REWARDS, Config, dump_config, to_dict
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.grading.verifier import MathVerifier
@@ -174,12 +174,12 @@ class Trainer:
     def _step_values(self, epoch: int, totals: dict, update: UpdateResult, n_updates: int, pushed_bytes: int) -> dict:
         """The step's metrics.jsonl row from the statistics summed over all ranks (the blocks of optional
         features and the costs come after)."""
-        majority = self.cfg.mode != "supervised" and self.cfg.reward.unlabeled == "majority"
+        vote_reward = self.cfg.mode != "supervised" and self.cfg.reward.unlabeled in VOTE_REWARDS
         return {
             "step": self.state.step + 1,
             "epoch": epoch + 1,
             **metrics.step_values(
-                totals, world=self.world, updates=n_updates, applied=update.applied, majority=majority
+                totals, world=self.world, updates=n_updates, applied=update.applied, vote_reward=vote_reward
             ),
             "selected_unlabeled": int(self.state.tracker.selected.sum()),  # the gate's current open set
             "pushed_gb": pushed_bytes / 2**30,
@@ -237,7 +237,14 @@ class Trainer:
         # 2. grading: rewards and (pseudo) pass rates
         with timer.time("grading"):
             texts = [[r.text for r in group] for group in rollouts]
-            grades = grade(questions, texts, cfg.reward.timeout, self.verifier, budget=cfg.reward.step_budget)
+            grades = grade(
+                questions,
+                texts,
+                cfg.reward.timeout,
+                self.verifier,
+                budget=cfg.reward.step_budget,
+                unlabeled_reward=cfg.reward.unlabeled,
+            )
         # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
         # (the selection strategy's confidence scores, when it needs them, are a policy forward: timed as grading)
         with timer.time("grading"):

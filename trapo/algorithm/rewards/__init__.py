@@ -10,7 +10,9 @@ from trapo.algorithm.rewards.extraction import extract_answer
 from trapo.algorithm.rewards.judge import Judge, Verdict
 from trapo.algorithm.rewards.verifiable import (
     Tally,
+    Vote,
     answer_rewards,
+    cluster_votes,
     decide_pairs,
     judge_pairs,
     majority_vote,
@@ -25,7 +27,9 @@ __all__ = [
     "Judge",
     "Tally",
     "Verdict",
+    "Vote",
     "answer_rewards",
+    "cluster_votes",
     "decide_pairs",
     "extract_answer",
     "extract_boxed",

@@ -329,13 +329,26 @@ def _judge_round(asks, judge: Judge, timeout, deadline) -> list[Verdict]:
     return [Verdict.NOT_EQUAL if known else next(sent) for known in differ]
 
 
-def _outcome(ballot: _Ballot) -> tuple[str | None, list[bool]]:
+@dataclass(frozen=True)
+class Vote:
+    """One question's vote: the majority `label` (None on a tie for the largest cluster, or with no answers),
+    which responses `agree` with it, and each response's `share`, the fraction of the G responses in its
+    cluster (0.0 without an answer): EMPO's reward, p(cluster | question) (arXiv 2504.05812)."""
+
+    label: str | None
+    agree: list[bool]
+    share: list[float]
+
+
+def _outcome(ballot: _Ballot) -> Vote:
     sizes = [sum(ballot.counts[k] for k in c) for c in ballot.clusters]
+    size_of = {k: size for c, size in zip(ballot.clusters, sizes) for k in c}
+    share = [size_of[k] / len(ballot.keys) if k is not None else 0.0 for k in ballot.keys]
     if not sizes or sizes.count(max(sizes)) > 1:
-        return None, [False] * len(ballot.keys)
+        return Vote(None, [False] * len(ballot.keys), share)
     winner = ballot.clusters[sizes.index(max(sizes))]
     members = set(winner)
-    return ballot.raw[winner[0]], [k in members for k in ballot.keys]
+    return Vote(ballot.raw[winner[0]], [k in members for k in ballot.keys], share)
 
 
 def majority_votes(
@@ -346,7 +359,21 @@ def majority_votes(
     tally: Tally | None = None,
     keys: Sequence[Sequence] | None = None,
 ) -> list[tuple[str | None, list[bool]]]:
-    """`majority_vote` for many questions at once, batching their comparisons.
+    """`majority_vote` for many questions at once, batching their comparisons: `cluster_votes`' labels and
+    agreement."""
+    return [(v.label, v.agree) for v in cluster_votes(groups, judge, timeout, deadline, tally, keys)]
+
+
+def cluster_votes(
+    groups: Sequence[Sequence[str | None]],
+    judge: Judge,
+    timeout: float = DEFAULT_TIMEOUT,
+    deadline: float | None = None,
+    tally: Tally | None = None,
+    keys: Sequence[Sequence] | None = None,
+) -> list[Vote]:
+    """Each group's answers clustered by equivalence, many questions at once, batching their comparisons: a
+    `Vote` per group.
 
     Clustering per group: distinct answers (after `normalize`; identical
     strings are one answer, never compared) in order of count, then first
