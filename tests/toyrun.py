@@ -273,6 +273,17 @@ def selections(run_dir):
         return [json.loads(line) for line in f]
 
 
+def wait_rows(proc, run_dir, rows: int, timeout: float = 300, poll: float = 0.1) -> bool:
+    """Wait until the run in `run_dir` has logged `rows` steps while `proc` (its training rank) runs: whether
+    it has, with `proc` still running (to stop it after a given step)."""
+    log = Path(run_dir) / "metrics.jsonl"
+    count = lambda: len(log.read_text().splitlines()) if log.is_file() else 0  # noqa: E731
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and count() < rows:
+        time.sleep(poll)
+    return proc.poll() is None and count() >= rows
+
+
 def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

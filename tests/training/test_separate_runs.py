@@ -1,14 +1,14 @@
 """rollout.placement separate on the toy: one training rank and one rollout rank (the deepspeed launcher's
-2 processes, as a user starts them), against the colocated trainer; staleness 1, its kill -9 and resume,
-and a rollout rank that dies."""
+2 processes, as a user starts them), against the colocated trainer; staleness 1, its kill -9, SIGTERM and
+resumes, and a rollout rank that dies, each with either engine on the rollout rank (hf, vLLM). vLLM's
+staleness 0 against the colocated vLLM trainer: test_separate_vllm_runs.py."""
 
 import glob
 import os
 import signal
-import time
 
 import pytest
-from toyrun import NOT_COMPARED, Ranks, metrics, overrides, rows, same_weights, selections, train
+from toyrun import NOT_COMPARED, VLLM, Ranks, metrics, overrides, rows, same_weights, selections, train, wait_rows
 
 # every test here starts trainers (make test-fast leaves them out), each two processes at once
 pytestmark = pytest.mark.toy_run
@@ -25,12 +25,39 @@ ONLY_SEPARATE = {
 NOISE = "logprob_diff_rollout_vs_policy"  # a mean of float rounding (~3e-7): kernels' last bits, not the run's
 
 
+ENGINES = {"hf": {}, "vllm": VLLM}  # the rollout rank's engine (toyrun.overrides names hf)
+
+
+@pytest.fixture(params=list(ENGINES))
+def engine(request):
+    """The rollout rank's engine settings, for each engine in turn."""
+    return ENGINES[request.param]
+
+
 @pytest.fixture(scope="module")
-def stale_run(toy_dir, tmp_path_factory):
-    """An uninterrupted separate run at rollout.max_staleness 1."""
-    out = tmp_path_factory.mktemp("stale")
-    train(overrides(toy_dir, out, run_name="stale", **RUN, **SEPARATE, **{"rollout.max_staleness": 1}), nproc=2)
-    return out / "stale"
+def stale_runs(toy_dir, tmp_path_factory):
+    """engine settings -> the run directory of an uninterrupted separate run at rollout.max_staleness 1 with that
+    engine on the rollout rank, run once on first use (tests of both engines may come in any order)."""
+    runs = {}
+
+    def run(engine: dict):
+        key = tuple(sorted(engine.items()))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("stale")
+            train(overrides(toy_dir, out, run_name="stale", **stale_args(engine)), nproc=2)
+            runs[key] = out / "stale"
+        return runs[key]
+
+    return run
+
+
+@pytest.fixture
+def stale_run(stale_runs, engine):
+    return stale_runs(engine)
+
+
+def stale_args(engine: dict) -> dict:
+    return {**RUN, **SEPARATE, **engine, "rollout.max_staleness": 1}
 
 
 def test_staleness_0_writes_what_the_colocated_trainer_writes(toy_dir, tmp_path):
@@ -66,20 +93,11 @@ def test_dynamic_sampling_prefetches_the_next_first_round_and_refills_fresh(toy_
 
 
 @SHARED
-def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, tmp_path, stale_run):
-    args = overrides(toy_dir, tmp_path, run_name="killed", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
+def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, tmp_path, engine, stale_run):
+    args = overrides(toy_dir, tmp_path, run_name="killed", **stale_args(engine))
     ranks = Ranks(args, nproc=2)
-    trainer = ranks.procs[0]
-    log = tmp_path / "killed" / "metrics.jsonl"
     try:
-        deadline = time.time() + 300
-        while (
-            time.time() < deadline
-            and trainer.poll() is None
-            and (not log.is_file() or len(log.read_text().splitlines()) < 5)
-        ):
-            time.sleep(0.1)
-        assert trainer.poll() is None and len(log.read_text().splitlines()) >= 5, "no kill after step 5"
+        assert wait_rows(ranks.procs[0], tmp_path / "killed", 5), "no kill after step 5"
     finally:
         os.killpg(ranks.pgid, signal.SIGKILL)  # the training rank and the rollout rank
         ranks.wait()
@@ -89,19 +107,12 @@ def test_kill_9_after_step_5_then_resume_equals_the_straight_stale_run(toy_dir, 
     assert same_weights(tmp_path / "killed", stale_run)
 
 
-def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_path):
-    args = overrides(toy_dir, tmp_path, run_name="dead", **RUN, **SEPARATE, dist_timeout_minutes=1)
+def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_path, engine):
+    args = overrides(toy_dir, tmp_path, run_name="dead", **RUN, **SEPARATE, **engine, dist_timeout_minutes=1)
     # as a launcher starts them, without one that would stop the trainer once the rollout rank died
     ranks = Ranks(args, nproc=2)
     trainer, rollout = ranks.procs
-    log = tmp_path / "dead" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while (
-        time.time() < deadline
-        and trainer.poll() is None
-        and (not log.is_file() or len(log.read_text().splitlines()) < 2)
-    ):
-        time.sleep(0.1)
+    wait_rows(trainer, tmp_path / "dead", 2)
     rollout.send_signal(signal.SIGKILL)
     rollout.wait()
     trainer.wait(timeout=120)
@@ -114,13 +125,13 @@ def test_a_dead_rollout_rank_stops_the_run_in_one_line_naming_it(toy_dir, tmp_pa
 
 
 @SHARED
-def test_a_resume_on_two_training_ranks_feeds_the_saved_round(toy_dir, tmp_path, stale_run):
+def test_a_resume_on_two_training_ranks_feeds_the_saved_round(toy_dir, tmp_path, engine, stale_run):
     import shutil
 
     shutil.copytree(stale_run, tmp_path / "stale")
     for later in ("step-6", "step-8"):  # resume at step 4, whose checkpoint holds round 5 (generated by version 3)
         shutil.rmtree(tmp_path / "stale" / "checkpoints" / later)
-    args = overrides(toy_dir, tmp_path, run_name="stale", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
+    args = overrides(toy_dir, tmp_path, run_name="stale", **stale_args(engine))
     train([*args, "resume_from=latest"], nproc=3)  # 2 training ranks + the rollout rank
     moved, straight = metrics(tmp_path / "stale"), metrics(stale_run)
     assert [row["rollout_staleness"] for row in moved] == [0] + [1] * 7  # step 5: the saved round, not a new one
@@ -130,19 +141,13 @@ def test_a_resume_on_two_training_ranks_feeds_the_saved_round(toy_dir, tmp_path,
 
 
 @SHARED
-def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_dir, tmp_path, stale_run):
+def test_sigterm_to_the_group_saves_the_round_in_flight_and_resumes_equal(toy_dir, tmp_path, engine, stale_run):
     import torch
 
-    args = overrides(toy_dir, tmp_path, run_name="term", **RUN, **SEPARATE, **{"rollout.max_staleness": 1})
+    args = overrides(toy_dir, tmp_path, run_name="term", **stale_args(engine))
     ranks = Ranks(args, nproc=2)
     log = tmp_path / "term" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while (
-        time.time() < deadline
-        and ranks.procs[0].poll() is None
-        and (not log.is_file() or len(log.read_text().splitlines()) < 3)
-    ):
-        time.sleep(0.05)
+    wait_rows(ranks.procs[0], tmp_path / "term", 3, poll=0.05)
     os.killpg(ranks.pgid, signal.SIGTERM)  # the training rank and the rollout rank
     err = ranks.wait(timeout=300).stderr
     stopped_at = len(log.read_text().splitlines())

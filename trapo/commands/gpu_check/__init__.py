@@ -355,6 +355,16 @@ def _check_names(text: str) -> list[str]:
     return names
 
 
+def node_env(dry_run: bool) -> dict:
+    """The environment of every check's process: the kit's offline install (.gpucheck/site) first on the path,
+    but for the dry run, which runs this checkout's own packages. Makes .gpucheck/."""
+    WORK.mkdir(exist_ok=True)
+    env = runtime.subprocess_env(PYTHONUNBUFFERED="1")
+    site = [] if dry_run else [str(WORK / "site")]
+    env["PYTHONPATH"] = os.pathsep.join([*site, env["PYTHONPATH"]])
+    return env
+
+
 def default_report_dir(dry_run: bool) -> Path:
     """docs/gpu/ in a clone of the repository (its reports are the project's record), ./gpu-reports elsewhere;
     the dry run's CPU figures go to .gpucheck/reports/, out of the record."""
@@ -421,11 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget-s {args.budget_s:g}: give the time box in seconds, more than 0")
     folder = args.report_dir or default_report_dir(args.dry_run)
     started, began = time.perf_counter(), time.time()
-    WORK.mkdir(exist_ok=True)
-    site = WORK / "site"
-    path = [str(site)] if not args.dry_run else []
-    env = runtime.subprocess_env(PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([*path, env["PYTHONPATH"]])
+    env = node_env(args.dry_run)
     names = [fn.__name__ for fn in ORDER]
     planned, planned_s = plan.within_budget(["kit", *names], args.budget_s)
     if args.only:

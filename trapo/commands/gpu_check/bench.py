@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-from trapo import runtime
 from trapo.commands import gpu_check
 from trapo.commands.gpu_check import plan
 from trapo.commands.gpu_check.processes import shell, tail
@@ -115,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget-s {args.budget_s:g}: give the time box in seconds, more than 0")
     folder = args.report_dir or gpu_check.default_report_dir(args.dry_run)
     started, began = time.perf_counter(), time.time()
-    gpu_check.WORK.mkdir(exist_ok=True)
-    env = runtime.subprocess_env(PYTHONUNBUFFERED="1")
-    site = [] if args.dry_run else [str(gpu_check.WORK / "site")]
-    env["PYTHONPATH"] = os.pathsep.join([*site, env["PYTHONPATH"]])
+    env = gpu_check.node_env(args.dry_run)
     names = [fn.__name__ for fn in ORDER]
     planned, planned_s = plan.within_budget(["kit", *names], args.budget_s, plan.BENCH_ESTIMATES)
     fns = ORDER if args.dry_run else [fn for fn in ORDER if fn.__name__ in planned]
