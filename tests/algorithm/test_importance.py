@@ -133,6 +133,7 @@ def test_step_values_report_masked_fractions_and_overlong_penalty():
         labeled_pass_sum=1.0,
         unlabeled_questions=0,
         unlabeled_pass_sum=0.0,
+        unlabeled_reward_sum=0.0,
         unlabeled_in_loss=0,
         pseudo_known=0,
         pseudo_right=0.0,
@@ -143,12 +144,12 @@ def test_step_values_report_masked_fractions_and_overlong_penalty():
         grading_budget_cut=0,
         grading_failed=0,
     )
-    off = step_values(t, world=1, updates=1, applied=True, majority=True)
+    off = step_values(t, world=1, updates=1, applied=True, vote_reward=True)
     assert off["rollout_is_masked_frac"] is None and off["rollout_is_masked_seq_frac"] is None
     assert off["overlong_penalty_mean"] is None
     t.update(
         is_tokens=40.0, is_masked=10.0, is_masked_seqs=3.0, is_seqs=8.0, overlong_penalty=-2.0, overlong_responses=8.0
     )
-    v = step_values(t, world=1, updates=1, applied=True, majority=True)
+    v = step_values(t, world=1, updates=1, applied=True, vote_reward=True)
     assert v["rollout_is_masked_frac"] == 0.25 and v["rollout_is_masked_seq_frac"] == 3 / 8
     assert v["overlong_penalty_mean"] == -0.25
