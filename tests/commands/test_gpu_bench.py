@@ -37,12 +37,12 @@ def test_a_real_profile_of_a_matmul_stretch_is_summarized():
     import torch
 
     into = {}
-    a = torch.randn(256, 256)
-    with profiled("mm", into, "cpu"):
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    with profiled("mm", into, "cpu"):  # matmuls alone: no other operator's time can outrank them on a busy machine
         for _ in range(20):
-            a = torch.tanh(a @ a)
+            torch.mm(a, b)
     summary = into["mm"]
-    assert summary["top"][0]["name"] in ("aten::mm", "aten::matmul") and summary["top"][0]["calls"] == 20
+    assert summary["top"][0]["name"] == "aten::mm" and summary["top"][0]["calls"] == 20
     assert 0 < summary["kernel_s"] and 0 <= summary["outside_share"] <= 1
     assert sum(r["share"] for r in summary["top"]) == pytest.approx(1.0, abs=1e-3)
 
