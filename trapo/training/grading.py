@@ -124,9 +124,9 @@ def grade(
         group_keys = None if flat_keys is None else [keys[i] for i in unlabeled]
         votes = cluster_votes([answers[i] for i in unlabeled], judge, timeout, deadline, tally, group_keys)
         checks = []  # (question position, hidden gold, pseudo-label)
+        share = unlabeled_reward == "cluster_share"  # EMPO: p(cluster | question); TTRL: in the majority
         for i, vote in zip(unlabeled, votes):
             label, agree = vote.label, vote.agree
-            share = unlabeled_reward == "cluster_share"  # EMPO: p(cluster | question); TTRL: in the majority
             rewards[i] = list(vote.share) if share else [1.0 if a else 0.0 for a in agree]
             pseudo_labels[i] = label
             pass_rates[i] = sum(agree) / len(agree)
