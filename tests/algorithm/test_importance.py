@@ -144,12 +144,12 @@ def test_step_values_report_masked_fractions_and_overlong_penalty():
         grading_budget_cut=0,
         grading_failed=0,
     )
-    off = step_values(t, world=1, updates=1, applied=True, vote_reward=True)
+    off = step_values(t, world=1, updates=1, applied=True, unlabeled=True)
     assert off["rollout_is_masked_frac"] is None and off["rollout_is_masked_seq_frac"] is None
     assert off["overlong_penalty_mean"] is None
     t.update(
         is_tokens=40.0, is_masked=10.0, is_masked_seqs=3.0, is_seqs=8.0, overlong_penalty=-2.0, overlong_responses=8.0
     )
-    v = step_values(t, world=1, updates=1, applied=True, vote_reward=True)
+    v = step_values(t, world=1, updates=1, applied=True, unlabeled=True)
     assert v["rollout_is_masked_frac"] == 0.25 and v["rollout_is_masked_seq_frac"] == 3 / 8
     assert v["overlong_penalty_mean"] == -0.25

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from trapo.algorithm.rewards import Tally, Verdict, answer_rewards, majority_votes
+from trapo.algorithm.rewards.unlabeled import UnlabeledReward
 from trapo.algorithm.rewards.verifiers import (
     ExactMatch,
     OptionLetters,
@@ -20,7 +21,9 @@ from trapo.algorithm.rewards.verifiers import (
     require_verifier,
 )
 from trapo.config import ConfigError, load_config
+from trapo.data import Question
 from trapo.engine.grading.verifier import MathVerifier
+from trapo.training.grading import grade
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY_CONFIG = str(ROOT / "configs" / "toy.yaml")
@@ -214,5 +217,22 @@ def test_an_extraction_of_the_wrong_type_or_an_unhashable_key_is_no_answer_and_c
         tally = Tally()
         assert extract_answers(["5", "ab"], v, None, None, tally) == ([None, None], [None, None])
         assert tally == Tally(failed=2) and v.errors == 2
+    finally:
+        v.close()
+
+
+def test_the_label_efficient_rewards_cluster_by_the_verifiers_key(user_module):
+    """EMPO's and SCRL's rewards on a task verifier: a cluster is a key (FirstLetter: a x4, b x2, c x1, one
+    response without an answer), whatever `equal` says."""
+    v = MathVerifier(num_workers=1, timeout=5.0, spec="user_verifiers:FirstLetter")
+    try:
+        texts = [["ans: ab", "ans: ax", "ans: AB", "ans: b", "ans: B", "ans: c", "ans: ab", "none"]]
+        question = [Question("q", "?", None, False, None, "row 1")]
+        empo = grade(question, texts, 5.0, v, unlabeled=UnlabeledReward("cluster_share"))
+        assert empo.rewards == [[0.5, 0.5, 0.5, 0.25, 0.25, 0.125, 0.5, 0.0]]
+        # SCRL: a's 4/8 beats b's 2/8 by 0.25: positive; c (1/8, entropy 0.9 >= the mean 0.2) negative
+        entropy = [0.1] * 5 + [0.9, 0.1, 0.1]
+        scrl = grade(question, texts, 5.0, v, unlabeled=UnlabeledReward("scrl"), scores={0: [-h for h in entropy]})
+        assert scrl.rewards == [[1.0, 1.0, 1.0, 0.0, 0.0, -1.0, 1.0, -1.0]]
     finally:
         v.close()

@@ -44,6 +44,7 @@ def test_trainer_state_round_trip(tmp_path):
 
     import torch
 
+    from trapo.algorithm.acquisition import GroupVote
     from trapo.config import Config
     from trapo.engine.grading.verifier import MathVerifier
     from trapo.training.run_state import RunState
@@ -53,9 +54,11 @@ def test_trainer_state_round_trip(tmp_path):
         cfg = Config()
         cfg.selection = dataclasses.replace(cfg.selection, warmup_epochs=1, top_p=0.5)
         cfg.loss.entropy_target = 0.3  # adaptive entropy control: its coefficient is trainer state
+        cfg.labels = dataclasses.replace(cfg.labels, budget=1, acquire="care")  # labels bought, votes recorded
         return RunState(
             cfg,
             torch.tensor([True, False, False]),
+            torch.tensor([True, True, True]),  # every gold held: each unlabeled one could be bought
             rank=1,  # the second of `world` ranks: it takes the second rank's grader memory
             world=world,
             steps_per_epoch=4,
@@ -70,6 +73,9 @@ def test_trainer_state_round_trip(tmp_path):
     a = skeleton(world=2)
     a.tracker.record(torch.arange(3), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([float("nan"), 1.0, 0.0]))
     a.last_selection = a.tracker.end_epoch()
+    a.labels.record(2, GroupVote(5, (3,)), labeled=False, right=False, n_right=0)
+    a.labels.record(0, GroupVote(6, (2,)), labeled=True, right=True, n_right=6)
+    a.tracker.add_labels(torch.tensor([1]))
     a.step, a.bad_steps, a.best = 7, 1, {"step": 6, "score": 0.4}
     a.cursor = Cursor(3, 1)  # dynamic sampling: refills consumed batches, the cursor ran ahead of the step
     a.heldout_before = {"test": 0.25, "mean": 0.25}
@@ -96,6 +102,8 @@ def test_trainer_state_round_trip(tmp_path):
     assert (b.rambling.baseline, b.rambling.streak) == (0.2, 1)
     assert (b.rambling.looping, b.rambling.warned) == (0, 7)  # no loop so far; warned at step 7
     assert torch.equal(b.tracker.trajectories, a.tracker.trajectories)
+    assert b.tracker.bought.tolist() == [False, True, False]
+    assert b.labels.votes == {2: GroupVote(5, (3,))} and b.labels.calibration == a.labels.calibration
     assert torch.equal(b.tracker.selected, a.tracker.selected) and torch.equal(b.tracker.scores, a.tracker.scores)
     one = skeleton(world=1)  # saved on 2 ranks, resumed on 1 (trapo/engine/reshard.py moves the DeepSpeed state)
     one.rank = 0

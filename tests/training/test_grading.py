@@ -8,6 +8,7 @@ import pytest
 from toyrun import metrics, overrides, train
 
 from trapo import faults, runtime
+from trapo.algorithm.rewards.unlabeled import UnlabeledReward
 from trapo.data import Question
 from trapo.engine.grading.verifier import MathVerifier
 from trapo.training.grading import grade
@@ -37,12 +38,16 @@ def test_cluster_share_rewards_each_answer_with_its_clusters_share_of_the_group(
     """EMPO's reward (arXiv 2504.05812): p(c | q), the share of the G answers in an answer's cluster of
     equivalent answers; no answer: 0. By hand: clusters {1/2: 3, 3: 2} of 6 answers, one without an answer."""
     texts = [["\\boxed{0.5}", "\\boxed{\\frac{1}{2}}", "\\boxed{1/2}", "\\boxed{3}", "\\boxed{3}", "no box"]]
-    g = grade([q("1/2", False)], texts, timeout=5.0, unlabeled_reward="cluster_share")
+    g = grade([q("1/2", False)], texts, timeout=5.0, unlabeled=UnlabeledReward("cluster_share"))
     assert g.rewards == [[0.5, 0.5, 0.5, 2 / 6, 2 / 6, 0.0]]
     assert g.pass_rates == [0.5] and g.pseudo_labels == ["0.5"] and g.pseudo_correct == [1.0]  # the vote's, as before
-    tie = grade([q(None, False)], [["\\boxed{1}", "\\boxed{2}"]], timeout=5.0, unlabeled_reward="cluster_share")
+    tie = grade(
+        [q(None, False)], [["\\boxed{1}", "\\boxed{2}"]], timeout=5.0, unlabeled=UnlabeledReward("cluster_share")
+    )
     assert tie.rewards == [[0.5, 0.5]] and tie.pass_rates == [0.0]  # no pseudo-label, but each cluster has its share
-    labeled = grade([q("12", True)], [["\\boxed{12}", "\\boxed{13}"]], timeout=5.0, unlabeled_reward="cluster_share")
+    labeled = grade(
+        [q("12", True)], [["\\boxed{12}", "\\boxed{13}"]], timeout=5.0, unlabeled=UnlabeledReward("cluster_share")
+    )
     assert labeled.rewards == [[1.0, 0.0]]  # a labeled question keeps its gold reward
 
 

@@ -83,7 +83,7 @@ def test_step_values_from_cross_rank_totals():
         logprob_diff=0.5,
         logprob_tokens=200.0,
     )
-    v = step_values(t, world=2, updates=3, applied=True, vote_reward=True)
+    v = step_values(t, world=2, updates=3, applied=True, unlabeled=True)
     assert v["loss"] == pytest.approx(1.2 / 2 / 3) and v["pg_loss"] == pytest.approx(0.8 / 2 / 3)
     assert v["entropy"] == pytest.approx(0.25) and v["clip_frac"] == pytest.approx(0.05)  # token-weighted
     assert v["trained_sequences"] == 72 and v["logprob_diff_rollout_vs_policy"] == pytest.approx(0.0025)
@@ -94,7 +94,7 @@ def test_step_values_from_cross_rank_totals():
 
 
 def test_step_values_edge_cases():
-    skipped = step_values(totals(), world=1, updates=1, applied=False, vote_reward=False)
+    skipped = step_values(totals(), world=1, updates=1, applied=False, unlabeled=False)
     assert math.isnan(skipped["loss"]) and skipped["skipped"] is True
     assert skipped["reward_unlabeled"] is None  # a confidence reward is not majority agreement
     assert skipped["entropy"] == 0.0  # no trained tokens: no division by zero
@@ -104,12 +104,12 @@ def test_step_values_edge_cases():
         world=1,
         updates=1,
         applied=True,
-        vote_reward=True,
+        unlabeled=True,
     )
     assert empty["reward_labeled"] is None and empty["pass_rate_unlabeled"] is None
     assert empty["pseudo_label_precision"] is None
     assert empty["kl_ref"] is None  # loss.beta = 0: no reference model, no KL logged
-    kl = step_values(totals(kl_ref=0.3, kl_tokens=200.0), world=1, updates=1, applied=True, vote_reward=True)
+    kl = step_values(totals(kl_ref=0.3, kl_tokens=200.0), world=1, updates=1, applied=True, unlabeled=True)
     assert kl["kl_ref"] == pytest.approx(0.0015)  # token-weighted mean
 
 
@@ -166,14 +166,14 @@ def test_summary_with_avg_at_k_round_trips_through_json_and_names_k_and_temperat
 
 
 def test_step_warnings_for_truncation_and_grading_storms():
-    quiet = step_values(totals(truncated=19), world=1, updates=1, applied=True, vote_reward=True)
+    quiet = step_values(totals(truncated=19), world=1, updates=1, applied=True, unlabeled=True)
     assert step_warnings({**quiet, "step": 3}) == []  # 19 of 96 truncated: under 20%
     loud = step_values(
-        totals(truncated=20, grading_timeouts=5), world=1, updates=1, applied=True, vote_reward=True
+        totals(truncated=20, grading_timeouts=5), world=1, updates=1, applied=True, unlabeled=True
     )  # 5 timeouts in 96 responses: over 5%
     kinds = [kind for kind, _ in step_warnings({**loud, "step": 3})]
     assert kinds == ["truncation", "grading"]
-    cut = step_values(totals(grading_budget_cut=1), world=1, updates=1, applied=True, vote_reward=True)
+    cut = step_values(totals(grading_budget_cut=1), world=1, updates=1, applied=True, unlabeled=True)
     ((kind, message),) = step_warnings({**cut, "step": 7})
     assert kind == "grading" and "step 7: 0 Math-Verify timeouts and 1 comparisons cut" in message
 

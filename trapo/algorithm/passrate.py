@@ -169,6 +169,7 @@ class PassRateTracker:
         q = self.num_questions
         self.trajectories = torch.zeros(q, 0)  # [Q, t]
         self.observed = torch.zeros(q, 0, dtype=torch.bool)  # [Q, t]; False: the entry was carried forward
+        self.bought = torch.zeros(q, dtype=torch.bool)  # [Q]; unlabeled questions whose gold was bought (labels.*)
         self.in_database = self.labeled.clone()  # [Q]; eq. "db_init"
         self.selected = torch.zeros(q, dtype=torch.bool)  # [Q]; gate for the current epoch
         self.scores = torch.zeros(q)  # [Q]; latest TCS (0 for labeled)
@@ -220,9 +221,18 @@ class PassRateTracker:
             self._current_confidence[indices] = confidence
 
     def gate(self, indices: Tensor) -> Tensor:
-        """Loss weight M per question: 1 for labeled, the selection for unlabeled. [B] -> [B] float."""
+        """Loss weight M per question: 1 for labeled (or bought), the selection for unlabeled. [B] -> [B] float."""
         idx = indices.long().cpu()
-        return (self.labeled[idx] | self.selected[idx]).float()
+        return (self.labeled[idx] | self.bought[idx] | self.selected[idx]).float()
+
+    def add_labels(self, indices: Tensor) -> None:
+        """Unlabeled questions whose gold was bought: labeled from now on (gate 1, no longer selection
+        candidates). Their trajectories, pseudo pass rates so far, stay out of the reliable database."""
+        idx = indices.long().cpu()
+        if bool((self.labeled[idx] | self.bought[idx]).any()):
+            raise ValueError("add_labels: a question is labeled already, or was bought before")
+        self.bought[idx] = True
+        self.selected[idx] = False
 
     def mean_reference(self) -> Tensor:
         """The reliable database's mean trajectory [t] (eq. "avg_trajectory")."""
@@ -251,7 +261,7 @@ class PassRateTracker:
         self._correct = torch.full_like(self._correct, float("nan"))
 
         cfg = self.config
-        unlabeled = ~self.labeled
+        unlabeled = ~self.labeled & ~self.bought
         self.selected = torch.zeros_like(self.selected)
         self.scores = torch.zeros_like(self.scores)
         self.ranking = torch.full_like(self.ranking, float("nan"))
@@ -306,7 +316,8 @@ class PassRateTracker:
         strategy's ranking score (TCS, the mean confidence; None for random or
         an unscored question); pseudo_correct: [U] the
         pseudo-label matched the hidden gold (None unknown); selected: [U] gate;
-        pass_rate: [U] this epoch's pass rates; reference: [t] the reliable
+        pass_rate: [U] this epoch's pass rates; bought: [U] its gold was bought (labels.*; only once any
+        was); reference: [t] the reliable
         database's mean trajectory (after this epoch's selection grew it);
         with `history` (a run's first row, so that warm-up epochs are covered)
         pass_rate_history: [U][t] whole trajectories. Pass rates are multiples
@@ -325,6 +336,8 @@ class PassRateTracker:
             "pass_rate": [round(x, 4) for x in traj[:, -1].tolist()],
             "reference": [round(x, 4) for x in self.mean_reference().tolist()],
         }
+        if self.bought.any():  # labels.*: bought questions are labeled now (gate 1), whatever `selected` says
+            row["bought"] = self.bought[idx].tolist()
         if history:
             row["pass_rate_history"] = [[round(x, 4) for x in r] for r in traj.tolist()]
         return row
@@ -333,6 +346,7 @@ class PassRateTracker:
         return {
             "config": asdict(self.config),
             "labeled": self.labeled.clone(),
+            "bought": self.bought.clone(),
             "trajectories": self.trajectories.clone(),
             "observed": self.observed.clone(),
             "in_database": self.in_database.clone(),
@@ -360,6 +374,8 @@ class PassRateTracker:
         self.observed = (
             torch.ones_like(self.trajectories, dtype=torch.bool) if observed is None else observed.bool().clone()
         )
+        bought = state.get("bought")  # a checkpoint from before labels.*: nothing bought
+        self.bought = torch.zeros_like(self.labeled) if bought is None else bought.bool().clone()
         self.in_database = state["in_database"].bool().clone()
         self.selected = state["selected"].bool().clone()
         self.scores = state["scores"].float().clone()

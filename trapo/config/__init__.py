@@ -18,6 +18,7 @@ from its modules.
 
 from trapo.config.loading import check_key, dump_config, load_config, parse_override, read_deepspeed_config, to_dict
 from trapo.config.schema import (
+    ACQUIRERS,
     ADVANTAGE_SCALES,
     AGGREGATIONS,
     BACKENDS,
@@ -32,12 +33,13 @@ from trapo.config.schema import (
     REMOVED_KEYS,
     ROLLOUT_IS_MODES,
     STRATEGIES,
-    VOTE_REWARDS,
+    UNLABELED_KINDS,
     Config,
     ConfigError,
     DataConfig,
     EvalConfig,
     HealthConfig,
+    LabelsConfig,
     LoggingConfig,
     LoraConfig,
     LossConfig,
@@ -47,6 +49,7 @@ from trapo.config.schema import (
     RewardConfig,
     RolloutConfig,
     SamplingConfig,
+    ScrlConfig,
     SelectionConfig,
     ToyConfig,
     TrainConfig,
@@ -56,6 +59,7 @@ from trapo.config.schema import (
 from trapo.config.validation import validate
 
 __all__ = [
+    "ACQUIRERS",
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
     "BACKENDS",
@@ -70,11 +74,12 @@ __all__ = [
     "REMOVED_KEYS",
     "ROLLOUT_IS_MODES",
     "STRATEGIES",
-    "VOTE_REWARDS",
+    "UNLABELED_KINDS",
     "Config",
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "LabelsConfig",
     "LoggingConfig",
     "LoraConfig",
     "LossConfig",
@@ -85,6 +90,7 @@ __all__ = [
     "RamblingConfig",
     "RolloutConfig",
     "SamplingConfig",
+    "ScrlConfig",
     "SelectionConfig",
     "ToyConfig",
     "TrainConfig",

@@ -27,6 +27,8 @@ Reference = Literal["mean_trajectory", "mean_cosine", "max_cosine"]
 Strategy = Literal["tcs", "random", "entropy", "self_certainty"]
 EntropyAgg = Literal["loss", "token_mean"]
 Curriculum = Literal["none", "trajectory"]
+UnlabeledKind = Literal["majority", "cluster_share", "scrl", "self_certainty", "token_entropy", "sentence_entropy"]
+Acquire = Literal["care", "tcs", "random"]
 
 # `reward.verifier`: one of these, or "module:name" (trapo/algorithm/rewards/verifiers.py)
 VERIFIERS = ("math", "mcq", "exact")
@@ -52,6 +54,8 @@ REFERENCES = get_args(Reference)
 STRATEGIES = get_args(Strategy)
 ENTROPY_AGGS = get_args(EntropyAgg)
 CURRICULA = get_args(Curriculum)
+UNLABELED_KINDS = get_args(UnlabeledKind)
+ACQUIRERS = get_args(Acquire)
 
 
 class ConfigError(ValueError):
@@ -277,10 +281,21 @@ class LossConfig:
 
 
 @dataclass
+class ScrlConfig:
+    """SCRL's thresholds (arXiv 2603.19880; its code's defaults): `reward.unlabeled: scrl`."""
+
+    positive: float = 0.5  # tau_pos: the largest cluster's share must reach this for a positive pseudo-label
+    margin: float = 0.15  # tau_marg: ... and beat the second largest's share by more than this
+    rare: float = 0.15  # tau_low: a cluster with a smaller share, less sure than the group, is a negative label
+
+
+@dataclass
 class RewardConfig:
-    # an unlabeled answer's reward: majority (TTRL: 1 in the majority cluster), cluster_share (EMPO: the share
-    # of the G answers in its cluster), or a confidence score (Table 1's baselines)
-    unlabeled: Literal["majority", "cluster_share", "self_certainty", "token_entropy", "sentence_entropy"] = "majority"
+    # an unlabeled answer's reward (trapo/algorithm/rewards/unlabeled.py): majority (TTRL: 1 in the majority
+    # cluster), cluster_share (EMPO: the share of the G answers in its cluster), scrl (SCRL: +1 in a strong
+    # majority, -1 in a rare unsure cluster or without an answer, else 0), or a confidence score (Table 1)
+    unlabeled: UnlabeledKind = "majority"
+    scrl: ScrlConfig = field(default_factory=ScrlConfig)
     timeout: float = 5.0  # seconds per Math-Verify comparison
     step_budget: float | None = 60.0  # seconds for one step's grading on a rank; then undecided = not equal
     workers: int = 2  # Math-Verify worker processes per rank
@@ -289,8 +304,6 @@ class RewardConfig:
     # (docs/tasks.md, trapo/algorithm/rewards/verifiers.py)
     verifier: str = "math"
 
-
-VOTE_REWARDS = ("majority", "cluster_share")  # reward.unlabeled values read off the vote (no policy forward)
 
 # Keys that no longer exist -> what replaces them (a clearer error than a did-you-mean guess).
 REMOVED_KEYS = {"selection.random": "replaced by selection.strategy=random"}
@@ -352,6 +365,19 @@ class SamplingConfig:
     curriculum: Curriculum = "none"
     curriculum_window: int = 3  # k: recorded pass rates that must all be 1 (or all 0)
     curriculum_readmit_every: int = 4  # m: a skipped question is rolled out again every m-th epoch
+
+
+@dataclass
+class LabelsConfig:
+    """Gold labels bought during training (trapo/algorithm/acquisition.py): at each epoch end, `per_epoch`
+    unlabeled questions whose hidden gold the data holds, chosen by `acquire`, become labeled for the rest of
+    the run, until `budget` are bought. A bought question is never bought twice; labels.jsonl logs each."""
+
+    budget: int = 0  # gold labels to buy over the run; 0: none
+    per_epoch: int | None = None  # labels bought at an epoch end; None: the budget spread over the run's epochs
+    # care: the largest expected error of the group's advantages under its pseudo-label (RLAVR/CARE), tcs: the
+    # least TraPO-like trajectories (lowest TCS), random: uniform
+    acquire: Acquire = "care"
 
 
 @dataclass
@@ -462,6 +488,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    labels: LabelsConfig = field(default_factory=LabelsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -158,6 +158,18 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(verifier_problem(cfg.reward.verifier) is None, "reward.verifier", verifier_problem(cfg.reward.verifier))
     budget = cfg.reward.step_budget
     need(budget is None or budget > 0, "reward.step_budget", f"must be > 0 or null, got {budget}")
+    for name in ("positive", "margin", "rare"):
+        value = getattr(cfg.reward.scrl, name)
+        need(0 <= value <= 1, f"reward.scrl.{name}", f"must be a share of the group, in [0, 1], got {value}")
+    lab = cfg.labels
+    need(lab.budget >= 0, "labels.budget", f"must be >= 0 (0: no labels bought), got {lab.budget}")
+    need(lab.per_epoch is None or lab.per_epoch >= 1, "labels.per_epoch", f"must be >= 1 or null, got {lab.per_epoch}")
+    need(
+        not lab.budget or cfg.mode != "supervised",
+        "labels.budget",
+        "buys labels for unlabeled questions, which mode supervised never trains on: "
+        "set labels.budget=0 or another mode",
+    )
     need(cfg.eval.steps >= 0, "eval.steps", f"must be >= 0, got {cfg.eval.steps}")
     need(
         not cfg.eval.steps or bool(cfg.eval.files) or cfg.toy.enabled,

@@ -5,10 +5,10 @@ task verifier `reward.verifier` names: `trapo.algorithm.rewards.verifiers`, whic
 answers and keys the vote.)
 Unlabeled question: the TTRL pseudo-label is the majority answer over its G
 responses; its pseudo pass rate (paper eq. "pass_rate" with the pseudo-label)
-is the fraction of responses that agree with it, and with the `majority`
-reward each agreeing response scores 1; with `cluster_share` (EMPO) each response
-scores the share of the G responses in its cluster. A hidden gold, when present, is only
-compared with the pseudo-label (diagnostics), never used for reward.
+is the fraction of responses that agree with it. Its rewards are `reward.unlabeled`'s
+(`UnlabeledReward`: from the vote's clusters, and for some kinds the policy's confidence
+scores). A hidden gold, when present, is only compared with the pseudo-label (diagnostics),
+never used for reward.
 
 Degenerate outputs (the collapse the paper describes for unsupervised
 training) cannot stall a step: each Math-Verify comparison has its timeout,
@@ -24,10 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trapo.algorithm.rewards import Judge, Tally, answer_rewards, cluster_votes, decide_pairs
+from trapo.algorithm.acquisition import group_vote
+from trapo.algorithm.rewards import Judge, Tally, Vote, answer_rewards, cluster_votes, decide_pairs
+from trapo.algorithm.rewards.unlabeled import UnlabeledReward
 from trapo.algorithm.rewards.verifiers import extract_answers
 from trapo.algorithm.selection import confidence_kind
-from trapo.config import VOTE_REWARDS, Config
+from trapo.config import Config
 from trapo.data import Question
 from trapo.engine.batch import build_sequences
 from trapo.engine.grading.verifier import default_verifier
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Grades:
-    rewards: list[list[float]]  # [b][G]; for unlabeled questions the vote's reward (`unlabeled`)
+    rewards: list[list[float]]  # [b][G]; for unlabeled questions `reward.unlabeled`'s
     pass_rates: list[float]  # [b]
     pseudo_correct: list[float]  # [b]; 1/0 when an unlabeled question's hidden gold is known, else NaN
     timeouts: int = 0  # comparisons (and answers parsed for a vote) that exhausted the Math-Verify timeout
@@ -49,6 +51,8 @@ class Grades:
     # question's pseudo-label (the majority answer; None on a tie or for a labeled question) [b].
     answers: list[list[str | None]] = field(default_factory=list)
     pseudo_labels: list[str | None] = field(default_factory=list)
+    # [b] each question's vote: every unlabeled one's; a labeled one's only when asked (`vote_labeled`), else None
+    votes: list[Vote | None] = field(default_factory=list)
 
     @classmethod
     def concat(cls, parts: list[Grades]) -> Grades:
@@ -62,6 +66,7 @@ class Grades:
             failed=sum(g.failed for g in parts),
             answers=[a for g in parts for a in g.answers],
             pseudo_labels=[label for g in parts for label in g.pseudo_labels],
+            votes=[v for g in parts for v in g.votes],
         )
 
 
@@ -72,7 +77,9 @@ def grade(
     verifier: Judge | None = None,
     *,
     budget: float | None = None,
-    unlabeled_reward: str = "majority",
+    unlabeled: UnlabeledReward | None = None,
+    scores: dict[int, list[float]] | None = None,
+    vote_labeled: bool = False,
 ) -> Grades:
     """questions: [b]; texts: [b][G] response texts.
 
@@ -80,10 +87,13 @@ def grade(
     `reward.verifier`), None for the process-wide Math-Verify one. budget: seconds
     (wall clock) for the whole call, labeled rewards, votes and hidden-gold
     checks together, or None for no bound; once spent, comparisons not yet
-    decided count as not equal and are not sent to the workers. unlabeled_reward: `reward.unlabeled`; the
-    unlabeled questions' rewards are the vote's `majority` agreement, or its `cluster_share` (a confidence
-    reward's scores replace them later: `round_rewards`).
+    decided count as not equal and are not sent to the workers. unlabeled: the unlabeled questions' reward
+    (`reward.unlabeled`; None: majority), with `scores` {position: [G]} its `score_kind` scores of the
+    unlabeled questions. vote_labeled: vote on the labeled questions too (their votes against their gold
+    calibrate the CARE label score: `trapo.algorithm.acquisition`).
     """
+    unlabeled = UnlabeledReward() if unlabeled is None else unlabeled
+    scores = {} if scores is None else scores
     deadline = None if budget is None else time.monotonic() + max(0.0, budget)
     judge = default_verifier() if verifier is None else verifier
     tally = Tally()
@@ -119,28 +129,39 @@ def grade(
             pass_rates[i] = sum(rewards[i]) / g
             pos += g
 
-    unlabeled = [i for i, q in enumerate(questions) if not q.labeled]
-    if unlabeled:
-        group_keys = None if flat_keys is None else [keys[i] for i in unlabeled]
-        votes = cluster_votes([answers[i] for i in unlabeled], judge, timeout, deadline, tally, group_keys)
-        checks = []  # (question position, hidden gold, pseudo-label)
-        share = unlabeled_reward == "cluster_share"  # EMPO: p(cluster | question); TTRL: in the majority
-        for i, vote in zip(unlabeled, votes):
-            label, agree = vote.label, vote.agree
-            rewards[i] = list(vote.share) if share else [1.0 if a else 0.0 for a in agree]
-            pseudo_labels[i] = label
-            pass_rates[i] = sum(agree) / len(agree)
-            gold = questions[i].answer
-            if gold is not None:
-                if label is None:
-                    pseudo_correct[i] = 0.0
-                else:
-                    checks.append((i, gold, label))
-        verdicts = decide_pairs([(g, lab) for _, g, lab in checks], judge, timeout, deadline, tally)
-        for (i, _, _), ok in zip(checks, verdicts):
-            pseudo_correct[i] = 1.0 if ok else 0.0
+    votes: list[Vote | None] = [None] * b
+    voted = [i for i, q in enumerate(questions) if vote_labeled or not q.labeled]
+    if voted:
+        group_keys = None if flat_keys is None else [keys[i] for i in voted]
+        found = cluster_votes([answers[i] for i in voted], judge, timeout, deadline, tally, group_keys)
+        for i, vote in zip(voted, found):
+            votes[i] = vote
+    checks = []  # (question position, hidden gold, pseudo-label)
+    for i, q in enumerate(questions):
+        if q.labeled:
+            continue
+        vote = votes[i]
+        rewards[i] = unlabeled(vote, scores.get(i))
+        pseudo_labels[i] = vote.label
+        pass_rates[i] = sum(vote.agree) / len(vote.agree)
+        if q.answer is not None:
+            if vote.label is None:
+                pseudo_correct[i] = 0.0
+            else:
+                checks.append((i, q.answer, vote.label))
+    verdicts = decide_pairs([(g, lab) for _, g, lab in checks], judge, timeout, deadline, tally)
+    for (i, _, _), ok in zip(checks, verdicts):
+        pseudo_correct[i] = 1.0 if ok else 0.0
     return Grades(
-        rewards, pass_rates, pseudo_correct, tally.timeouts, tally.budget_cut, tally.failed, answers, pseudo_labels
+        rewards,
+        pass_rates,
+        pseudo_correct,
+        tally.timeouts,
+        tally.budget_cut,
+        tally.failed,
+        answers,
+        pseudo_labels,
+        votes,
     )
 
 
@@ -153,9 +174,14 @@ def confidence_kinds(cfg: Config, labeled: torch.Tensor) -> list[str]:
     selection = confidence_kind(cfg.selection.strategy)
     if selection is not None and labeled.any() and not labeled.all():
         kinds.append(selection)
-    if cfg.reward.unlabeled not in VOTE_REWARDS:
-        kinds.append(cfg.reward.unlabeled)
+    if (reward := unlabeled_reward(cfg).score_kind) is not None:
+        kinds.append(reward)
     return list(dict.fromkeys(kinds))
+
+
+def unlabeled_reward(cfg: Config) -> UnlabeledReward:
+    """The run's `reward.unlabeled` with its settings."""
+    return UnlabeledReward(cfg.reward.unlabeled, cfg.reward.scrl)
 
 
 def confidence_scores(
@@ -178,10 +204,12 @@ def confidence_scores(
     return out
 
 
-def round_rewards(grades: Grades, confidence: dict[int, list[float]]) -> list[list[float]]:
-    """[b][G] rewards: the graded ones, or, for the unlabeled questions at the positions `confidence` holds,
-    their confidence scores (`reward.unlabeled` a confidence reward; empty under the vote's rewards)."""
-    rewards = list(grades.rewards)
-    for pos, scores in confidence.items():
-        rewards[pos] = scores
-    return rewards
+def label_votes(question_ids: list[int], questions: list[Question], grades: Grades) -> list[tuple]:
+    """The label buyer's rows (`LabelBuyer.record`) of the voted groups: (question, its `GroupVote`, labeled,
+    whether a labeled group's majority answer is its gold, how many of its responses are)."""
+    rows = []
+    for i, q, vote, rewards in zip(question_ids, questions, grades.votes, grades.rewards):
+        if vote is not None:
+            right = q.labeled and any(r == 1.0 for r, a in zip(rewards, vote.agree) if a)
+            rows.append((i, group_vote(vote), q.labeled, right, sum(r == 1.0 for r in rewards) if q.labeled else 0))
+    return rows

@@ -75,7 +75,7 @@ def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float
         "labeled_pass_sum": sum(labeled_rates),
         "unlabeled_questions": len(unlabeled),
         "unlabeled_pass_sum": sum(p for p, _, _ in unlabeled),
-        # the vote's reward (majority agreement, or the cluster share), each question's mean over its G
+        # reward.unlabeled's rewards (the vote's, or a confidence score), each question's mean over its G
         "unlabeled_reward_sum": sum(sum(r) / len(r) for q, r in zip(questions, grades.rewards) if not q.labeled and r),
         "unlabeled_in_loss": sum(m for _, _, m in unlabeled),
         "pseudo_known": len(known),
@@ -89,16 +89,15 @@ def step_sums(questions, grades, gate: list[float], rollouts) -> dict[str, float
     }
 
 
-def step_values(totals: dict[str, float], *, world: int, updates: int, applied: bool, vote_reward: bool) -> dict:
+def step_values(totals: dict[str, float], *, world: int, updates: int, applied: bool, unlabeled: bool) -> dict:
     """The logged values of one step from the sums over all ranks (pure).
 
     totals: `step_sums` plus the update sums of `trapo.engine.policy.UPDATE_SUMS`,
     each added over ranks and (update sums) over the step's `updates`
     optimizer steps. Each rank's loss is its share of the global loss times
     the world size (see the loss denominator), so the step's loss is the sum
-    over ranks / world, averaged over updates. vote_reward: the unlabeled reward
-    is read off the vote (majority agreement, equal to the unlabeled pass rate, or
-    the cluster share), not a confidence score.
+    over ranks / world, averaged over updates. unlabeled: the run rewards unlabeled
+    questions (`reward_unlabeled`, the mean of reward.unlabeled's rewards, is logged).
     """
     n_lab, n_unl = totals["labeled_questions"], totals["unlabeled_questions"]
     trained_tokens = max(totals["trained_tokens"], 1.0)
@@ -134,7 +133,7 @@ def step_values(totals: dict[str, float], *, world: int, updates: int, applied: 
         "reward_labeled": lab_pass,
         "pass_rate_labeled": lab_pass,
         "pass_rate_unlabeled": unl_pass,
-        "reward_unlabeled": totals["unlabeled_reward_sum"] / n_unl if vote_reward and n_unl else None,
+        "reward_unlabeled": totals["unlabeled_reward_sum"] / n_unl if unlabeled and n_unl else None,
         "unlabeled_in_loss": int(totals["unlabeled_in_loss"]),
         "pseudo_label_precision": totals["pseudo_right"] / totals["pseudo_known"] if totals["pseudo_known"] else None,
         "response_tokens": int(totals["response_tokens"]),
@@ -218,7 +217,8 @@ def append_jsonl(path: Path, row: dict) -> None:
 
 
 def trim_metrics(path: Path, step: int) -> None:
-    """On resume, move metrics of steps after the checkpoint (they are redone) to metrics.discarded.jsonl."""
+    """On resume, move the rows of steps after the checkpoint (they are redone) from a log with a `step` per row
+    (metrics.jsonl, labels.jsonl) to <name>.discarded.jsonl."""
     if not path.is_file():
         return
     keep, drop = [], []
@@ -228,7 +228,7 @@ def trim_metrics(path: Path, step: int) -> None:
         except (json.JSONDecodeError, KeyError):
             drop.append(line)
     if drop:
-        with open(path.with_name("metrics.discarded.jsonl"), "a") as f:
+        with open(path.with_suffix(".discarded.jsonl"), "a") as f:
             f.write("".join(line + "\n" for line in drop))
     path.write_text("".join(line + "\n" for line in keep))
 

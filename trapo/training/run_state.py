@@ -2,20 +2,23 @@
 
 A checkpoint (trapo/engine/checkpoint.py: DeepSpeed's files, the RNGs, atomic directories) holds the policy's
 weights and optimizer and, beside them, this object's `state_dict`: the step and the data cursor, the
-pass-rate tracker, the bad-step count, the rambling guard and the adaptive entropy coefficient, the last
-selection, the best validation score, the held-out scores before training, the experiment trackers' run ids,
-the grader's memory and the rounds in flight (rollout.placement separate). `save` writes, verifies and prunes
-checkpoints; `resume` restores the newest whole one, weights included, and hands them to the rollout engine.
+pass-rate tracker (and the labels bought: labels.*), the bad-step count, the rambling guard and the adaptive
+entropy coefficient, the last selection, the best validation score, the held-out scores before training, the
+experiment trackers' run ids, the grader's memory and the rounds in flight (rollout.placement separate). `save`
+writes, verifies and prunes checkpoints; `resume` restores the newest whole one, weights included, and hands
+them to the rollout engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
 
 from trapo import console
+from trapo.algorithm.acquisition import LabelBuyer
 from trapo.algorithm.entropy_control import EntropyControl
 from trapo.algorithm.passrate import PassRateTracker
 from trapo.config import Config, ConfigError
@@ -37,6 +40,7 @@ class RunState:
         self,
         cfg: Config,
         labeled: torch.Tensor,
+        hidden_gold: torch.Tensor,
         *,
         rank: int,
         world: int,
@@ -58,6 +62,9 @@ class RunState:
         if selection.random_seed is None:  # the random-selection control follows the run's seed
             selection = dataclasses.replace(selection, random_seed=cfg.seed)
         self.tracker = PassRateTracker(labeled, selection)
+        # labels.*: the epoch ends that buy labels are the run's but its last
+        epochs = math.ceil(cfg.max_steps / steps_per_epoch) if cfg.max_steps else cfg.epochs
+        self.labels = LabelBuyer(cfg.labels, cfg.rollout.n, hidden_gold, cfg.seed, buy_epochs=epochs - 1)
         self.step = 0
         self.cursor = Cursor(0, 0)  # the next step's epoch and batch (refills consume batches)
         self.bad_steps = 0  # consecutive skipped (non-finite) updates
@@ -90,7 +97,8 @@ class RunState:
         return {
             "step": self.step,
             "cursor": [self.cursor.epoch, self.cursor.batch],
-            "tracker": self.tracker.state_dict(),
+            "tracker": self.tracker.state_dict(),  # with the bought questions (labels.*)
+            "labels": self.labels.state_dict(),  # labels.acquire=care: the epoch's votes, the calibration
             "bad_steps": self.bad_steps,
             "rambling": self.rambling.state_dict(),  # the guard's entropy baseline, streaks and last warning
             "entropy_coef": self.entropy_control and self.entropy_control.state_dict(),  # loss.entropy_target
@@ -112,6 +120,7 @@ class RunState:
         if problem:  # the checkpoint's weights belong to another model: the input to fix
             raise ConfigError(problem)
         self.tracker.load_state_dict(state["tracker"])
+        self.labels.load_state_dict(state.get("labels"))
         self.step = state["step"]
         self.cursor = Cursor(*state["cursor"])
         self.bad_steps = state["bad_steps"]
@@ -178,7 +187,8 @@ class RunState:
         self.rollouts.restore(state, self.step)  # separate: the saved rounds come first; the push is version `step`
         self.rollouts.push_weights()
         if self.rank == 0:
-            metrics.trim_metrics(self.run_dir / "metrics.jsonl", self.step)
+            for log in ("metrics.jsonl", "labels.jsonl"):
+                metrics.trim_metrics(self.run_dir / log, self.step)
         console.say(f"resumed from {path} at step {self.step}")
         return path, moved_from
 

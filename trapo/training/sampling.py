@@ -8,7 +8,7 @@ of the epoch's order (`trapo.data.epoch_batches`, each rank its usual share), an
 `rollout.dynamic_sampling_max_rounds` generation rounds in all (0: no limit); then the informative groups
 are cut to exactly `train.rollout_batch_size` in the global order (round, position in the round's batch),
 the same on every rank. Surplus informative groups are dropped, as in veRL's DAPO recipe.
-The rewards compared are those the advantages are computed from (`trapo.training.grading.round_rewards`):
+The rewards compared are those the advantages are computed from (`trapo.training.grading.grade`):
 0/1 correctness for labeled questions, majority agreement for unlabeled ones, or a confidence reward
 (reward.unlabeled), whose continuous scores are seldom all equal. veRL's recipe filters on accuracy by
 default (metric acc) and stops the run when its round limit is reached; here the step then trains on the

@@ -23,6 +23,7 @@ The components do the work: `Policy` (trapo/engine/policy.py), the `RolloutSourc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -31,7 +32,7 @@ import torch
 from trapo import console, hub, runtime
 from trapo.algorithm.rewards.verifiers import require_verifier
 from trapo.algorithm.selection import confidence_kind
-from trapo.config import VOTE_REWARDS, Config, dump_config, to_dict
+from trapo.config import Config, dump_config, to_dict
 from trapo.engine import checkpoint as ckpt
 from trapo.engine import dist
 from trapo.engine.grading.verifier import MathVerifier
@@ -40,7 +41,7 @@ from trapo.engine.policy import TrainingError
 from trapo.engine.rollout import Rollout, require_backend
 from trapo.training import curriculum, metrics, prefetch, rollout_dump, run_record, sampling
 from trapo.training.evaluation import Evaluator
-from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, round_rewards
+from trapo.training.grading import Grades, confidence_kinds, confidence_scores, grade, label_votes, unlabeled_reward
 from trapo.training.health import METRIC, RolloutHealth
 from trapo.training.inputs import fetch_model, prepare_inputs
 from trapo.training.loggers import Loggers
@@ -92,9 +93,11 @@ class Trainer:
             test=inputs.test_benchmarks,
             validation=inputs.val_benchmarks,
         )
+        self.unlabeled_reward = unlabeled_reward(cfg)  # reward.unlabeled, built once
         self.state = RunState(
             cfg,
             torch.tensor([q.labeled for q in self.questions]),
+            torch.tensor([q.answer is not None for q in self.questions]),  # labels.*: the golds held back
             rank=self.rank,
             world=self.world,
             steps_per_epoch=inputs.steps_per_epoch,
@@ -109,6 +112,8 @@ class Trainer:
         self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
         # the checkpoint this start resumed, if any, and its world size when it differs from this run's
         self.resumed_from, self.moved_from = self.state.resume()
+        for i in self.state.tracker.bought.nonzero().squeeze(1).tolist():  # labels bought before a resume
+            self.questions[i] = dataclasses.replace(self.questions[i], labeled=True)
 
     def _claim_run_dir(self) -> tuple[hub.Snapshot | None, dict]:
         """Rank 0 owns the run directory (one run at a time) before it looks at or cleans anything in it; then
@@ -174,12 +179,12 @@ class Trainer:
     def _step_values(self, epoch: int, totals: dict, update: UpdateResult, n_updates: int, pushed_bytes: int) -> dict:
         """The step's metrics.jsonl row from the statistics summed over all ranks (the blocks of optional
         features and the costs come after)."""
-        vote_reward = self.cfg.mode != "supervised" and self.cfg.reward.unlabeled in VOTE_REWARDS
+        unlabeled = self.cfg.mode != "supervised"
         return {
             "step": self.state.step + 1,
             "epoch": epoch + 1,
             **metrics.step_values(
-                totals, world=self.world, updates=n_updates, applied=update.applied, vote_reward=vote_reward
+                totals, world=self.world, updates=n_updates, applied=update.applied, unlabeled=unlabeled
             ),
             "selected_unlabeled": int(self.state.tracker.selected.sum()),  # the gate's current open set
             "pushed_gb": pushed_bytes / 2**30,
@@ -234,24 +239,28 @@ class Trainer:
         # 1. rollouts: G samples per question, each request seeded by (run seed, step, question)
         with timer.time("rollout"):
             rollouts = self.rollouts.generate(self.state.step, question_ids)  # [b][G]
-        # 2. grading: rewards and (pseudo) pass rates
+        # 2. grading: rewards and (pseudo) pass rates; the confidence scores the selection strategy or the
+        # unlabeled reward read are a policy forward over the unlabeled responses (collective), timed as grading
         with timer.time("grading"):
-            texts = [[r.text for r in group] for group in rollouts]
+            scored = self._confidence_scores(question_ids, rollouts)  # {kind: {position: [G] scores}}
             grades = grade(
                 questions,
-                texts,
+                [[r.text for r in group] for group in rollouts],
                 cfg.reward.timeout,
                 self.verifier,
                 budget=cfg.reward.step_budget,
-                unlabeled_reward=cfg.reward.unlabeled,
+                unlabeled=self.unlabeled_reward,
+                scores=scored.get(self.unlabeled_reward.score_kind, {}),
+                vote_labeled=self.state.labels.calibrates,
             )
         # 3. pass rates from every rank into the tracker; the gate for this epoch was fixed at the last epoch end
-        # (the selection strategy's confidence scores, when it needs them, are a policy forward: timed as grading)
         with timer.time("grading"):
-            scored = self._confidence_scores(question_ids, rollouts)  # {kind: {position: [G] scores}}
             gate = self._record_pass_rates(question_ids, grades, scored)  # [b]
-            rewards = round_rewards(grades, scored.get(cfg.reward.unlabeled, {}))  # [b][G]
-        return sampling.Round(question_ids, rollouts, grades, gate, rewards)
+            if self.state.labels.active:  # labels.*: every rank's votes, which the epoch end's label score reads
+                for rows in dist.all_gather(label_votes(question_ids, questions, grades)):
+                    for row in rows:
+                        self.state.labels.record(*row)
+        return sampling.Round(question_ids, rollouts, grades, gate, grades.rewards)
 
     def _rollout_sums(self, rounds: list[sampling.Round], plan: dict) -> dict[str, float]:
         """`metrics.step_sums` over every question this rank rolled out in the step (refills and filtered
@@ -286,7 +295,8 @@ class Trainer:
         )
 
     def _end_epoch(self) -> dict:
-        """Extend every trajectory with the epoch's pass rates, select for the next epoch, dump the selection."""
+        """Extend every trajectory with the epoch's pass rates, select for the next epoch, dump the selection;
+        buy the epoch's gold labels (labels.*) unless it is the run's last."""
         state = self.state
         state.last_selection = state.tracker.end_epoch()
         if self.is_main and state.last_selection["tcs_selected"] is not None:
@@ -294,6 +304,13 @@ class Trainer:
             row = state.tracker.selection_row(history=not path.is_file())
             metrics.append_jsonl(path, row)
             self.loggers.log_selection(row, step=state.step + 1)  # the step that closes the epoch
+        bought = None if state.finished(state.step + 1) else state.labels.buy(state.tracker)
+        if bought is not None:  # alike on every rank: the questions are labeled from the next step on
+            for i in bought["question"]:
+                self.questions[i] = dataclasses.replace(self.questions[i], labeled=True)
+            if self.is_main:  # the step that closed the epoch first: a resume trims the rows after its checkpoint
+                metrics.append_jsonl(self.run_dir / "labels.jsonl", {"step": state.step + 1} | bought)
+            state.last_selection = state.last_selection | {"bought": len(bought["question"]), "spent": bought["spent"]}
         return state.last_selection
 
     def _confidence_scores(self, question_ids: list[int], rollouts: list[list[Rollout]]) -> dict[str, dict]:

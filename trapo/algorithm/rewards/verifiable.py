@@ -332,23 +332,33 @@ def _judge_round(asks, judge: Judge, timeout, deadline) -> list[Verdict]:
 @dataclass(frozen=True)
 class Vote:
     """One question's vote: the majority `label` (None on a tie for the largest cluster, or with no answers),
-    which responses `agree` with it, and each response's `share`, the fraction of the G responses in its
-    cluster (0.0 without an answer): EMPO's reward, p(cluster | question) (arXiv 2504.05812)."""
+    which responses `agree` with it, each response's `share`, the fraction of the G responses in its
+    cluster (0.0 without an answer): EMPO's reward, p(cluster | question) (arXiv 2504.05812), and each
+    response's `cluster`, its cluster's index (clusters in the order they were started: the most frequent
+    answer's first), None without an answer."""
 
     label: str | None
     agree: list[bool]
     share: list[float]
+    cluster: list[int | None]
+
+    def sizes(self) -> list[int]:
+        """Responses per cluster, by cluster index."""
+        counts = Counter(c for c in self.cluster if c is not None)
+        return [counts[i] for i in range(len(counts))]
 
 
 def _outcome(ballot: _Ballot) -> Vote:
     sizes = [sum(ballot.counts[k] for k in c) for c in ballot.clusters]
     size_of = {k: size for c, size in zip(ballot.clusters, sizes) for k in c}
     share = [size_of[k] / len(ballot.keys) if k is not None else 0.0 for k in ballot.keys]
+    index = {k: i for i, c in enumerate(ballot.clusters) for k in c}
+    cluster = [None if k is None else index[k] for k in ballot.keys]
     if not sizes or sizes.count(max(sizes)) > 1:
-        return Vote(None, [False] * len(ballot.keys), share)
+        return Vote(None, [False] * len(ballot.keys), share, cluster)
     winner = ballot.clusters[sizes.index(max(sizes))]
     members = set(winner)
-    return Vote(ballot.raw[winner[0]], [k in members for k in ballot.keys], share)
+    return Vote(ballot.raw[winner[0]], [k in members for k in ballot.keys], share, cluster)
 
 
 def majority_votes(

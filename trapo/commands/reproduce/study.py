@@ -147,7 +147,6 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
                     "toy.enabled=false",
                     f"model.path={root / 'model'}",
                     f"data.train_files=[{root / 'train.jsonl'}]",
-                    f"data.labeled_ratio={LABELED_RATIO}",
                     f"eval.files=[{splits}]",
                     "eval.select_on=validation",
                     f"eval.steps={study.eval_every}",
@@ -164,9 +163,10 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
                 cmd = [sys.executable, str(ROOT / "trapo_train.py")]
             else:
                 cmd = ["deepspeed", str(ROOT / "trapo_train.py")]
-            runs.append(
-                (name, seed, run_dir, [*cmd, "--config", str(ROOT / study.base), *study.common, *overrides, *args])
-            )
+            # the reproduction's labeled split comes first, so that a condition may change it (label budgets)
+            split = [f"data.labeled_ratio={LABELED_RATIO}"] if root is not None else []
+            config = ["--config", str(ROOT / study.base), *split, *study.common, *overrides]
+            runs.append((name, seed, run_dir, [*cmd, *config, *args]))
     return runs
 
 
@@ -280,6 +280,8 @@ def main(args) -> int:
     if study.report is not None:  # every finished run of the study, these seeds and conditions or earlier ones
         if study.report == "long_runs":
             from trapo.commands.reproduce.long_runs import write_report
+        elif study.report == "comparison":
+            from trapo.commands.reproduce.comparison import write_report
         else:
             from trapo.commands.reproduce.efficiency import write_report
 

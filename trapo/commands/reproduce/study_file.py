@@ -29,6 +29,7 @@ CLAIM_KEYS = ("name", "better", "worse", "split", "means", "metric")
 REPORT_METRICS = {
     "long_runs": ("truncated", "entropy", "accuracy", "precision"),
     "efficiency": ("tokens_to_reference_best", "zero_advantage"),
+    "comparison": (),  # comparison.py: test accuracy at the best validation step, with labels bought (labels.*)
 }
 METRICS = tuple(m for names in REPORT_METRICS.values() for m in names)
 REPORTS = tuple(REPORT_METRICS)
