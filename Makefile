@@ -109,16 +109,20 @@ endif
 
 # The five sensitivity and selection studies on the toy (configs/studies/toy/, paper Figure 5 and its tables):
 # every run, then docs/reproduce-toy/sensitivity.json, sensitivity.md and its plots; then the curriculum study
-# (curriculum.yaml) and its page, curriculum.md. QUICK=1: 2 seeds, half the steps, into
-# outputs/studies-quick/ (the curriculum: one seed, into outputs/studies-quick/curriculum).
+# (curriculum.yaml) and its page, curriculum.md; then the label-efficient methods (label_efficient.yaml) and
+# label_efficient.md. QUICK=1: 2 seeds, half the steps, into outputs/studies-quick/ (the curriculum and the
+# label-efficient methods: one seed, into outputs/studies-quick/<name>).
 studies-toy: $(STAMP)
 ifeq ($(QUICK),)
 	$(PY) -m trapo reproduce --studies configs/studies/toy --docs docs/reproduce-toy
 	$(PY) -m trapo reproduce --study configs/studies/toy/curriculum.yaml --jobs 1 --docs docs/reproduce-toy
+	$(PY) -m trapo reproduce --study configs/studies/toy/label_efficient.yaml --jobs 2 --docs docs/reproduce-toy
 else
 	$(PY) -m trapo reproduce --studies configs/studies/toy --quick
 	$(PY) -m trapo reproduce --study configs/studies/toy/curriculum.yaml --quick --jobs 1 \
 		--out outputs/studies-quick/curriculum
+	$(PY) -m trapo reproduce --study configs/studies/toy/label_efficient.yaml --quick --jobs 2 \
+		--out outputs/studies-quick/label_efficient
 endif
 
 lint: $(STAMP)

@@ -5,6 +5,7 @@ study runs end to end through a kill: finished runs are kept, the killed one res
 import glob
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -37,8 +38,27 @@ def reproduce(*args, **kw):
 def test_the_five_studies_ship_for_the_toy_and_the_gpu_config():
     names = {(os.path.basename(os.path.dirname(p)), os.path.basename(p)[:-5]) for p in STUDIES}
     five = {"top_p", "gamma", "warmup", "select_method", "random_select"}
-    # beside them the toy's curriculum study (issue 44), with its own report
-    assert names == {(scale, name) for scale in ("toy", "gpu") for name in five} | {("toy", "curriculum")}
+    # beside them the toy's curriculum study (issue 44), with its own report, and the label-efficient methods
+    # (issue 65) at both scales
+    extra = {("toy", "curriculum"), ("toy", "label_efficient"), ("gpu", "label_efficient")}
+    assert names == {(scale, name) for scale in ("toy", "gpu") for name in five} | extra
+
+
+@pytest.mark.parametrize("scale", ["toy", "gpu"])
+def test_a_condition_may_change_the_labeled_split_for_one_label_budget(scale, tmp_path):
+    """label_efficient: the active conditions start with 3/4 of the labels the others have (the reproduction's
+    split comes first in a launch, the condition's after it, so the condition's wins) and buy the rest."""
+    from trapo.config import load_config
+
+    path = os.path.join(ROOT, "configs", "studies", scale, "label_efficient.yaml")
+    study = load_study(path)
+    lines = reproduce("--study", path, "--print", "--out", str(tmp_path / "le")).stdout.splitlines()
+    for line, (name, _) in zip(lines[:: len(study.seeds)], study.conditions.items()):
+        argv = shlex.split(line)
+        cfg = load_config(argv[argv.index("--config") + 1], [a for a in argv[argv.index("--config") + 2 :] if "=" in a])
+        active = name.startswith("labels_")
+        assert cfg.data.labeled_ratio == (0.1875 if active else 0.25), name
+        assert cfg.labels.budget == (0 if not active else 16 if scale == "toy" else 256), name
 
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.split("studies/")[1])

@@ -1,0 +1,66 @@
+"""The comparison report (trapo/commands/reproduce/comparison.py) on hand-written runs: test accuracy at the best
+validation step per condition, the paired claims, what the runs that bought labels bought, the page and plot."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from trapo.commands.reproduce import comparison
+from trapo.commands.reproduce.study import load_study
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def write_run(run_dir, evals, bought=()):
+    """metrics.jsonl with evals {step: (validation, test, test_ood)}; labels.jsonl rows of `bought`
+    (questions, whether each one's pseudo-label was right)."""
+    run_dir.mkdir(parents=True)
+    rows = [{"step": s, "eval": dict(zip(comparison.SPLITS, v))} for s, v in sorted(evals.items())]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if bought:
+        log = [{"step": 2, "epoch": 1, "question": q, "pseudo_correct": c} for q, c in bought]
+        (run_dir / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    return run_dir
+
+
+def study():
+    full = load_study(os.path.join(ROOT, "configs", "studies", "toy", "label_efficient.yaml"))
+    keep = ("trapo", "ttrl", "labels_care", "labels_random")
+    claims = [c for c in full.claims if c["better"] in keep and c["worse"] in keep]
+    return dataclasses.replace(full, conditions={k: full.conditions[k] for k in keep}, claims=claims, steps=4)
+
+
+def test_claims_read_the_test_accuracy_at_the_best_validation_step_and_purchases_are_summed(tmp_path):
+    dirs = {}
+    for seed, shift in ((0, 0.0), (1, 0.02), (2, 0.04)):
+        # TraPO's best validation is step 2 (ID test 0.5 + shift), TTRL's step 4 (0.4 + shift): +0.1 every seed
+        dirs[("trapo", seed)] = write_run(tmp_path / f"t{seed}", {2: (0.6, 0.5 + shift, 0.3), 4: (0.5, 0.9, 0.9)})
+        dirs[("ttrl", seed)] = write_run(tmp_path / f"m{seed}", {2: (0.4, 0.9, 0.9), 4: (0.5, 0.4 + shift, 0.2)})
+        # CARE bought 4, 3 of them where the vote was wrong; random 4, 1 wrong, one unknown
+        care = [([10, 11], [False, False]), ([12, 13], [False, True])]
+        dirs[("labels_care", seed)] = write_run(tmp_path / f"c{seed}", {4: (0.5, 0.6, 0.3)}, care)
+        rand = [([20, 21], [True, True]), ([22, 23], [False, None])]
+        dirs[("labels_random", seed)] = write_run(tmp_path / f"r{seed}", {4: (0.5, 0.55 + shift, 0.3)}, rand)
+    text = comparison.write_report(study(), dirs, tmp_path / "docs")
+    res = json.loads((tmp_path / "docs" / "label_efficient.json").read_text())
+    claims = {c["name"]: c for c in res["claims"]}
+    assert [round(d, 9) for d in claims["trapo_beats_ttrl"]["differences"]] == [0.1] * 3
+    assert claims["trapo_beats_ttrl"]["verdict"] == "held"  # a constant difference: a zero-width interval
+    assert [round(d, 9) for d in claims["trapo_beats_ttrl_ood"]["differences"]] == [0.1] * 3
+    assert [round(d, 9) for d in claims["care_beats_random_labels"]["differences"]] == [0.05, 0.03, 0.01]
+    care, rand = res["conditions"]["labels_care"], res["conditions"]["labels_random"]
+    assert care["bought"]["mean"] == 4 and care["bought_wrong_vote"]["mean"] == 0.75
+    assert rand["bought_wrong_vote"]["mean"] == pytest.approx(1 / 3)  # the unknown one left out
+    assert "bought" not in res["conditions"]["trapo"]
+    assert "| labels_care | 50.0% | 4 | 60.0% | 30.0% | 4 | 75.0% |" in text
+    assert "| trapo | 60.0% | 2 | 52.0% | 30.0% | - | - |" in text
+    assert "What the toy can and cannot separate" in text and (tmp_path / "docs" / "label_efficient.png").stat().st_size
+
+
+def test_a_condition_without_runs_leaves_its_claims_not_run(tmp_path):
+    dirs = {("trapo", 0): write_run(tmp_path / "t", {4: (0.5, 0.5, 0.5)})}
+    res = comparison.analyse(study(), {k: comparison.run_values(d) for k, d in dirs.items()}, [0])
+    assert {c["verdict"] for c in res["claims"]} == {"not run"} and list(res["conditions"]) == ["trapo"]
+    assert "Too few seeds" in comparison.page(res)
