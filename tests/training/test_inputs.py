@@ -80,3 +80,27 @@ def test_a_truncated_weight_file_is_named_before_any_load(tmp_path):
         prepare_inputs(load_config(paper, [f"model.path={d}"]), world=1)
     (d / "model.safetensors").write_bytes(b"\x05")
     assert "not a readable safetensors file" in weight_problem(d)
+
+
+def test_a_label_budget_without_hidden_golds_is_refused_before_any_load(tmp_path, capsys):
+    import json
+
+    from trapo.data import DataError
+
+    d = fake_model(tmp_path, {"max_position_embeddings": 32768})
+    rows = [{"question": f"{i}+1?", "answer": str(i + 1), "labeled": True} for i in range(4)]
+    rows += [{"question": f"{i}+2?", "labeled": False} for i in range(4)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paper = os.path.join(ROOT, "configs", "trapo_1k_3k.yaml")
+    args = [f"model.path={d}", f"data.train_files=[{train}]", "train.rollout_batch_size=4", "train.update_batch_size=4"]
+    args += ["labels.budget=2"]
+    with pytest.raises(DataError, match=r"labels.budget 2: no unlabeled row of .*train.jsonl holds a gold answer"):
+        prepare_inputs(load_config(paper, args), world=1)
+    # one hidden gold: said, and the run goes on to its next input (here the tokenizer the fake model lacks)
+    rows[4]["answer"] = "2"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(Exception) as err:
+        prepare_inputs(load_config(paper, args), world=1)
+    assert not isinstance(err.value, DataError)
+    assert "labels.budget 2: only 1 unlabeled questions hold a gold; at most 1 are bought" in capsys.readouterr().err

@@ -96,7 +96,7 @@ def test_step_values_from_cross_rank_totals():
 def test_step_values_edge_cases():
     skipped = step_values(totals(), world=1, updates=1, applied=False, unlabeled=False)
     assert math.isnan(skipped["loss"]) and skipped["skipped"] is True
-    assert skipped["reward_unlabeled"] is None  # a confidence reward is not majority agreement
+    assert skipped["reward_unlabeled"] is None  # a run without unlabeled rewards (mode supervised)
     assert skipped["entropy"] == 0.0  # no trained tokens: no division by zero
     assert skipped["logprob_diff_rollout_vs_policy"] is None  # no engine log-probs
     empty = step_values(

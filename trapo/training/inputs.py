@@ -77,6 +77,22 @@ def check_context(cfg: Config, limit: tuple[int, str] | None, what: str) -> None
     )
 
 
+def check_hidden_golds(cfg: Config, questions: list, files: list[str]) -> None:
+    """labels.budget buys the golds unlabeled rows hold back: none to buy is the data to fix, before any load;
+    fewer than the budget is said."""
+    budget = cfg.labels.budget
+    if not budget:
+        return
+    held = sum(not q.labeled and q.answer is not None for q in questions)
+    if held == 0:
+        raise DataError(
+            f"labels.budget {budget}: no unlabeled row of {', '.join(files)} holds a gold answer to reveal; "
+            "give the unlabeled rows their `answer` (kept from the reward until bought) or set labels.budget=0"
+        )
+    if held < budget:
+        console.say(f"labels.budget {budget}: only {held} unlabeled questions hold a gold; at most {held} are bought")
+
+
 def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> RunInputs:
     if cfg.toy.enabled:
         root = cfg.toy.asset_dir
@@ -110,6 +126,7 @@ def prepare_inputs(cfg: Config, world: int, model_dir: str | None = None) -> Run
     questions, dropped = gradable(questions, cfg.data.drop_ungradable_golds, math=cfg.reward.verifier == "math")
     if dropped:
         console.say(f"data.drop_ungradable_golds: dropped {dropped} labeled rows whose gold is empty or prose")
+    check_hidden_golds(cfg, questions, train_files)
     test_benchmarks = [b for f in test_files for b in read_benchmark_file(Path(f))]
     val_files = cfg.eval.files or toy_val  # the toy: its validation split, or without one its test splits
     val_benchmarks = [b for f in val_files for b in read_benchmark_file(Path(f))]
