@@ -56,6 +56,7 @@ def test_claims_read_the_test_accuracy_at_the_best_validation_step_and_purchases
     assert "bought" not in res["conditions"]["trapo"]
     assert "| labels_care | 50.0% | 4 | 60.0% | 30.0% | 4 | 75.0% |" in text
     assert "| trapo | 60.0% | 2 | 52.0% | 30.0% | - | - |" in text
+    assert "was wrong, so that the label changed its rewards: labels_care 75.0%, labels_random 33.3%." in text
     assert "What the toy can and cannot separate" in text and (tmp_path / "docs" / "label_efficient.png").stat().st_size
 
 

@@ -99,6 +99,23 @@ def _separable(res: dict) -> str:
     )
 
 
+def _purchases(res: dict) -> list[str]:
+    """Where each acquisition spent its labels, measured: the share bought where the vote was wrong."""
+    spent = [
+        f"{name} {_pct(c['bought_wrong_vote']['mean'])}"
+        for name, c in res["conditions"].items()
+        if c.get("bought_wrong_vote") and c["bought_wrong_vote"]["mean"] is not None
+    ]
+    if not spent:
+        return []
+    return [
+        "Where the bought labels went: the share of them bought for a question whose majority vote (at the epoch "
+        f"end that bought it) was wrong, so that the label changed its rewards: {', '.join(spent)}. A score can "
+        "find the wrong votes without the test accuracy separating: compare with the claims above.",
+        "",
+    ]
+
+
 def page(res: dict) -> str:
     """<name>.md: the plan as the study file fixed it, the measured tables, the claims, the plot."""
     lines = [
@@ -143,6 +160,7 @@ def page(res: dict) -> str:
         "",
         _separable(res),
         "",
+        *_purchases(res),
         "The toy's answers are one- or two-digit numbers, so an answer cluster is one string and EMPO's cluster "
         "share is the vote's share; the trap makes the majority confidently wrong on borrow questions, which is "
         "what TraPO's trajectories and SCRL's selective labels are built to notice. What it cannot show: answers "
