@@ -38,10 +38,11 @@ def test_scrl_trains_8_steps_and_resumes_exactly_after_a_stop(toy_dir, tmp_path)
     assert rows(tmp_path / "resumed") == rows(tmp_path / "scrl")
 
 
-def test_bought_labels_stay_within_budget_train_as_labeled_and_resume_exactly(toy_dir, tmp_path):
+@pytest.mark.parametrize("acquire", ["care", "tcs", "random"])
+def test_bought_labels_stay_within_budget_train_as_labeled_and_resume_exactly(toy_dir, tmp_path, acquire):
     """16 labeled + 48 unlabeled toy questions, 2 steps per epoch, 8 steps: labels bought at the ends of epochs 1-3,
-    2 each (budget 6 spread), chosen by CARE's score, whose labeled-group calibration the vote keeps. A stop at
-    step 3, mid-epoch, resumes with the epoch's votes and buys the same."""
+    2 each (budget 6 spread), chosen by `acquire` (CARE's score reads the epoch's votes and the labeled groups'
+    calibration). A stop at step 3, mid-epoch, resumes with what the epoch recorded and buys the same."""
     bought = {
         "mode": "trapo",
         "max_steps": 8,
@@ -49,7 +50,7 @@ def test_bought_labels_stay_within_budget_train_as_labeled_and_resume_exactly(to
         "train.rollout_batch_size": 32,
         "train.update_batch_size": 32,
         "labels.budget": 6,
-        "labels.acquire": "care",
+        "labels.acquire": acquire,
     }
     train(overrides(toy_dir, tmp_path, run_name="care", **bought))
     log = [json.loads(line) for line in (tmp_path / "care" / "labels.jsonl").read_text().splitlines()]
