@@ -25,9 +25,11 @@ def test_knob_values_are_read_from_the_conditions():
     }
     assert sensitivity.knob_values(load_study(os.path.join(TOY, "warmup.yaml")))["w12"] == 6.0  # the toy's halving
     assert sensitivity.knob_values(load_study(os.path.join(TOY, "select_method.yaml"))) is None
-    # the set is ORDER; the directory also holds the curriculum study, which writes its own report
-    assert [f.removesuffix(".yaml") for f in sorted(os.listdir(TOY))] == sorted([*sensitivity.ORDER, "curriculum"])
+    # the set is ORDER; the directory also holds the curriculum and label-efficient studies, with their own reports
+    others = ["curriculum", "label_efficient"]
+    assert [f.removesuffix(".yaml") for f in sorted(os.listdir(TOY))] == sorted([*sensitivity.ORDER, *others])
     assert load_study(os.path.join(TOY, "curriculum.yaml")).report == "efficiency"
+    assert load_study(os.path.join(TOY, "label_efficient.yaml")).report == "comparison"
 
 
 def test_run_times_come_from_each_runs_start_and_summary(tmp_path):
