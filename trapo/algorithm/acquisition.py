@@ -193,8 +193,9 @@ class LabelBuyer:
         if state is None:
             return
         cal = state["calibration"]
-        self.calibration = Calibration(self.calibration.group_size, list(cal["total"]), list(cal["wrong"]))
-        self.calibration.wrong_none_right = cal["wrong_none_right"]
+        self.calibration = Calibration(
+            self.calibration.group_size, list(cal["total"]), list(cal["wrong"]), cal["wrong_none_right"]
+        )
         self.votes = {int(q): GroupVote(v[0], tuple(v[1])) for q, v in state["votes"].items()}
 
 

@@ -112,8 +112,7 @@ class Trainer:
         self.loggers = Loggers([])  # TensorBoard, wandb, MLflow (logging.*), opened on rank 0 by train()
         # the checkpoint this start resumed, if any, and its world size when it differs from this run's
         self.resumed_from, self.moved_from = self.state.resume()
-        for i in self.state.tracker.bought.nonzero().squeeze(1).tolist():  # labels bought before a resume
-            self.questions[i] = dataclasses.replace(self.questions[i], labeled=True)
+        self._labeled_now(self.state.tracker.bought.nonzero().squeeze(1).tolist())  # labels bought before a resume
 
     def _claim_run_dir(self) -> tuple[hub.Snapshot | None, dict]:
         """Rank 0 owns the run directory (one run at a time) before it looks at or cleans anything in it; then
@@ -306,12 +305,16 @@ class Trainer:
             self.loggers.log_selection(row, step=state.step + 1)  # the step that closes the epoch
         bought = None if state.finished(state.step + 1) else state.labels.buy(state.tracker)
         if bought is not None:  # alike on every rank: the questions are labeled from the next step on
-            for i in bought["question"]:
-                self.questions[i] = dataclasses.replace(self.questions[i], labeled=True)
+            self._labeled_now(bought["question"])
             if self.is_main:  # the step that closed the epoch first: a resume trims the rows after its checkpoint
                 metrics.append_jsonl(self.run_dir / "labels.jsonl", {"step": state.step + 1} | bought)
             state.last_selection = state.last_selection | {"bought": len(bought["question"]), "spent": bought["spent"]}
         return state.last_selection
+
+    def _labeled_now(self, question_ids: list[int]) -> None:
+        """Questions whose gold was bought (labels.*): graded and trained as labeled from here on."""
+        for i in question_ids:
+            self.questions[i] = dataclasses.replace(self.questions[i], labeled=True)
 
     def _confidence_scores(self, question_ids: list[int], rollouts: list[list[Rollout]]) -> dict[str, dict]:
         """{kind: {position in the batch: its G confidence scores}} of this rank's unlabeled questions, for the

@@ -10,14 +10,13 @@ read as every study's: per seed better - worse, 95% paired t interval, held / no
 
 from __future__ import annotations
 
-import datetime
 import json
 import statistics
 from pathlib import Path
 
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
-
-SPLITS = ("validation", "test", "test_ood")
+from trapo.commands.reproduce.study_file import SPLITS
+from trapo.commands.reproduce.study_report import plan_lines, result
 
 
 def run_values(run_dir: Path) -> dict:
@@ -66,20 +65,7 @@ def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dic
         claims.append(
             {**claim, "seeds": both, "differences": diffs, "interval": interval, "verdict": verdict(interval)}
         )
-    return {
-        "study": study.name,
-        "title": study.title,
-        "base": study.base,
-        "file": study.path,
-        "seeds": seeds,
-        "steps": study.steps,
-        "eval_every": study.eval_every,
-        "common": list(study.common),
-        "overrides": dict(study.conditions),
-        "conditions": conditions,
-        "claims": claims,
-        "date": datetime.date.today().isoformat(),
-    }
+    return result(study, seeds, conditions, claims)
 
 
 def _pct(x: float | None) -> str:
@@ -119,17 +105,7 @@ def _purchases(res: dict) -> list[str]:
 def page(res: dict) -> str:
     """<name>.md: the plan as the study file fixed it, the measured tables, the claims, the plot."""
     lines = [
-        f"# {res['title']}",
-        "",
-        f"Written by `python -m trapo reproduce --study {res['file']} --docs <this directory>` ({res['date']}); "
-        "the conditions, seeds, budget and claims were fixed in that file before any run (its comments say why "
-        "each setting).",
-        "",
-        f"- Seeds {', '.join(map(str, res['seeds']))}, paired: a seed sets the labeled split and the RL randomness. "
-        f"{res['steps']} steps each, validation, ID and OOD test every {res['eval_every']} steps, on {res['base']} "
-        f"with `{' '.join(res['common'])}`.",
-        "- Conditions: "
-        + "; ".join(f"**{n}** `{' '.join(o) or '(as the base)'}`" for n, o in res["overrides"].items()),
+        *plan_lines(res),
         "- Every condition has 64 gold labels: up front, or 48 up front and 16 bought during training.",
         "",
         "| condition | best validation | its step | ID test there | OOD test there | labels bought "

@@ -17,12 +17,12 @@ lower is better), 95% paired t interval, held / not held / inconclusive. Writes 
 
 from __future__ import annotations
 
-import datetime
 import json
 import statistics
 from pathlib import Path
 
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
+from trapo.commands.reproduce.study_report import plan_lines, result
 
 
 def run_values(run_dir: Path) -> dict:
@@ -112,20 +112,7 @@ def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dic
             }
             for k in keys:
                 conditions[name][k]["mean"] = statistics.mean(conditions[name][k]["per_seed"])
-    return {
-        "study": study.name,
-        "title": study.title,
-        "base": study.base,
-        "file": study.path,
-        "seeds": seeds,
-        "steps": study.steps,
-        "eval_every": study.eval_every,
-        "common": list(study.common),
-        "overrides": dict(study.conditions),
-        "conditions": conditions,
-        "claims": [_claim(c, values, per_run, seeds) for c in study.claims],
-        "date": datetime.date.today().isoformat(),
-    }
+    return result(study, seeds, conditions, [_claim(c, values, per_run, seeds) for c in study.claims])
 
 
 def _interval_text(c: dict, scale: float, unit: str) -> str:
@@ -138,17 +125,7 @@ def _interval_text(c: dict, scale: float, unit: str) -> str:
 def page(res: dict) -> str:
     """<name>.md: the plan as the study file fixed it, the measured tables, the claims, the plot."""
     lines = [
-        f"# {res['title']}",
-        "",
-        f"Written by `python -m trapo reproduce --study {res['file']} --docs <this directory>` ({res['date']}); "
-        "the conditions, seeds, budget and claims were fixed in that file before any run (its comments say why "
-        "each setting).",
-        "",
-        f"- Seeds {', '.join(map(str, res['seeds']))}, paired: a seed sets the labeled split and the RL randomness. "
-        f"{res['steps']} steps each, validation, ID and OOD test every {res['eval_every']} steps, on {res['base']} "
-        f"with `{' '.join(res['common'])}`.",
-        "- Conditions: "
-        + "; ".join(f"**{n}** `{' '.join(o) or '(as the base)'}`" for n, o in res["overrides"].items()),
+        *plan_lines(res),
         "- Tokens are the generated response tokens of the training rollouts (validation's are not counted).",
         "",
         "| condition | best validation | its step | ID test there | OOD test there | zero-advantage share "
