@@ -74,10 +74,15 @@ def tiny():
     return model, tokenizer, prompts
 
 
-def test_greedy_equals_transformers_generate_with_left_padding(tiny):
+# eager: transformers' kernels one launch at a time; static: the fixed-shape steps CUDA graphs capture
+DECODINGS = pytest.mark.parametrize("decoding", ["eager", "static"])
+
+
+@DECODINGS
+def test_greedy_equals_transformers_generate_with_left_padding(tiny, decoding):
     model, tokenizer, prompts = tiny
     stop = tokenizer.eos_token_id
-    engine = HfEngine(model, tokenizer, stop_token_ids=[stop], max_batch=8)
+    engine = HfEngine(model, tokenizer, stop_token_ids=[stop], max_batch=8, decoding=decoding)
     ours = engine.generate(prompts, n=1, temperature=0.0, max_tokens=10)
     for prompt, (r,) in zip(prompts, ours):
         ref = model.generate(
@@ -94,11 +99,12 @@ def test_greedy_equals_transformers_generate_with_left_padding(tiny):
         assert r.text == decode_responses(tokenizer, [ref], [stop])[0]
 
 
-def test_sampled_logprobs_equal_a_plain_forward_and_samples_do_not_depend_on_the_batch(tiny):
+@DECODINGS
+def test_sampled_logprobs_equal_a_plain_forward_and_samples_do_not_depend_on_the_batch(tiny, decoding):
     model, tokenizer, prompts = tiny
     vocab = model.config.vocab_size
     stops = list(range(0, vocab, 3))  # many stop tokens: rows end at different steps (the batch compacts)
-    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64)
+    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding=decoding)
     seeds = [request_seed(0, 5, i) for i in range(len(prompts))]
     batch = engine.generate(prompts, n=6, temperature=0.9, max_tokens=12, seeds=seeds)
     lengths = {len(r.token_ids) for g in batch for r in g}
@@ -164,11 +170,12 @@ def test_prefill_in_groups_of_rows_generates_what_one_forward_does(tiny):
                 assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=1e-6)
 
 
-def test_min_tokens_keeps_stop_tokens_out_until_then_and_reports_the_processed_logprob(tiny):
+@DECODINGS
+def test_min_tokens_keeps_stop_tokens_out_until_then_and_reports_the_processed_logprob(tiny, decoding):
     model, tokenizer, prompts = tiny
     vocab = model.config.vocab_size
     stops = list(range(0, vocab, 3))  # a third of the vocabulary stops: unforced, most rows end early
-    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64)
+    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding=decoding)
     seeds = [request_seed(2, i) for i in range(len(prompts))]
     free = engine.generate(prompts, n=4, temperature=1.0, max_tokens=10, seeds=seeds)
     assert min(len(r.token_ids) for g in free for r in g) < 6

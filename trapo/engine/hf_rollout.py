@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from trapo.engine import decoding, dist
+from trapo.engine import decoding, dist, static_decoding
 from trapo.engine.memory_plan import HF_PREFILL_TOKENS
 from trapo.engine.rollout import Rollout, decode_responses, request_seed
 
@@ -94,6 +94,43 @@ def sample_tokens(
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
+class EagerSteps:
+    """The decode loop's steps as transformers runs them, one kernel launch at a time: a cache that grows in
+    place (decoding.ReservedLayer; a sliding-window model's as transformers builds it), a mask sliced to the
+    filled length, and the batch compacted to its live rows once a quarter of it has finished."""
+
+    check_every = 1  # rows finished are counted every step
+
+    def __init__(self, engine: HfEngine):
+        self.engine = engine
+
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, max_tokens: int) -> torch.Tensor:
+        b, self.width = ids.shape
+        self.cache, logits = self.engine._prefill(ids, mask, positions)
+        if self.engine.joinable_cache:  # room for the whole response: no copy of the cache per token
+            self.cache = decoding.reserve(self.cache, self.width + max_tokens)
+        self.mask = torch.cat([mask, mask.new_ones((b, max_tokens))], dim=1)  # sliced to the filled length
+        return logits
+
+    def compact(self, done: torch.Tensor, finished: int) -> torch.Tensor | None:
+        if finished < _COMPACT_SHARE * len(done):
+            return None
+        keep = (~done).nonzero()[:, 0]
+        self.cache.batch_select_indices(keep)
+        self.mask = self.mask[keep]
+        return keep
+
+    def step(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
+        out = self.engine.model(
+            input_ids=token[:, None],
+            attention_mask=self.mask[:, : self.width + t + 1],
+            position_ids=position[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
+
+
 class HfEngine:
     """Generation with a transformers causal LM: the policy's module under DeepSpeed in training (pass its
     DeepSpeed engine as `zero3_engine`), or a plain model in `trapo eval`."""
@@ -109,6 +146,7 @@ class HfEngine:
         max_batch: int = 256,
         prefill_tokens: int = HF_PREFILL_TOKENS,
         zero3_engine=None,
+        decoding: str = "auto",
     ):
         self.model, self.tokenizer = model, tokenizer
         self.stop_token_ids = list(stop_token_ids)
@@ -122,6 +160,9 @@ class HfEngine:
         self.joinable_cache = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_token_ids or [0])[0]
+        self.decoding, self.decoding_why = static_decoding.resolve(decoding, self.device(), model)
+        self._static = {}  # the static path's buffers (StaticKV), kept from one batch to the next
+        self._runner = static_decoding.step_runner(self.decoding, model, chosen_by_auto=decoding == "auto")
         self._turns = 0  # open turns (a turn inside a turn gathers nothing more)
         self._calls = 0  # generate calls without seeds: their requests are keyed by this count
 
@@ -159,8 +200,10 @@ class HfEngine:
         return None
 
     def describe(self, devices: list[str]) -> str:
-        return "hf rollouts: each rank generates with its own policy model (no engine copy, no weight push): " + (
-            ", ".join(f"rank {i} {d}" for i, d in enumerate(devices))
+        ranks = ", ".join(f"rank {i} {d}" for i, d in enumerate(devices))
+        return (
+            f"hf rollouts: each rank generates with its own policy model (no engine copy, no weight push): {ranks}; "
+            f"decoding {self.decoding} ({self.decoding_why})"
         )
 
     def push_weights(self, named_tensors) -> int:
@@ -181,7 +224,10 @@ class HfEngine:
         gather = dist.gathered_for_generation(self.zero3_engine) if self.zero3_engine else contextlib.nullcontext()
         with gather, torch.no_grad(), dist.plain_linear_forward():
             model.eval()
-            model.set_attn_implementation(decoding.register_decode_attention())
+            static = self._runner is not None
+            model.set_attn_implementation(
+                static_decoding.register_static_attention() if static else decoding.register_decode_attention()
+            )
             self._turns += 1
             try:
                 yield self
@@ -189,6 +235,11 @@ class HfEngine:
                 self._turns -= 1
                 model.set_attn_implementation(attention)
                 model.train(was_training)
+
+    def _steps(self):
+        if self._runner is None:
+            return EagerSteps(self)
+        return static_decoding.StaticSteps(self.model, self._prefill, self._runner, self._static)
 
     # ------------------------------------------------------------------ sampling
 
@@ -260,10 +311,8 @@ class HfEngine:
         logprobs = torch.zeros((b, max_tokens), dtype=torch.float32, device=device)
         rows = torch.arange(b, device=device)  # the batch row each live row stands for
         done = torch.zeros(b, dtype=torch.bool, device=device)  # finished, still in the batch until compaction
-        cache, logits = self._prefill(ids, mask, positions)
-        if self.joinable_cache:  # room for the whole response: no copy of the cache per token
-            cache = decoding.reserve(cache, width + max_tokens)
-        mask = torch.cat([mask, mask.new_ones((b, max_tokens))], dim=1)  # sliced to the filled length each step
+        steps = self._steps()
+        logits = steps.start(ids, mask, positions, max_tokens)
         position = positions[:, -1] + 1
         for t in range(max_tokens):
             logits = logits.float()
@@ -275,21 +324,14 @@ class HfEngine:
             done = done | torch.isin(token, stops)
             if t + 1 == max_tokens:
                 break
-            finished = int(done.sum())  # the step's one host synchronisation (model.generate has one too)
-            if finished == len(rows):
-                break
-            if finished >= _COMPACT_SHARE * len(rows):  # drop finished rows from the batch and the cache
-                keep = (~done).nonzero()[:, 0]
-                cache.batch_select_indices(keep)
-                rows, done, mask, token, position = rows[keep], done[keep], mask[keep], token[keep], position[keep]
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=mask[:, : width + t + 1],
-                position_ids=position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]
+            if t % steps.check_every == 0:
+                finished = int(done.sum())  # the one host synchronisation (model.generate has one per step)
+                if finished == len(rows):
+                    break
+                keep = steps.compact(done, finished)  # finished rows out of the batch and the cache
+                if keep is not None:
+                    rows, done, token, position = rows[keep], done[keep], token[keep], position[keep]
+            logits = steps.step(token, position, t)
             position = position + 1
         results = []
         stop_set = set(self.stop_token_ids)

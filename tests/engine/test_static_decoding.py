@@ -1,0 +1,155 @@
+"""Static decoding (trapo/engine/static_decoding.py) on CPU: its shapes, the choice of path, and generation
+with the static steps called, captured through a stand-in for CUDA graphs, and traced by torch.compile, each
+equal to eager decoding with the same seeds."""
+
+import pytest
+import torch
+
+from trapo.commands.toy import _model, _tokenizer
+from trapo.engine import static_decoding
+from trapo.engine.hf_rollout import HfEngine
+from trapo.engine.rollout import request_seed
+from trapo.engine.static_decoding import BUCKETS, SPAN, Captured, Compiled, bucket, resolve, span_for
+
+
+@pytest.fixture(scope="module")
+def toy():
+    tokenizer = _tokenizer([f"{a}+{b}={a + b}" for a in range(20) for b in range(20)])
+    model = _model(tokenizer, seed=5).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "17+15=", "3+4=7 and 12+9=", "8")]
+    return model, tokenizer, prompts
+
+
+def generated(engine, prompts, **kw):
+    seeds = [request_seed(4, i) for i in range(len(prompts))]
+    out = engine.generate(prompts, seeds=seeds, **kw)
+    return [(r.token_ids, r.logprobs, r.truncated) for g in out for r in g]
+
+
+def assert_same(ours, eager):
+    assert [(t, c) for t, _, c in ours] == [(t, c) for t, _, c in eager]
+    for (_, lps, _), (_, ref, _) in zip(ours, eager):
+        assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=1e-5)
+
+
+def stand_in_capture(captured: list):
+    """torch.cuda.graph's contract on CPU: the step runs once at capture; a replay runs it again on whatever
+    its buffers hold and writes into the one output tensor the capture returned."""
+
+    def capture(step, pool):
+        output = step()
+        captured.append(tuple(output.shape))
+        return (lambda: output.copy_(step())), output, pool
+
+    return capture
+
+
+def test_buckets_waste_at_most_a_third_and_spans_cover_what_is_filled():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 200, 256, 257)] == [1, 2, 3, 4, 6, 8, 12, 16, 256, 256, 384]
+    assert all((bucket(n) - n) / bucket(n) <= 1 / 3 for n in range(1, 4096))
+    assert bucket(5000) == 6144 and bucket(7000) == 7168 and BUCKETS == sorted(BUCKETS)
+    assert [span_for(f, 600) for f in (1, SPAN, SPAN + 1, 599)] == [SPAN, SPAN, 2 * SPAN, 600]
+
+
+def test_auto_captures_on_cuda_only_for_full_attention_models_and_explicit_choices_are_checked(toy):
+    model = toy[0]
+    assert resolve("auto", "cpu", model)[0] == "eager"
+    assert resolve("auto", "cuda:0", model) == ("cuda_graph", "auto: a CUDA device and a model that decodes statically")
+    assert resolve("static", "cpu", model) == ("static", "as configured")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve("cuda_graph", "cpu", model)
+    with pytest.raises(ValueError, match="is not one of auto, eager, static, cuda_graph, compile"):
+        resolve("graphs", "cpu", model)
+    sliding = _model(toy[1], seed=5)
+    sliding.config.layer_types = ["sliding_attention"] * len(sliding.config.layer_types)
+    decoding, why = resolve("auto", "cuda:0", sliding)
+    assert decoding == "eager" and "sliding_attention" in why
+    with pytest.raises(ValueError, match="only full attention"):
+        resolve("static", "cpu", sliding)
+
+
+def test_static_steps_past_several_spans_equal_eager_decoding(toy):
+    """No stop token: every row runs 2.5 spans of the cache; then many stop tokens: rows leave the batch at
+    different steps and the live ones move to the buffers' front, bucket by bucket."""
+    model, tokenizer, prompts = toy
+    for stops, kw in (([], dict(n=3, max_tokens=SPAN * 5 // 2)), (list(range(0, 400, 3)), dict(n=6, max_tokens=20))):
+        stops = [s for s in stops if s < model.config.vocab_size]
+        eager = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="eager")
+        static = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="static")
+        for sampling in (dict(temperature=0.0), dict(temperature=1.0, top_p=0.9)):
+            ref = generated(eager, prompts, **kw, **sampling)
+            assert_same(generated(static, prompts, **kw, **sampling), ref)
+        if stops:
+            assert len({len(t) for t, _, _ in ref}) > 3  # rows ended at many different steps
+
+
+def test_captured_steps_replay_the_buffers_and_are_captured_once_per_shape(toy):
+    model, tokenizer, prompts = toy
+    stops = list(range(0, model.config.vocab_size, 40))  # some rows end early, some run past one span
+    eager = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="eager")
+    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="static")
+    captured = []
+    engine._runner = Captured(capture=stand_in_capture(captured))
+    ref = generated(eager, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8)
+    assert_same(generated(engine, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8), ref)
+    shapes = list(engine._runner.graphs)  # in the order captured
+    assert captured == [(rows, model.config.vocab_size) for rows, _ in shapes]  # each step's logits, its rows
+    assert {rows for rows, _ in shapes} <= set(BUCKETS) and {span for _, span in shapes} == {SPAN, 2 * SPAN}
+    kv = engine._static["kv"]
+    assert_same(generated(engine, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8), ref)
+    assert len(captured) == len(shapes) and engine._static["kv"] is kv  # the same buffers, nothing captured again
+    longer = generated(engine, prompts, n=5, temperature=1.0, max_tokens=3 * SPAN)  # outgrows the buffers
+    assert engine._static["kv"] is not kv and engine._static["kv"].length >= 3 * SPAN
+    assert_same(longer, generated(eager, prompts, n=5, temperature=1.0, max_tokens=3 * SPAN))
+
+
+def test_a_refused_capture_falls_back_to_uncaptured_steps_under_auto_and_fails_otherwise(toy):
+    model, tokenizer, prompts = toy
+
+    def refuse(step, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    eager = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=64, decoding="eager")
+    ref = generated(eager, prompts, n=2, temperature=1.0, max_tokens=6)
+    engine = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=64, decoding="static")
+    engine._runner = Captured(capture=refuse, fall_back=True)
+    assert_same(generated(engine, prompts, n=2, temperature=1.0, max_tokens=6), ref)
+    assert engine._runner.failed == "RuntimeError: operation not permitted when stream is capturing"
+    engine._runner = Captured(capture=refuse)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        generated(engine, prompts, n=2, temperature=1.0, max_tokens=6)
+
+
+def test_the_static_step_traces_whole_for_torch_compile(toy, monkeypatch):
+    """dynamo's eager backend with fullgraph: the step traces as inductor would get it, with no graph break
+    (a break would leave part of the step outside the CUDA graphs reduce-overhead captures)."""
+    model, tokenizer, prompts = toy
+    stops = list(range(0, model.config.vocab_size, 4))
+    eager = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="eager")
+    engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="static")
+    graphs = []
+
+    def traced(graph, inputs):  # dynamo's output, run as traced (no inductor on CPU)
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the runtime's CPU setting, read at each call
+    engine._runner = Compiled(model, backend=traced, fullgraph=True)
+    ours = generated(engine, prompts, n=3, temperature=1.0, max_tokens=12)
+    torch._dynamo.reset()
+    assert_same(ours, generated(eager, prompts, n=3, temperature=1.0, max_tokens=12))
+    assert len(graphs) >= 2  # one whole graph per (rows, span) the batch ran at
+
+
+def test_static_decoding_attends_with_grouped_heads_as_sdpa_does():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    mask = torch.rand(3, 1, 1, 40) > 0.3
+    mask[:, :, :, 0] = True
+    module = type("Attention", (), {"num_key_value_groups": 4})()
+    ours, _ = static_decoding.static_attention(module, q, k, v, mask, scaling=0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask, scale=0.25
+    )
+    assert torch.allclose(ours, ref.transpose(1, 2), atol=1e-6)

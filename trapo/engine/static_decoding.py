@@ -1,0 +1,345 @@
+"""The hf backend's static decode path (`rollout.hf_decoding`): a KV cache sized once, every decode step a
+forward of fixed shapes over buffers whose addresses never change, so the step can be captured once and
+replayed (CUDA graphs) instead of launching a few hundred small kernels from Python per token.
+
+- `StaticKV` holds one key and one value buffer per layer, [rows, kv_heads, length, head_dim], and the step's
+  inputs (token, position, attention mask, the slot being written). It lives as long as the engine and grows
+  (dropping the captured steps) only when a batch needs more rows or positions than it has.
+- A batch runs at a bucket of rows (`BUCKETS`: no more than a third of them padding) and attends over a span
+  of the cache (multiples of `SPAN`), so a handful of captured shapes serve every step. Finished rows leave
+  the batch when the live ones fit a smaller bucket: they are copied to the front of the buffers.
+- Left padding puts every row's token t in the same slot (prompt width + t); the mask says which slots each
+  row attends to. Padded rows of a bucket hold earlier rows' values: finite, never read by a live row.
+- `step_runner`: how a step runs. `static` calls it (the CPU path, and the reference the others must equal),
+  `cuda_graph` captures it with torch.cuda.CUDAGraph per (rows, span), `compile` hands it to
+  torch.compile(mode="reduce-overhead"), which captures its own graphs. Under `auto` a capture the
+  device refuses is said once and the steps go on uncaptured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from trapo import console
+from trapo.engine import decoding
+
+SPAN = 64  # cache positions a captured step attends over come in multiples of this
+# Batch sizes the steps are captured for: powers of two and their halfway points (at most a third padding)
+BUCKETS = sorted({1, 2, 3} | {m * 2**k for k in range(1, 12) for m in (2, 3)})
+CHECK_EVERY = 4  # static steps between looks at how many rows finished (each look waits for the device)
+DECODINGS = ("auto", "eager", "static", "cuda_graph", "compile")
+STATIC_ATTENTION = "trapo_static_decode"
+
+
+def bucket(rows: int) -> int:
+    """The smallest bucket holding `rows` (a multiple of 1,024 beyond the last)."""
+    for size in BUCKETS:
+        if size >= rows:
+            return size
+    return -(-rows // 1024) * 1024
+
+
+def span_for(filled: int, length: int) -> int:
+    """Cache positions a step attends over when `filled` are written: a multiple of SPAN, at most `length`."""
+    return min(length, -(-filled // SPAN) * SPAN)
+
+
+def static_supported(model) -> str | None:
+    """None if `model` can decode statically, else why not: every layer must attend to all earlier positions
+    (a sliding window's cache keeps only its window) and its forward must take a prepared mask per layer type,
+    as the Llama-family models of transformers do."""
+    types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return f"layer types {sorted(types)}: only full attention decodes statically"
+    return None
+
+
+def resolve(decoding: str, device: str, model) -> tuple[str, str]:
+    """(the decode path to run, why): `auto` is cuda_graph on a CUDA device for a model that decodes
+    statically, eager elsewhere; an explicit choice is checked against the device and the model."""
+    if decoding not in DECODINGS:
+        raise ValueError(f"rollout.hf_decoding: {decoding!r} is not one of {', '.join(DECODINGS)}")
+    why_not = static_supported(model)
+    cuda = device.startswith("cuda")
+    if decoding == "auto":
+        if not cuda:
+            return "eager", "auto: no CUDA device, nothing to capture"
+        if why_not:
+            return "eager", f"auto: {why_not}"
+        return "cuda_graph", "auto: a CUDA device and a model that decodes statically"
+    if decoding != "eager" and why_not:
+        raise ValueError(f"rollout.hf_decoding={decoding}: {why_not}; use eager")
+    if decoding in ("cuda_graph", "compile") and not cuda:
+        raise ValueError(f"rollout.hf_decoding={decoding} captures CUDA graphs and needs a CUDA device, got {device}")
+    return decoding, "as configured"
+
+
+def static_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+    """Attention of one query token per row over the cache's span, grouped heads read in place: two batched
+    matrix products, no copy of the cache, no data-dependent branch (capturable). query [b, heads, 1, d];
+    key, value [b, kv_heads, span, d]; attention_mask [b, 1, 1, span] bool (True: attend). Scores and the
+    softmax in fp32, as transformers' eager attention does; returns ([b, 1, heads, d], None)."""
+    b, heads, q, d = query.shape
+    if q != 1:  # the prefill: transformers' sdpa with its own mask
+        return decoding.decode_attention(module, query, key, value, attention_mask, dropout, scaling, **kw)
+    kv_heads = key.shape[1]
+    # query head h reads key/value head h // groups (transformers' repeat_kv order)
+    grouped = query.reshape(b, kv_heads, (heads // kv_heads) * q, d)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling
+    if attention_mask is not None:  # None: a one-token prompt's prefill, which sdpa's mask function left open
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    return out.reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
+
+
+def register_static_attention() -> str:
+    """Make `STATIC_ATTENTION` a transformers attention implementation, with sdpa's masks for the prefill."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(STATIC_ATTENTION, static_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(STATIC_ATTENTION, sdpa_mask)
+    return STATIC_ATTENTION
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's cache for a static step: writes the step's keys and values at the shared slot of its
+    buffers' first `rows` rows and hands attention the first `span` positions of those rows."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor):
+        super().__init__()
+        self.buffers, self.slot = (keys, values), slot
+        self.rows, self.span = keys.shape[0], keys.shape[2]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = (buffer[: self.rows] for buffer in self.buffers)
+        keys.index_copy_(2, self.slot, key_states)
+        values.index_copy_(2, self.slot, value_states)
+        return keys[:, :, : self.span], values[:, :, : self.span]
+
+    def get_seq_length(self) -> int:
+        return self.span
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.span, 0
+
+    def get_max_length(self) -> int:
+        return self.buffers[0].shape[2]
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise NotImplementedError("SlotLayer: its buffers are given, never made from the first update")
+
+
+class StaticKV:
+    """The buffers of static decoding: per layer keys and values [rows, kv_heads, length, head_dim], and the
+    step's inputs: token and position [rows, 1], mask [rows, 1, 1, length] (bool), slot [1]."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype, device):
+        shape = (rows, kv_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.token = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.mask = torch.zeros((rows, 1, 1, length), dtype=torch.bool, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.rows, self.length, self.kv_heads, self.head_dim, self.dtype = rows, length, kv_heads, head_dim, dtype
+        self.cache = Cache(layers=[SlotLayer(k, v, self.slot) for k, v in zip(self.keys, self.values)])
+
+    def holds(self, layers: int, rows: int, kv_heads: int, length: int, head_dim: int, dtype) -> bool:
+        return (len(self.keys), kv_heads, head_dim, dtype) == (layers, self.kv_heads, self.head_dim, self.dtype) and (
+            rows <= self.rows and length <= self.length
+        )
+
+    def view(self, rows: int, span: int) -> None:
+        for layer in self.cache.layers:
+            layer.rows, layer.span = rows, span
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Rows `indices` moved to the front of every buffer, in order (a copy of the rows kept)."""
+        n = len(indices)
+        for buffer in [*self.keys, *self.values, self.mask]:
+            buffer[:n] = buffer[indices]
+
+    def mark_static(self) -> None:
+        """Tell torch.compile the buffers' addresses never change (its graphs read them in place)."""
+        for buffer in [*self.keys, *self.values, self.token, self.position, self.mask, self.slot]:
+            torch._dynamo.mark_static_address(buffer)
+
+
+# ---------------------------------------------------------------------------------------------- step runners
+
+
+class Called:
+    """The step called as it is: static decoding without capture (CPU, and the reference for the others)."""
+
+    name = "static"
+
+    def __call__(self, key, step):
+        return step()
+
+    def reset(self) -> None:
+        pass
+
+
+def cuda_graph_capture(step, pool):
+    """(replay, output, pool): `step` captured in a CUDA graph allocating from `pool` (None: a new one), after
+    a warm-up run on a side stream (cuBLAS's workspace and lazy initializations happen outside the capture).
+    The warm-up writes what the replay will write (the same inputs), so it changes nothing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph.replay, output, graph.pool()
+
+
+class Captured:
+    """Each (rows, span) step captured on first use, replayed after: its output is the same tensor every
+    replay, read before the next. Every graph allocates from one pool (steps never overlap).
+    `capture(step, pool) -> (replay, output, pool)` is the seam a CPU test stands in for."""
+
+    name = "cuda_graph"
+
+    def __init__(self, capture=cuda_graph_capture, fall_back: bool = False):
+        self.capture, self.graphs, self.pool = capture, {}, None
+        self.fall_back, self.failed = fall_back, None  # auto: a failed capture runs the steps uncaptured
+
+    def __call__(self, key, step):
+        if self.failed:
+            return step()
+        if key not in self.graphs:
+            try:
+                replay, output, self.pool = self.capture(step, self.pool)
+            except Exception as error:  # noqa: BLE001 - a capture the device refuses, under auto
+                if not self.fall_back:
+                    raise
+                self.failed = f"{type(error).__name__}: {error}"
+                console.warn_once(
+                    "cuda-graph",
+                    f"hf decoding: the step could not be captured ({self.failed}); "
+                    "decoding goes on with static uncaptured steps (rollout.hf_decoding=static)",
+                )
+                self.reset()
+                return step()
+            self.graphs[key] = replay, output
+        replay, output = self.graphs[key]
+        replay()
+        return output
+
+    def reset(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+
+class Compiled:
+    """The step through torch.compile(mode="reduce-overhead"): inductor's kernels, replayed as CUDA graphs it
+    captures per shape (a recompile per (rows, span), hence the raised limit)."""
+
+    name = "compile"
+
+    def __init__(self, model, backend="inductor", fullgraph: bool = False):
+        # another backend with fullgraph: traced as inductor would be, run without it (a CPU test's check
+        # that the step has no graph break)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(BUCKETS))
+        mode = "reduce-overhead" if backend == "inductor" else None
+        self.forward = torch.compile(model.forward, mode=mode, backend=backend, fullgraph=fullgraph)
+
+    def __call__(self, key, step):
+        return step(self.forward)
+
+    def reset(self) -> None:
+        torch._dynamo.reset()
+
+
+def step_runner(decoding: str, model, chosen_by_auto: bool = False):
+    """How the static steps run for a resolved `decoding` (None: eager decoding, no static steps)."""
+    if decoding == "eager":
+        return None
+    if decoding == "compile":
+        return Compiled(model)
+    return Captured(fall_back=chosen_by_auto) if decoding == "cuda_graph" else Called()
+
+
+class StaticSteps:
+    """The decode loop's steps on `StaticKV` (see the module docstring); the same interface as the eager
+    steps (hf_rollout.EagerSteps): start (prefill), compact (finished rows out), step (one token)."""
+
+    check_every = CHECK_EVERY
+
+    def __init__(self, model, prefill, runner, kv_holder: dict):
+        self.model, self.prefill, self.runner, self.holder = model, prefill, runner, kv_holder
+        self.types = sorted(set(getattr(model.config, "layer_types", None) or ["full_attention"]))
+
+    def _buffers(self, rows: int, length: int, like) -> StaticKV:
+        layers, (_, kv_heads, _, head_dim) = len(like), like[0].keys.shape
+        length = -(-length // SPAN) * SPAN
+        kv = self.holder.get("kv")
+        if kv is None or not kv.holds(layers, rows, kv_heads, length, head_dim, like[0].keys.dtype):
+            if kv is not None:  # outgrown: every shape captured on it goes with it
+                rows, length = max(rows, kv.rows), max(length, kv.length)
+                self.holder["kv"] = kv = None
+                self.runner.reset()
+            kv = StaticKV(layers, rows, kv_heads, length, head_dim, like[0].keys.dtype, like[0].keys.device)
+            if isinstance(self.runner, Compiled):
+                kv.mark_static()
+            self.holder["kv"] = kv
+        return kv
+
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, max_tokens: int) -> torch.Tensor:
+        b, width = ids.shape
+        cache, logits = self.prefill(ids, mask, positions)
+        self.rows = bucket(b)
+        kv = self.kv = self._buffers(self.rows, width + max_tokens, cache.layers)
+        for layer, keys, values in zip(cache.layers, kv.keys, kv.values):
+            keys[:b, :, :width], values[:b, :, :width] = layer.keys, layer.values
+            layer.reset()  # the prefill's copy freed layer by layer
+        kv.mask[: self.rows] = False
+        kv.mask[:b, 0, 0, :width] = mask.bool()
+        kv.mask[b : self.rows, 0, 0, 0] = True  # padded rows attend somewhere: finite values, never NaN
+        self.width = width
+        return logits
+
+    def compact(self, done: torch.Tensor, finished: int) -> torch.Tensor | None:
+        """The live rows' indices when they fit a smaller bucket (and are moved to the buffers' front)."""
+        live = len(done) - finished
+        if bucket(live) >= self.rows:
+            return None
+        keep = (~done).nonzero()[:, 0]
+        self.kv.keep(keep)
+        self.rows = bucket(live)
+        return keep
+
+    def step(self, token: torch.Tensor, position: torch.Tensor, t: int) -> torch.Tensor:
+        kv, n, slot = self.kv, len(token), self.width + t
+        kv.token[:n, 0] = token
+        kv.position[:n, 0] = position
+        kv.mask[: self.rows, 0, 0, slot] = True
+        kv.slot.fill_(slot)
+        rows, span, types = self.rows, span_for(slot + 1, kv.length), self.types
+        # the step reads only the buffers and the shapes bound here: a replay of its capture is the same step
+        step = functools.partial(_forward, kv, rows, span, types)
+        return self.runner((rows, span), lambda forward=self.model: step(forward))[:n]
+
+
+def _forward(kv: StaticKV, rows: int, span: int, types: list[str], forward) -> torch.Tensor:
+    """One decode step of `rows` rows attending over `span` positions of `kv`: the logits [rows, V]."""
+    kv.view(rows, span)
+    mask = kv.mask[:rows, :, :, :span]
+    out = forward(
+        input_ids=kv.token[:rows],
+        attention_mask={t: mask for t in types},
+        position_ids=kv.position[:rows],
+        past_key_values=kv.cache,
+        use_cache=True,
+    )
+    return out.logits[:, -1]
