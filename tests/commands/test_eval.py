@@ -265,7 +265,15 @@ def test_rope_theta_and_positions_reach_the_hf_backend(tmp_path):
 
     model = tiny_model(tmp_path / "m", 64)
     tok = AutoTokenizer.from_pretrained(model)
-    args = dict(backend="hf", dtype="float32", hf_max_batch=4, seed=0, rope_theta=None, max_position_embeddings=None)
+    args = dict(
+        backend="hf",
+        dtype="float32",
+        hf_max_batch=4,
+        hf_decoding="auto",
+        seed=0,
+        rope_theta=None,
+        max_position_embeddings=None,
+    )
 
     def engine(max_model_len: int):
         settings = engine_settings(argparse.Namespace(**args), model, max_model_len)
@@ -296,7 +304,7 @@ def test_rope_theta_and_positions_reach_the_vllm_backend(tmp_path):
         "from trapo.engine.rollout_engine import open_engine\n"
         "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
         "args = argparse.Namespace(backend='vllm', dtype='float32', seed=0, rope_theta=40000.0,\n"
-        "                          max_position_embeddings=128, hf_max_batch=256)\n"
+        "                          max_position_embeddings=128, hf_max_batch=256, hf_decoding='auto')\n"
         "settings = engine_settings(args, sys.argv[1], 100)\n"
         "engine = open_engine(settings, sys.argv[1], tokenizer=tok, stop_token_ids=[tok.eos_token_id])\n"
         "print('CONFIG', json.dumps(engine.effective_config()))\n"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trapo.commands.toy import _model, _tokenizer
+from trapo.config import ConfigError
 from trapo.engine import static_decoding
 from trapo.engine.hf_rollout import HfEngine
 from trapo.engine.rollout import request_seed
@@ -56,15 +57,15 @@ def test_auto_captures_on_cuda_only_for_full_attention_models_and_explicit_choic
     assert resolve("auto", "cpu", model)[0] == "eager"
     assert resolve("auto", "cuda:0", model) == ("cuda_graph", "auto: a CUDA device and a model that decodes statically")
     assert resolve("static", "cpu", model) == ("static", "as configured")
-    with pytest.raises(ValueError, match="needs a CUDA device"):
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
         resolve("cuda_graph", "cpu", model)
-    with pytest.raises(ValueError, match="is not one of auto, eager, static, cuda_graph, compile"):
+    with pytest.raises(ConfigError, match="is not one of auto, eager, static, cuda_graph, compile"):
         resolve("graphs", "cpu", model)
     sliding = _model(toy[1], seed=5)
     sliding.config.layer_types = ["sliding_attention"] * len(sliding.config.layer_types)
     decoding, why = resolve("auto", "cuda:0", sliding)
     assert decoding == "eager" and "sliding_attention" in why
-    with pytest.raises(ValueError, match="only full attention"):
+    with pytest.raises(ConfigError, match="only full attention"):
         resolve("static", "cpu", sliding)
 
 

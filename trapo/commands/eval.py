@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from trapo import hub, runtime
 from trapo.algorithm.pass_at_k import mean_pass_at_k
-from trapo.config import BACKENDS, DTYPES, PROMPT_TEMPLATES, ConfigError
+from trapo.config import BACKENDS, DTYPES, HF_DECODINGS, PROMPT_TEMPLATES, ConfigError
 from trapo.data import Benchmark, DataError, benchmarks_dir, resolve_benchmarks, stop_token_ids
 from trapo.training.evaluation import evaluate, pending_prompts, ungradable_golds
 
@@ -216,6 +216,7 @@ def engine_settings(args, model: Path, max_model_len: int) -> EngineSettings:
         seed=args.seed,
         overrides=model_overrides_for(args, model),
         hf_max_batch=args.hf_max_batch,
+        hf_decoding=args.hf_decoding,
     )
 
 
@@ -269,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         help="who generates: vLLM, or transformers (no vLLM); auto: vLLM when it is installed, else transformers",
     )
     parser.add_argument("--hf-max-batch", type=int, default=256, help="hf backend: sequences generated at once")
+    parser.add_argument(
+        "--hf-decoding",
+        choices=HF_DECODINGS,
+        default="auto",
+        help="hf backend: how a decode step runs (rollout.hf_decoding; auto: CUDA graphs on a GPU, eager on CPU)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (also off when not a terminal)")
     parser.add_argument(
         "--verifier",

@@ -29,6 +29,7 @@ EntropyAgg = Literal["loss", "token_mean"]
 Curriculum = Literal["none", "trajectory"]
 UnlabeledKind = Literal["majority", "cluster_share", "scrl", "self_certainty", "token_entropy", "sentence_entropy"]
 Acquire = Literal["care", "tcs", "random"]
+HfDecoding = Literal["auto", "eager", "static", "cuda_graph", "compile"]
 
 # `reward.verifier`: one of these, or "module:name" (trapo/algorithm/rewards/verifiers.py)
 VERIFIERS = ("math", "mcq", "exact")
@@ -56,6 +57,7 @@ ENTROPY_AGGS = get_args(EntropyAgg)
 CURRICULA = get_args(Curriculum)
 UNLABELED_KINDS = get_args(UnlabeledKind)
 ACQUIRERS = get_args(Acquire)
+HF_DECODINGS = get_args(HfDecoding)
 
 
 class ConfigError(ValueError):
@@ -145,7 +147,7 @@ class RamblingConfig:
 class RolloutConfig:
     # Who generates: "vllm", a colocated vLLM engine per rank (weights pushed after each update), or "hf",
     # the policy's own transformers model (no vLLM needed, nothing to push; slower at scale: no paged
-    # attention, no CUDA graphs). "auto": vllm when it is installed, else hf, chosen once at start-up (one line
+    # attention). "auto": vllm when it is installed, else hf, chosen once at start-up (one line
     # says which and why) and recorded in the run's config.yaml as what ran; a resume keeps the recorded one
     # unless resume_changes names rollout.backend (trapo/engine/rollout.py choose_backend).
     # trapo/engine/rollout.py.
@@ -154,6 +156,12 @@ class RolloutConfig:
     # batch x (prompt + max_tokens) x layers x 2 x kv_heads x head_dim x dtype bytes: lower it when it
     # does not fit beside the policy.
     hf_max_batch: int = 256
+    # hf backend: how a decode step runs (trapo/engine/static_decoding.py). "eager": transformers' forward,
+    # a kernel launch at a time; "static": a KV cache sized once and fixed-shape steps; "cuda_graph": those
+    # steps captured once per shape and replayed (CUDA only); "compile": through torch.compile's
+    # reduce-overhead mode (CUDA only). "auto": cuda_graph on a GPU (a capture the device refuses falls back
+    # to static, said once), eager on CPU.
+    hf_decoding: HfDecoding = "auto"
     n: int = 8  # G, rollouts per question
     temperature: float = 1.0
     top_p: float = 1.0

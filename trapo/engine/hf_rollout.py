@@ -176,6 +176,7 @@ class HfEngine:
         stop_token_ids: list[int],
         max_batch: int = 256,
         overrides: dict | None = None,
+        decoding: str = "auto",
     ):
         """A plain model (no DeepSpeed) on this process's GPU, or the CPU: what `trapo eval --backend hf` runs.
         `overrides`: config attributes set over the checkpoint's (trapo.engine.policy.model_overrides)."""
@@ -188,7 +189,7 @@ class HfEngine:
             setattr(config, key, value)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch_dtype(dtype)).to(device)
-        return cls(model.eval(), tokenizer, stop_token_ids=stop_token_ids, max_batch=max_batch)
+        return cls(model.eval(), tokenizer, stop_token_ids=stop_token_ids, max_batch=max_batch, decoding=decoding)
 
     # ------------------------------------------------------------------ what the engine runs
 

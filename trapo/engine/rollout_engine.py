@@ -76,6 +76,7 @@ class EngineSettings:
     seed: int  # vLLM's engine seed (every request carries its own)
     overrides: dict = field(default_factory=dict)  # config attributes over the checkpoint's (policy.model_overrides)
     hf_max_batch: int = 256  # hf: sequences generated at once
+    hf_decoding: str = "auto"  # hf: how a decode step runs (rollout.hf_decoding)
     vllm: dict = field(default_factory=dict)  # VllmEngine's sizing, where not its defaults (training's rollout.*)
 
 
@@ -101,6 +102,7 @@ def open_engine(
                 stop_token_ids=stop_token_ids,
                 max_batch=s.hf_max_batch,
                 zero3_engine=policy.engine,
+                decoding=s.hf_decoding,
             )
         return HfEngine.from_pretrained(
             model_dir,
@@ -109,6 +111,7 @@ def open_engine(
             stop_token_ids=stop_token_ids,
             max_batch=s.hf_max_batch,
             overrides=s.overrides,
+            decoding=s.hf_decoding,
         )
     from trapo.engine.vllm_rollout import VllmEngine
     from trapo.runtime import dtype_name

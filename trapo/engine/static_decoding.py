@@ -24,13 +24,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from trapo import console
+from trapo.config import HF_DECODINGS, ConfigError
 from trapo.engine import decoding
 
 SPAN = 64  # cache positions a captured step attends over come in multiples of this
 # Batch sizes the steps are captured for: powers of two and their halfway points (at most a third padding)
 BUCKETS = sorted({1, 2, 3} | {m * 2**k for k in range(1, 12) for m in (2, 3)})
 CHECK_EVERY = 4  # static steps between looks at how many rows finished (each look waits for the device)
-DECODINGS = ("auto", "eager", "static", "cuda_graph", "compile")
 STATIC_ATTENTION = "trapo_static_decode"
 
 
@@ -60,8 +60,8 @@ def static_supported(model) -> str | None:
 def resolve(decoding: str, device: str, model) -> tuple[str, str]:
     """(the decode path to run, why): `auto` is cuda_graph on a CUDA device for a model that decodes
     statically, eager elsewhere; an explicit choice is checked against the device and the model."""
-    if decoding not in DECODINGS:
-        raise ValueError(f"rollout.hf_decoding: {decoding!r} is not one of {', '.join(DECODINGS)}")
+    if decoding not in HF_DECODINGS:
+        raise ConfigError(f"rollout.hf_decoding: {decoding!r} is not one of {', '.join(HF_DECODINGS)}")
     why_not = static_supported(model)
     cuda = device.startswith("cuda")
     if decoding == "auto":
@@ -71,9 +71,9 @@ def resolve(decoding: str, device: str, model) -> tuple[str, str]:
             return "eager", f"auto: {why_not}"
         return "cuda_graph", "auto: a CUDA device and a model that decodes statically"
     if decoding != "eager" and why_not:
-        raise ValueError(f"rollout.hf_decoding={decoding}: {why_not}; use eager")
+        raise ConfigError(f"rollout.hf_decoding={decoding}: {why_not}; use eager")
     if decoding in ("cuda_graph", "compile") and not cuda:
-        raise ValueError(f"rollout.hf_decoding={decoding} captures CUDA graphs and needs a CUDA device, got {device}")
+        raise ConfigError(f"rollout.hf_decoding={decoding} captures CUDA graphs and needs a CUDA device, got {device}")
     return decoding, "as configured"
 
 

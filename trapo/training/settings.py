@@ -65,6 +65,7 @@ def engine_settings(cfg: Config, *, rank: int, world: int, overrides: dict) -> E
         seed=cfg.seed + rank // r.tensor_parallel_size,
         overrides=overrides,
         hf_max_batch=r.hf_max_batch,
+        hf_decoding=r.hf_decoding,
         vllm=dict(
             tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
