@@ -59,10 +59,18 @@ def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
         "shape step (tiny shape, dry run)",
         "profile",
         "profile",
+        *["decode"] * 3,  # eager, static, cuda_graph
         "update, gradient checkpointing (tiny shape, dry run)",
         "update, no gradient checkpointing (tiny shape, dry run)",
+        "decode",  # compile
     ]
     assert "profile: a decode stretch" in out.stdout and "tokens/s" in rows[3]
+    decode = [line.split("]", 1)[1].strip() for line in rows if "] decode:" in line]
+    assert [line.split(" (")[0] for line in decode] == [
+        f"decode: {p}" for p in ("eager", "static", "cuda_graph", "compile")
+    ]
+    assert "x eager; first call" in decode[1] and "log-prob gap to a plain forward" in decode[1]
+    assert all("refused on CPU, as it must be" in line for line in decode[2:])
     *_, summary, planned = out.stdout.strip().splitlines()
     match = re.fullmatch(
         r"one call: kit, step_profiled, update_checkpointing, update_no_checkpointing planned in (\d+) s "

@@ -181,9 +181,17 @@ def test_hf_backend_plan_by_hand():
     rollout = figures(plan, "rollout")
     assert rollout["hf generation: the whole model gathered (2 B/param)"] == (2 * P, True)
     assert plan.kv["bytes_per_token"] == 57_344 and plan.kv["sequences_held"] == 64
-    assert rollout["hf generation: KV cache (64 sequences x 9216 tokens)"] == (64 * 9216 * 57_344, True)
+    # auto decodes statically on a GPU: a bucket of rows (64 is one) x whole spans of 64 positions (9,216 is 144)
+    kv_name = "hf generation: KV cache (64 sequences x 9216 tokens, static: 64 rows x 9216 positions)"
+    assert rollout[kv_name] == (64 * 9216 * 57_344, True)
     assert not any(name.endswith(": offloaded") for name in rollout)  # generation reads the bf16 partitions
     assert plan.fits
+    eager = figures(plan_for(8, 80, "rollout.backend=hf", "rollout.hf_decoding=eager"), "rollout")
+    assert eager["hf generation: KV cache (64 sequences x 9216 tokens)"] == (64 * 9216 * 57_344, True)
+    # 40 sequences at once: the static path holds the bucket of 48 rows, and 1,000 + 8,192 rounds up to 9,216
+    odd = plan_for(8, 80, "rollout.backend=hf", "rollout.hf_max_batch=40", "data.max_prompt_tokens=1000")
+    name = "hf generation: KV cache (40 sequences x 9192 tokens, static: 48 rows x 9216 positions)"
+    assert figures(odd, "rollout")[name] == (48 * 9216 * 57_344, True)
     # a batch too large for the card: the problem names the setting
     big = plan_for(
         8,

@@ -28,7 +28,10 @@ def test_rollout_gpus_hold_the_engine_and_its_kv_cache_only():
     assert items["hf generation: the engine's whole model (2 B/param)"] == 2 * 7_615_616_512
     # KV cache: 2 (k, v) x 28 layers x 4 kv heads x 128 x 2 B = 57,344 B per token; 64 sequences (hf_max_batch,
     # below the 64 / 4 x 8 = 128 each rollout GPU starts) of 1,024 prompt + 8,192 response tokens
-    assert items["hf generation: KV cache (64 sequences x 9216 tokens)"] == 64 * 9216 * 57_344
+    assert (
+        items["hf generation: KV cache (64 sequences x 9216 tokens, static: 64 rows x 9216 positions)"]
+        == 64 * 9216 * 57_344
+    )
     assert plan.kv["sequences_needed"] == 128 and plan.rollout_ranks == 4 and plan.placement == "separate"
     assert not any("param partition" in name or "Adam" in name for name in items)  # nothing of the trainer's
 

@@ -65,7 +65,9 @@ def test_the_factory_opens_the_hf_engine_on_the_policy_or_on_the_model_dir(tiny)
         assert isinstance(engine, RolloutEngine)
         assert engine.effective_config() is None  # the policy's own model (eval: the one it loaded): no copy
         assert engine.push_weights(iter([])) == 0
-        assert engine.describe(["cpu"]).endswith("rank 0 cpu; decoding eager (auto: no CUDA device, nothing to capture)")
+        assert engine.describe(["cpu"]).endswith(
+            "rank 0 cpu; decoding eager (auto: no CUDA device, nothing to capture)"
+        )
         with engine.turn():
             [[rollout]] = engine.generate([tokenizer("1+2=")["input_ids"]], n=1, temperature=0.0, max_tokens=3)
         assert 1 <= len(rollout.token_ids) <= 3

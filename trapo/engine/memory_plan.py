@@ -326,7 +326,13 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
     if r.backend == "hf":
         startup = ddp + fp32 + bucket + ref + [reserve]
         batch = min(r.hf_max_batch, kv["sequences_needed"])
-        kv.update(kv_cache_bytes=batch * per_token * seq_tokens, sequences_held=batch, vllm_fixed=0)
+        held_rows, held_tokens, static = batch, seq_tokens, ""
+        if r.hf_decoding != "eager":  # on a GPU the static path holds a row bucket x whole cache spans
+            from trapo.engine.static_decoding import SPAN, bucket
+
+            held_rows, held_tokens = bucket(batch), -(-seq_tokens // SPAN) * SPAN
+            static = f", static: {held_rows} rows x {held_tokens} positions"
+        kv.update(kv_cache_bytes=held_rows * per_token * held_tokens, sequences_held=batch, vllm_fixed=0)
         prompt = cfg.data.max_prompt_tokens
         rows = min(batch, max(1, HF_PREFILL_TOKENS // prompt))
         prefill = rows * prompt * (b * (PREFILL_I * a.intermediate + PREFILL_H * a.hidden + 2 * a.head_dim) + prompt)
@@ -337,7 +343,9 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
             + [
                 reserve,
                 Item(f"hf generation: the whole model gathered ({b} B/param)", 0 if whole else b * P),
-                Item(f"hf generation: KV cache ({batch} sequences x {seq_tokens} tokens)", kv["kv_cache_bytes"]),
+                Item(
+                    f"hf generation: KV cache ({batch} sequences x {seq_tokens} tokens{static})", kv["kv_cache_bytes"]
+                ),
                 Item(
                     f"hf generation: prefill activations ({rows} x {prompt} tokens a forward)",
                     prefill,

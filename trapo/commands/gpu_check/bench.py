@@ -8,14 +8,17 @@ At the 1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B's widths, random weights, the h
 answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process of its own, planned within
 `--budget-s` by plan.BENCH_ESTIMATES (the kit's install included):
 
-    step_profiled             two training steps: the second's rollout tokens/s, update and step seconds and
-                              each phase's peak beside the memory plan's; torch-profiler summaries of the
-                              first step's update and of one decode stretch (gpu_check/profile.py: the
-                              longest kernels, the share of wall time outside kernels) and that stretch's
-                              tokens/s
+    step_profiled             two training steps (rollout.hf_decoding=auto: CUDA graphs): the second's
+                              rollout tokens/s, update and step seconds and each phase's peak beside the
+                              memory plan's; torch-profiler summaries of the first step's update and of one
+                              decode stretch (gpu_check/profile.py: the longest kernels, the share of wall
+                              time outside kernels) and that stretch's tokens/s; then the round's rows
+                              decoded by the eager, static and cuda_graph paths (decode_variants.py):
+                              tokens/s, start-up, log-prob gap to a plain forward, each against eager
     update_checkpointing      bench/bench_update_gpu.py, our path: update tokens/s, MFU (6 x params x tokens),
                               peak against the plan, with gradient checkpointing (the default)
     update_no_checkpointing   the same without it (where memory allows: the row says what ran out)
+    decode_compile            the round's rows decoded through torch.compile (reduce-overhead), no training
 
 The dry run runs every variant on CPU and ends with `one call: <variants> planned in <N> s (limit <B>)`: the
 plan for the GPU, by the estimates. The report goes to `--report-dir`/<date>-<gpu>-bench.md (docs/gpu/ in
@@ -42,11 +45,35 @@ def _json_line(out: str) -> dict | None:
     return next((json.loads(line) for line in reversed(out.splitlines()) if line.startswith("{")), None)
 
 
+SHAPE_STEP = [sys.executable, "-m", "trapo.commands.gpu_check.shape_step", "--work", str(gpu_check.WORK / "bench")]
+STEP_DECODINGS = "eager,static,cuda_graph"  # the compiled path runs in a process of its own (decode_compile)
+ROLLOUT_TARGET = 32_000  # response tokens/s at the 1.5B shape on one H100/H200: 5x the eager path's 6,400
+
+
+def decode_rows(check: Check, decodings: dict, dry_run: bool) -> None:
+    """One row per decode path: tokens/s, start-up, log-prob gap, and its speed against eager's."""
+    eager = decodings.get("eager", {}).get("tokens_per_s")
+    for name, r in decodings.items():
+        title = f"decode: {name}" + (" (tiny shape, dry run)" if dry_run else "")
+        if "error" in r:  # on CPU the captured paths must be refused: that is the dry run's pass
+            refused = dry_run and "CUDA device" in r["error"]
+            check.add(
+                title, refused, ("refused on CPU, as it must be: " if refused else "") + r["error"], json.dumps(r)
+            )
+            continue
+        against = f", {r['tokens_per_s'] / eager:.2f}x eager" if eager and name != "eager" else ""
+        figure = (
+            f"{r['tokens_per_s']:,.0f} tokens/s{against}; first call {r['first_call_s']:.1f} s; "
+            f"log-prob gap to a plain forward {r['logprob_gap']:.2e}"
+        )
+        check.add(title, True, figure, json.dumps(r))
+
+
 def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
-    cmd = [sys.executable, "-m", "trapo.commands.gpu_check.shape_step", "--work", str(gpu_check.WORK / "bench")]
-    code, out = shell([*cmd, "--profile", *(["--dry-run"] if dry_run else [])], env, 600)
+    args = ["--profile", "--decodings", STEP_DECODINGS, *(["--dry-run"] if dry_run else [])]
+    code, out = shell([*SHAPE_STEP, *args], env, 600)
     result = _json_line(out)
-    name = "1.5B-shape step, eager decoding, checkpointing" if not dry_run else "shape step (tiny shape, dry run)"
+    name = "1.5B-shape step, checkpointing" if not dry_run else "shape step (tiny shape, dry run)"
     if code != 0 or result is None or "profile" not in result:
         check.add(name, False, f"failed ({code})", tail(out, 40))
         return
@@ -57,10 +84,13 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
         for k in ("rollout", "update", "step")
         if k in timing
     )
+    rate = tokens / timing["rollout"]
+    target = "" if dry_run else f" ({rate / ROLLOUT_TARGET:.2f} of the {ROLLOUT_TARGET:,} target)"
     check.add(
         name,
         result["trained_sequences"] == result["answers"],
-        f"rollout {tokens / timing['rollout']:,.0f} response tokens/s, step {tokens / timing['step']:,.0f}; {phases}; "
+        f"decoding {result['decoding']}: rollout {rate:,.0f} response tokens/s{target}, step "
+        f"{tokens / timing['step']:,.0f}; {phases}; "
         f"logprob_diff_rollout_vs_policy {result['logprob_diff_rollout_vs_policy']:.2e}",
         json.dumps(result),
     )
@@ -73,6 +103,7 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
         if key == "decode":
             figure += f"; {profile['decode_tokens_per_s']:,.0f} tokens/s"
         check.add(title, True, figure, "\n".join(profile_lines(summary, title, top=10)))
+    decode_rows(check, result["decodings"], dry_run)
 
 
 def _update(check: Check, env: dict, dry_run: bool, checkpointing: bool) -> None:
@@ -96,7 +127,20 @@ def update_no_checkpointing(check: Check, env: dict, dry_run: bool) -> None:
     _update(check, env, dry_run, False)
 
 
-ORDER = [step_profiled, update_checkpointing, update_no_checkpointing]
+def decode_compile(check: Check, env: dict, dry_run: bool) -> None:
+    """The compiled path alone (its compile time is its own risk): no training, the same rows and tokens. On
+    CPU (dry run) its refusal is the row: torch.compile's CUDA graphs need a GPU."""
+    code, out = shell(
+        [*SHAPE_STEP, "--steps", "0", "--decodings", "compile", *(["--dry-run"] if dry_run else [])], env, 600
+    )
+    result = _json_line(out)
+    if code != 0 or result is None:
+        check.add("decode: compile", False, f"failed ({code})", tail(out, 40))
+        return
+    decode_rows(check, result["decodings"], dry_run)
+
+
+ORDER = [step_profiled, update_checkpointing, update_no_checkpointing, decode_compile]
 
 
 def main(argv: list[str] | None = None) -> int:

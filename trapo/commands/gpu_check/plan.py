@@ -102,16 +102,35 @@ def bench_update_only_s(checkpointing: bool = True, seqs: int = 32, length: int 
 
 PROFILE_S = 20.0  # the profiler's recording and summary of one update and one decode stretch
 DECODE_STRETCH = 32  # tokens per row of the profiled decode stretch (shape_step.DECODE_STRETCH)
+VARIANT_TOKENS = 128  # forced tokens per row of each decode path's measure (shape_step.VARIANT_TOKENS)
+GRAPH_SPEEDUP = 5.0  # the captured paths' decode steps against eager's: the target, not a measurement
+CAPTURE_S = 15.0  # capturing a path's shapes (rows buckets x cache spans), each a forward
+COMPILE_S = 120.0  # inductor compiling the 1.5B step for each shape it meets
+
+
+def decode_paths_s(paths: dict[str, float]) -> float:
+    """Each path decodes the round's rows twice for VARIANT_TOKENS tokens; `paths`: path -> its speed-up over
+    eager's launch-bound steps."""
+    once = generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=VARIANT_TOKENS))
+    return sum(2 * once / speedup + (CAPTURE_S if speedup > 1 else 0.0) for speedup in paths.values())
+
 
 # `make gpu-bench`'s variants -> estimated GPU seconds, in the order they run: the real loop profiled, then the
 # update with and without gradient checkpointing
 BENCH_ESTIMATES = {
     "kit": KIT_S,
+    # the two steps' rollouts at eager's speed: the bound for a GPU where the capture falls back
     "step_profiled": shape_step_s(R1_1P5B)
     + PROFILE_S
-    + generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=DECODE_STRETCH)),
+    + generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=DECODE_STRETCH))
+    + decode_paths_s({"eager": 1.0, "static": 1.0, "cuda_graph": GRAPH_SPEEDUP}),
     "update_checkpointing": bench_update_only_s(checkpointing=True),
     "update_no_checkpointing": bench_update_only_s(checkpointing=False),
+    "decode_compile": PROCESS_S
+    + TRAINER_S
+    + PARAM_S * R1_1P5B.params
+    + COMPILE_S
+    + decode_paths_s({"compile": GRAPH_SPEEDUP}),
 }
 
 

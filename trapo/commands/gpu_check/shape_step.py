@@ -2,6 +2,7 @@
 the memory plan's: one check of `make gpu-check`, run in a process of its own.
 
     python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora] [--profile]
+        [--decodings eager,static,cuda_graph,compile] [--steps 2]
 
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2, the questions and tokenizer the toy's;
 rollout.backend=hf with 512-token answers (random weights rarely stop early), 64 questions x 8, bf16, ZeRO-3,
@@ -13,7 +14,9 @@ config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as i
 --profile (`make gpu-bench`): the first step's update under torch.profiler (the same kernels as the second's,
 whose figures are reported without the profiler's overhead; its optimizer step also allocates Adam's moments),
 then one decode stretch (the round's rows, DECODE_STRETCH tokens each, forced) under it too: their summaries
-(gpu_check/profile.py) and the stretch's tokens/s. Prints one JSON line.
+(gpu_check/profile.py) and the stretch's tokens/s. --decodings: after the steps, the round's rows decoded by
+each named rollout.hf_decoding path, VARIANT_TOKENS forced tokens each (gpu_check/decode_variants.py);
+--steps 0 decodes without training. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from trapo.engine.memory_plan import BUILTIN, Arch
 
 ANSWERS = 8  # per question
 DECODE_STRETCH = 32  # tokens per row of the profiled decode stretch: enough steps to average, few events
+VARIANT_TOKENS = 128  # forced tokens per row of each decode path's measure: two spans of the cache past the prompt
 
 
 def hf_shape(arch: Arch) -> dict:
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--lora", action="store_true", help="Qwen2.5-Math-7B's shape with rank-32 adapters")
     parser.add_argument("--profile", action="store_true", help="profile the second update and a decode stretch")
+    parser.add_argument("--decodings", default="", help="decode paths to measure after the steps (comma-separated)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps before (0: only decode)")
     args = parser.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -177,18 +183,30 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(str(runtime.ROOT / "configs" / "toy.yaml"), overrides)
     trainer = Trainer(cfg)
     profiles: dict = {}
+    decodings: dict = {}
     try:
         # --profile: the first step's update (the second, measured, runs without the profiler's overhead)
         with profiling(args.profile, profiles):
-            logs = [trainer.train_step()]
-        logs.append(trainer.train_step())
+            logs = [trainer.train_step() for _ in range(min(args.steps, 1))]
+        logs += [trainer.train_step() for _ in range(args.steps - 1)]
         if args.profile:
             profiles["decode_tokens_per_s"] = decode_stretch(trainer, questions, profiles)
+        if args.decodings:
+            from trapo.commands.gpu_check import decode_variants
+
+            source = trainer.rollouts
+            tokens = DECODE_STRETCH if args.dry_run else VARIANT_TOKENS
+            names = args.decodings.split(",")
+            decodings = decode_variants.measure(source.engine, source.prompts[:questions], ANSWERS, tokens, names)
     finally:
         trainer.close()
-    last, params = logs[-1], list(trainer.policy.model.parameters())
-    result = {
-        "model_build_s": round(build_s, 1),
+    params = list(trainer.policy.model.parameters())
+    result = {"model_build_s": round(build_s, 1), "decodings": decodings, "decoding": trainer.rollouts.engine.decoding}
+    if not logs:
+        print(json.dumps(result))
+        return 0
+    last = logs[-1]
+    result |= {
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad),
         "mean_response_tokens": last["response_tokens"] / answers if "response_tokens" in last else None,
