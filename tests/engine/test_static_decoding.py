@@ -92,16 +92,21 @@ def test_captured_steps_replay_the_buffers_and_are_captured_once_per_shape(toy):
     captured = []
     engine._runner = Captured(capture=stand_in_capture(captured))
     ref = generated(eager, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8)
-    assert_same(generated(engine, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8), ref)
-    shapes = list(engine._runner.graphs)  # in the order captured
-    assert captured == [(rows, model.config.vocab_size) for rows, _ in shapes]  # each step's logits, its rows
-    assert {rows for rows, _ in shapes} <= set(BUCKETS) and {span for _, span in shapes} == {SPAN, 2 * SPAN}
-    kv = engine._static["kv"]
-    assert_same(generated(engine, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8), ref)
-    assert len(captured) == len(shapes) and engine._static["kv"] is kv  # the same buffers, nothing captured again
-    longer = generated(engine, prompts, n=5, temperature=1.0, max_tokens=3 * SPAN)  # outgrows the buffers
-    assert engine._static["kv"] is not kv and engine._static["kv"].length >= 3 * SPAN
+    with engine.turn():  # a round's batches share one turn: buffers and captures kept from one to the next
+        assert_same(generated(engine, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8), ref)
+        shapes = list(engine._runner.graphs)  # in the order captured
+        assert captured == [(rows, model.config.vocab_size) for rows, _ in shapes]  # each step's logits, its rows
+        assert {rows for rows, _ in shapes} <= set(BUCKETS) and {span for _, span in shapes} == {SPAN, 2 * SPAN}
+        kv = engine._static["kv"]
+        assert_same(generated(engine, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8), ref)
+        assert len(captured) == len(shapes) and engine._static["kv"] is kv  # the same buffers, nothing captured
+        longer = generated(engine, prompts, n=5, temperature=1.0, max_tokens=3 * SPAN)  # outgrows the buffers
+        assert engine._static["kv"] is not kv and engine._static["kv"].length >= 3 * SPAN
+    assert engine._static == {} and engine._runner.graphs == {}  # the turn's end frees them for the update
     assert_same(longer, generated(eager, prompts, n=5, temperature=1.0, max_tokens=3 * SPAN))
+    captured.clear()
+    assert_same(generated(engine, prompts, n=5, temperature=1.0, max_tokens=SPAN + 8), ref)  # captured anew
+    assert len(captured) == len(shapes)
 
 
 def test_a_refused_capture_falls_back_to_uncaptured_steps_under_auto_and_fails_otherwise(toy):

@@ -161,7 +161,7 @@ class HfEngine:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_token_ids or [0])[0]
         self.decoding, self.decoding_why = static_decoding.resolve(decoding, self.device(), model)
-        self._static = {}  # the static path's buffers (StaticKV), kept from one batch to the next
+        self._static = {}  # the static path's buffers (StaticKV), kept from one batch to the next of a turn
         self._runner = static_decoding.step_runner(self.decoding, model, chosen_by_auto=decoding == "auto")
         self._turns = 0  # open turns (a turn inside a turn gathers nothing more)
         self._calls = 0  # generate calls without seeds: their requests are keyed by this count
@@ -234,8 +234,16 @@ class HfEngine:
                 yield self
             finally:
                 self._turns -= 1
+                self._end_static_turn()
                 model.set_attn_implementation(attention)
                 model.train(was_training)
+
+    def _end_static_turn(self) -> None:
+        """The static path's buffers and captured steps go with the turn: the update needs the memory, and a
+        ZeRO-3 model's gathered weights, whose addresses the captures hold, are released with it."""
+        self._static.clear()
+        if self._runner is not None:
+            self._runner.reset()
 
     def _steps(self):
         if self._runner is None:

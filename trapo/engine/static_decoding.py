@@ -3,8 +3,10 @@ forward of fixed shapes over buffers whose addresses never change, so the step c
 replayed (CUDA graphs) instead of launching a few hundred small kernels from Python per token.
 
 - `StaticKV` holds one key and one value buffer per layer, [rows, kv_heads, length, head_dim], and the step's
-  inputs (token, position, attention mask, the slot being written). It lives as long as the engine and grows
-  (dropping the captured steps) only when a batch needs more rows or positions than it has.
+  inputs (token, position, attention mask, the slot being written). It lives for a turn of generation (the
+  engine drops it and its captured steps at the turn's end: the update needs the memory, and ZeRO-3 gathers
+  the weights at new addresses each turn) and grows, dropping the captures, only when a batch of the turn
+  needs more rows or positions than it has.
 - A batch runs at a bucket of rows (`BUCKETS`: no more than a third of them padding) and attends over a span
   of the cache (multiples of `SPAN`), so a handful of captured shapes serve every step. Finished rows leave
   the batch when the live ones fit a smaller bucket: they are copied to the front of the buffers.
@@ -198,7 +200,7 @@ def cuda_graph_capture(step, pool):
         step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads' work is theirs
         output = step()
     return graph.replay, output, graph.pool()
 
@@ -258,7 +260,7 @@ class Compiled:
         return step(self.forward)
 
     def reset(self) -> None:
-        torch._dynamo.reset()
+        """Nothing dropped: the compiled code stays; its graphs are recorded again for new buffers' addresses."""
 
 
 def step_runner(decoding: str, model, chosen_by_auto: bool = False):
