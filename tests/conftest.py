@@ -20,11 +20,29 @@ os.environ["HF_HUB_CACHE"] = os.path.join(tempfile.gettempdir(), "trapo-tests-em
 import pytest  # noqa: E402
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own, whose group names this checks
+def pytest_collection_modifyitems(config, items):
     """The tests that start trainers first, the rest after them in their order: under `make test`'s two workers
     the many short tests then fill the end, instead of one worker starting a minute-long run while the other
     has nothing left (the same order on every worker, as pytest-xdist requires)."""
+    _xdist_groups(config, items)
     items.sort(key=lambda item: item.get_closest_marker("toy_run") is None)
+
+
+def _xdist_groups(config, items):
+    """Each `xdist_group` test's group on the node id pytest reads, as `--dist loadgroup` needs it (`<id>@<group>`).
+    pytest-xdist 3.8 writes it to `item._nodeid`, which pytest 9.2 no longer reads (its node ids are structured,
+    `item._id`): every group was silently ignored, and a shared toy run (training/conftest.py) ran once on each
+    worker that drew one of its tests (pytest-dev/pytest-xdist#1386). Where xdist's suffix took, nothing changes."""
+    if not getattr(config.option, "loadgroup", False):  # set in an xdist worker under --dist loadgroup
+        return
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            item._id = type(item._id).parse(item.nodeid + suffix)
 
 
 @pytest.fixture(scope="session", autouse=True)
