@@ -1,7 +1,8 @@
 """The policy update alone on one GPU: tokens/s, MFU and peak memory, our chunked LM head vs full logits.
 
-DeepSpeed ZeRO-3 on one GPU, bf16, gradient checkpointing, packed micro-batches of
-`--tokens` tokens, on a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 with random weights (no download,
+DeepSpeed ZeRO-3 on one GPU, bf16, gradient checkpointing (--no-checkpointing: without), packed
+micro-batches of `--tokens` tokens (--fused-kernels: model.fused_kernels; --persistent-params: no parameter
+released after its forward), on a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 with random weights (no download,
 no vLLM: it runs on a machine with torch, transformers, accelerate and a DeepSpeed wheel plus pydantic).
 Each path runs `Policy.update` on the same sequences (`--seqs` of `--length` tokens, a quarter of them
 prompt): "ours" is the trainer's path (chunked LM head, no [T, V] logits); "full logits" swaps in a
@@ -85,6 +86,15 @@ def main() -> None:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, to check the script runs")
     p.add_argument("--no-checkpointing", action="store_true", help="model.gradient_checkpointing=false")
     p.add_argument("--only-ours", action="store_true", help="our path alone: no full-logits path, no packing run")
+    p.add_argument(
+        "--fused-kernels", action="store_true", help="model.fused_kernels=true (compiled norm, SwiGLU, rotary)"
+    )
+    p.add_argument(
+        "--persistent-params",
+        action="store_true",
+        help="ZeRO-3 with every parameter persistent (never released after its forward): on one GPU its "
+        "partition is the whole model anyway, so this measures what the gather-and-release hooks cost",
+    )
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     if not gpu and not args.cpu_smoke:
@@ -108,6 +118,8 @@ def main() -> None:
     overrides = [
         "model.dtype=bfloat16",
         f"model.gradient_checkpointing={'false' if args.no_checkpointing else 'true'}",
+        f"model.fused_kernels={'true' if args.fused_kernels else 'false'}",
+        *([f"train.deepspeed_config={persistent_config(model_dir)}"] if args.persistent_params else []),
         "loss.entropy_coef=0.01",
         f"train.micro_batch_tokens={args.tokens}",
         f"rollout.max_tokens={args.length}",
@@ -137,10 +149,11 @@ def main() -> None:
         mfu = 6 * params * tokens / sec / (args.peak_tflops * 1e12)
         rows.append((name, tokens / sec, mfu, peak, sec))
     device = torch.cuda.get_device_name(0) if gpu else "CPU (smoke run: not a measurement)"
-    checkpointing = "no gradient checkpointing" if args.no_checkpointing else "gradient checkpointing"
+    settings = ["no gradient checkpointing" if args.no_checkpointing else "gradient checkpointing"]
+    settings += ["fused kernels"] * args.fused_kernels + ["parameters persistent"] * args.persistent_params
     print(
         f"{device}; {params / 1e9:.2f}B parameters; {args.seqs} x {args.length} tokens per update, "
-        f"micro_batch_tokens {args.tokens}, bf16, ZeRO-3, {checkpointing}"
+        f"micro_batch_tokens {args.tokens}, bf16, ZeRO-3, {', '.join(settings)}"
     )
     print(f"{'path':22s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s} {'s/update':>9s}")
     for name, tps, mfu, peak, sec in rows:
@@ -154,6 +167,18 @@ def main() -> None:
     plan_line(cfg, model_dir, rows[0][3], gpu)
     if not args.only_ours:
         packing_vs_padding(policy, cfg, shape, args, gpu)
+
+
+def persistent_config(folder: str) -> str:
+    """configs/deepspeed_zero3.json with every parameter persistent, written into `folder`."""
+    import json
+    from pathlib import Path
+
+    ds = json.loads(Path(ROOT, "configs", "deepspeed_zero3.json").read_text())
+    ds["zero_optimization"].update(stage3_param_persistence_threshold=10**12, stage3_model_persistence_threshold=10**12)
+    path = Path(folder) / "deepspeed_zero3_persistent.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
 
 
 def plan_line(cfg, model_dir: str, measured_gib: float, gpu: bool) -> None:

@@ -62,6 +62,8 @@ def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
         *["decode"] * 3,  # eager, static, cuda_graph
         "update, gradient checkpointing (tiny shape, dry run)",
         "update, no gradient checkpointing (tiny shape, dry run)",
+        "update, gradient checkpointing, fused kernels (tiny shape, dry run)",
+        "update, gradient checkpointing, parameters persistent (tiny shape, dry run)",
         "decode",  # compile
     ]
     assert "profile: a decode stretch" in out.stdout and "tokens/s" in rows[3]

@@ -101,6 +101,9 @@ class ModelConfig:
     rope_theta: float | None = None  # override, e.g. 40000 for Qwen2.5-Math (paper appendix)
     max_position_embeddings: int | None = None  # override, e.g. 16384 for Qwen2.5-Math
     gradient_checkpointing: bool = False
+    # RMSNorm, SwiGLU and rotary embedding as torch.compile'd kernels in the update's forward and backward
+    # (trapo/engine/fused_ops.py); generation keeps the plain ops. Compiles once per run (GPU; no-op on CPU).
+    fused_kernels: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

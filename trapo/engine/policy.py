@@ -23,7 +23,7 @@ from trapo.algorithm.importance import top_p_bias_warning
 from trapo.algorithm.logits import TokenStats, lm_head_token_stats, scatter_to_mask
 from trapo.algorithm.loss import PolicyLoss
 from trapo.config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, read_deepspeed_config
-from trapo.engine import attention, dist, lora, packing
+from trapo.engine import attention, dist, fused_ops, lora, packing
 from trapo.engine.batch import TrainSequence, collate
 from trapo.engine.memory_plan import check_stage
 from trapo.runtime import torch_dtype
@@ -159,6 +159,9 @@ class Policy:
         if model.gradient_checkpointing:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         net.config.use_cache = False
+        if model.fused_kernels:
+            routed = fused_ops.fuse(net, fused_ops.Kernels())
+            console.say("fused kernels in the update: " + ", ".join(f"{n} {k}" for k, n in routed.items()))
         if train.packing:  # packed rows: attention within each sequence, no [S, S] mask
             net.set_attn_implementation(attention.register_attention())
             # the kernel is chosen here, before any forward: a check inside a checkpointed forward breaks its backward

@@ -18,6 +18,9 @@ answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process o
     update_checkpointing      bench/bench_update_gpu.py, our path: update tokens/s, MFU (6 x params x tokens),
                               peak against the plan, with gradient checkpointing (the default)
     update_no_checkpointing   the same without it (where memory allows: the row says what ran out)
+    update_fused              with checkpointing and model.fused_kernels (compiled RMSNorm, SwiGLU, rotary)
+    update_persistent         with checkpointing and every ZeRO-3 parameter persistent: on one GPU its
+                              partition is the whole model, so this is what gathering and releasing cost
     decode_compile            the round's rows decoded through torch.compile (reduce-overhead), no training
 
 The dry run runs every variant on CPU and ends with `one call: <variants> planned in <N> s (limit <B>)`: the
@@ -106,13 +109,21 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
     decode_rows(check, result["decodings"], dry_run)
 
 
-def _update(check: Check, env: dict, dry_run: bool, checkpointing: bool) -> None:
+UPDATE_VARIANTS = {  # variant -> (bench_update_gpu flags, what its row says)
+    "update_checkpointing": ([], "gradient checkpointing"),
+    "update_no_checkpointing": (["--no-checkpointing"], "no gradient checkpointing"),
+    "update_fused": (["--fused-kernels"], "gradient checkpointing, fused kernels"),
+    "update_persistent": (["--persistent-params"], "gradient checkpointing, parameters persistent"),
+}
+
+
+def _update(check: Check, env: dict, dry_run: bool, variant: str) -> None:
+    flags, what = UPDATE_VARIANTS[variant]
     cmd = [sys.executable, "bench/bench_update_gpu.py", "--only-ours", *(["--cpu-smoke"] if dry_run else [])]
-    code, out = shell([*cmd, *([] if checkpointing else ["--no-checkpointing"])], env, 480)
+    code, out = shell([*cmd, *flags], env, 480)
     row = next((line for line in out.splitlines() if line.startswith("ours")), "")
     plan_line = next((line for line in out.splitlines() if line.startswith("memory plan")), "")
-    name = f"update, {'gradient checkpointing' if checkpointing else 'no gradient checkpointing'}"
-    name += "" if not dry_run else " (tiny shape, dry run)"
+    name = f"update, {what}" + ("" if not dry_run else " (tiny shape, dry run)")
     failed = "out of memory" if "OutOfMemoryError" in out else f"failed ({code})"
     check.add(
         name, code == 0 and bool(row), f"{' '.join(row.split())} | {plan_line}" if code == 0 else failed, tail(out)
@@ -120,11 +131,19 @@ def _update(check: Check, env: dict, dry_run: bool, checkpointing: bool) -> None
 
 
 def update_checkpointing(check: Check, env: dict, dry_run: bool) -> None:
-    _update(check, env, dry_run, True)
+    _update(check, env, dry_run, "update_checkpointing")
 
 
 def update_no_checkpointing(check: Check, env: dict, dry_run: bool) -> None:
-    _update(check, env, dry_run, False)
+    _update(check, env, dry_run, "update_no_checkpointing")
+
+
+def update_fused(check: Check, env: dict, dry_run: bool) -> None:
+    _update(check, env, dry_run, "update_fused")
+
+
+def update_persistent(check: Check, env: dict, dry_run: bool) -> None:
+    _update(check, env, dry_run, "update_persistent")
 
 
 def decode_compile(check: Check, env: dict, dry_run: bool) -> None:
@@ -140,7 +159,7 @@ def decode_compile(check: Check, env: dict, dry_run: bool) -> None:
     decode_rows(check, result["decodings"], dry_run)
 
 
-ORDER = [step_profiled, update_checkpointing, update_no_checkpointing, decode_compile]
+ORDER = [step_profiled, update_checkpointing, update_no_checkpointing, update_fused, update_persistent, decode_compile]
 
 
 def main(argv: list[str] | None = None) -> int:

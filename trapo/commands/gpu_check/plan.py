@@ -106,6 +106,7 @@ VARIANT_TOKENS = 128  # forced tokens per row of each decode path's measure (sha
 GRAPH_SPEEDUP = 5.0  # the captured paths' decode steps against eager's: the target, not a measurement
 CAPTURE_S = 15.0  # capturing a path's shapes (rows buckets x cache spans), each a forward
 COMPILE_S = 120.0  # inductor compiling the 1.5B step for each shape it meets
+FUSE_COMPILE_S = 30.0  # inductor compiling the three fused elementwise kernels, forward and backward
 
 
 def decode_paths_s(paths: dict[str, float]) -> float:
@@ -126,6 +127,8 @@ BENCH_ESTIMATES = {
     + decode_paths_s({"eager": 1.0, "static": 1.0, "cuda_graph": GRAPH_SPEEDUP}),
     "update_checkpointing": bench_update_only_s(checkpointing=True),
     "update_no_checkpointing": bench_update_only_s(checkpointing=False),
+    "update_fused": bench_update_only_s(checkpointing=True) + FUSE_COMPILE_S,
+    "update_persistent": bench_update_only_s(checkpointing=True),
     "decode_compile": PROCESS_S
     + TRAINER_S
     + PARAM_S * R1_1P5B.params
