@@ -98,7 +98,7 @@ class ModelConfig:
     dtype: Dtype = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     rope_theta: float | None = None  # override, e.g. 40000 for Qwen2.5-Math (paper appendix)
     max_position_embeddings: int | None = None  # override, e.g. 16384 for Qwen2.5-Math
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = "auto"  # auto: on only where the memory plan needs it
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
