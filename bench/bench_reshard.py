@@ -27,7 +27,7 @@ runtime.configure()
 from trapo.commands.toy import build_assets  # noqa: E402
 from trapo.config import load_config  # noqa: E402
 from trapo.engine.checkpoint import DEEPSPEED_TAG  # noqa: E402
-from trapo.engine.memory_plan import BUILTIN  # noqa: E402
+from trapo.engine.model_shapes import BUILTIN  # noqa: E402
 from trapo.engine.reshard import convert  # noqa: E402
 
 DISK_GBPS = 1.0  # a node's local NVMe or a parallel filesystem, per direction (an assumption, stated)

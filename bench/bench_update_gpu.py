@@ -186,7 +186,8 @@ def plan_line(cfg, model_dir: str, measured_gib: float, gpu: bool) -> None:
     import json
     from pathlib import Path
 
-    from trapo.engine.memory_plan import memory_plan, model_arch
+    from trapo.engine.memory_plan import memory_plan
+    from trapo.engine.model_shapes import model_arch
 
     if not gpu:
         print("memory plan: (GPU only)")

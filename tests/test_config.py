@@ -169,12 +169,30 @@ def test_a_setting_named_without_its_section_gets_the_dotted_key():
         ("data.max_prompt_tokens=0", "key 'data.max_prompt_tokens': must be >= 1"),
         ("run_name=..", "key 'run_name': must be a plain directory name"),
         ("resume_changes=[rollout.nn]", "key 'resume_changes': 'rollout.nn' is not a setting"),
+        (
+            "model.gradient_checkpointing=maybe",
+            "key 'model.gradient_checkpointing': got 'maybe' (str); expected true or false or 'auto'",
+        ),
+        ("model.gradient_checkpointing=1", "key 'model.gradient_checkpointing': got 1 (int); expected true or false"),
+        ("model.gradient_checkpointing=atuo", "expected true or false or 'auto'; did you mean 'auto'?"),
+        ("selection.strategy=entropie", "expected one of 'tcs', 'random', 'entropy', 'self_certainty'; did you mean"),
     ],
 )
 def test_bad_settings_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(os.path.join(ROOT, "configs", "toy.yaml"), [override])
     assert needle in str(err.value)
+
+
+def test_gradient_checkpointing_takes_auto_true_or_false_and_defaults_to_auto(tmp_path):
+    toy = os.path.join(ROOT, "configs", "toy.yaml")
+    assert load_config(toy).model.gradient_checkpointing == "auto"
+    for text, value in (("auto", "auto"), ("true", True), ("false", False)):
+        assert load_config(toy, [f"model.gradient_checkpointing={text}"]).model.gradient_checkpointing == value
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  gradient_checkpointing: sometimes\n")
+    with pytest.raises(ConfigError, match=r"key 'model.gradient_checkpointing': got 'sometimes' \(str\)"):
+        load_config(str(path))
 
 
 def test_a_range_error_names_the_override_that_caused_it_and_the_file_otherwise(tmp_path):

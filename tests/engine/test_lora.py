@@ -145,4 +145,6 @@ def test_the_policy_checks_targets_before_it_reads_a_weight(tmp_path):
     cfg.model.lora = LoraConfig(rank=8, target_modules=["qkv_proj"])
     cfg.train.deepspeed_config = str(tmp_path / "absent.json")
     with pytest.raises(ConfigError, match="'qkv_proj' is not a linear layer"):
-        Policy(str(tmp_path), 1, 0, model=cfg.model, train=cfg.train, rollout=cfg.rollout, loss=None)
+        Policy(
+            str(tmp_path), 1, 0, model=cfg.model, train=cfg.train, rollout=cfg.rollout, loss=None, checkpointing=False
+        )

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from trapo.config import ConfigError, load_config
-from trapo.engine.memory_plan import BUILTIN, GiB, memory_plan, model_arch
+from trapo.engine.memory_plan import GiB, checkpointing_needed, memory_plan
+from trapo.engine.model_shapes import BUILTIN, model_arch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "trapo_1k_3k.yaml")
@@ -135,6 +136,50 @@ def test_update_hints_name_micro_batch_tokens_and_checkpointing():
     assert plan.problems[-1].endswith("set model.gradient_checkpointing=true")
 
 
+R1_1P5B = os.path.join(ROOT, "configs", "trapo_1k_3k_r1distill_1p5b.yaml")
+
+
+def test_auto_checkpoints_only_where_the_update_does_not_fit_without_it():
+    """auto against the plan's own update peaks with and without checkpointing: on where the update without it
+    exceeds the card, off where it fits; the plan then counts what was chosen."""
+    chosen = {}
+    for config, gib in ((CONFIG, 80), (CONFIG, 141), (R1_1P5B, 80), (R1_1P5B, 141)):
+        without = plan_for(8, gib, "model.gradient_checkpointing=false", config=config).peak("update")
+        with_it = plan_for(8, gib, "model.gradient_checkpointing=true", config=config).peak("update")
+        assert with_it < without  # one layer recomputed instead of every layer's activations
+        auto = plan_for(8, gib, "model.gradient_checkpointing=auto", config=config)
+        needed = without > gib * GiB
+        assert auto.checkpointing[0] is needed, (config, gib, auto.checkpointing)
+        assert auto.peak("update") == (with_it if needed else without)
+        figure = f"{without / GiB:.1f} of {gib:.1f} GiB without it"
+        assert auto.checkpointing[1].endswith(f"{figure}, {with_it / GiB:.1f} with it" if needed else figure)
+        chosen[os.path.basename(config), gib] = needed
+    assert set(chosen.values()) == {True, False}, chosen  # the shapes above hold each case
+
+
+def test_checkpointing_needed_at_the_update_peak_obeys_true_and_false_and_is_off_on_cpu():
+    cfg = load_config(R1_1P5B, ["model.gradient_checkpointing=auto"])
+    with open(os.path.join(ROOT, cfg.train.deepspeed_config)) as f:
+        ds = json.load(f)
+    arch = model_arch(cfg.model.path)
+    without = plan_for(8, 141, "model.gradient_checkpointing=false", config=R1_1P5B).peak("update")
+    assert checkpointing_needed(cfg, 8, without, arch, ds)[0] is False  # the update fits exactly
+    assert checkpointing_needed(cfg, 8, without - 1, arch, ds)[0] is True  # a byte short
+    assert checkpointing_needed(cfg, 8, None, arch, ds) == (False, "auto: no GPU, so no memory plan to fit")
+    on, why = checkpointing_needed(cfg, 8, 80 * GiB, None, ds)  # an architecture the plan cannot read
+    assert on and "cannot read the model's architecture" in why
+    lora = load_config(LORA_1GPU, ["model.gradient_checkpointing=auto", "model.lora.target_modules=[qkv]"])
+    on, why = checkpointing_needed(lora, 1, 80 * GiB, arch, ds)  # a run the plan cannot size
+    assert on and "cannot size the update" in why and "the plan knows q_proj" in why
+    for value, card in ((True, 10**15), (False, 1)):  # explicit: obeyed where the plan would choose otherwise
+        fixed = load_config(R1_1P5B, [f"model.gradient_checkpointing={str(value).lower()}"])
+        for gpu in (card, None):
+            assert checkpointing_needed(fixed, 8, gpu, arch, ds) == (
+                value,
+                f"model.gradient_checkpointing={str(value).lower()}",
+            )
+
+
 def test_without_offload_the_partitions_stay_during_rollouts():
     # + 2s + 4s + 1e9 = 6,711,712,384 and 4s + 8s = 11,423,424,768 over the offloaded plan.
     assert plan_for(8, 80, "train.offload_during_rollout=false").peak("rollout") == (
@@ -158,6 +203,7 @@ def test_cli_exit_codes():
     ok = doctor("--plan", "--config", "configs/trapo_1k_3k.yaml", "--gpus", "8", "--gpu-memory-gb", "80")
     assert ok.returncode == 0, ok.stderr
     assert "verdict: fits on 8 x 80 GiB" in ok.stdout and "8 x 141 GiB: fits" in ok.stdout
+    assert "\ngradient checkpointing: on (model.gradient_checkpointing=true)\n" in ok.stdout  # the config's true
     bad = doctor("--plan", "--config", "configs/trapo_1k_3k.yaml", "--gpus", "1", "--gpu-memory-gb", "24")
     assert bad.returncode == 1 and "does NOT fit" in bad.stdout
     assert bad.stderr.count("\n") == 1 and "--gpus 32" in bad.stderr and "rollout.gpu_memory_utilization" in bad.stderr

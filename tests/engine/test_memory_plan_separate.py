@@ -6,8 +6,9 @@ import os
 import pytest
 
 from trapo.config import ConfigError, load_config
-from trapo.engine.memory_plan import GiB, memory_plan, model_arch
+from trapo.engine.memory_plan import GiB, checkpointing_needed, memory_plan
 from trapo.engine.memory_plan_separate import separate_plan
+from trapo.engine.model_shapes import model_arch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEPARATE = ["rollout.backend=hf", "rollout.placement=separate", "rollout.max_staleness=1"]
@@ -42,6 +43,13 @@ def test_training_gpus_are_the_colocated_plan_on_the_others_without_an_engine():
     assert plan.phases["update"] == colocated.phases["update"]
     assert plan.phases["start-up"] == colocated.phases["start-up"]
     assert not any(i.name.startswith("hf generation") for i in plan.phases["start-up"] + plan.phases["update"])
+
+
+def test_auto_checkpointing_is_decided_on_the_training_gpus():
+    cfg, arch, ds, plan = plans(8, 80, "rollout.ranks=4", "model.gradient_checkpointing=auto")
+    decided = checkpointing_needed(cfg, 4, 80 * GiB, arch, ds)  # what the trainer asks on its 4 training ranks
+    assert plan.checkpointing == decided
+    assert decided != checkpointing_needed(cfg, 8, 80 * GiB, arch, ds)  # not the whole world's update
 
 
 def test_a_rollout_gpu_that_overflows_names_the_fix():

@@ -8,6 +8,7 @@ python tests/scripts/scenario.py weight_push key=value ...
 python tests/scripts/scenario.py nan_from STEP key=value ...
 python tests/scripts/scenario.py skip_push key=value ...
 python tests/scripts/scenario.py placement MODEL_DIR
+python tests/scripts/scenario.py checkpointing MODEL_DIR
 """
 
 import json
@@ -116,6 +117,8 @@ def main() -> None:
             print(json.dumps({"error": str(err)}))
     elif scenario == "placement":
         placement(args[0])
+    elif scenario == "checkpointing":
+        checkpointing(args[0])
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 
@@ -244,6 +247,25 @@ def placement(model_dir) -> None:
         result["error"] = None
     except RuntimeError as err:
         result["error"] = str(err)
+    print(json.dumps(result))
+
+
+def checkpointing(model_dir) -> None:
+    """For each model.gradient_checkpointing: whether the built policy's model recomputes its layers, and the line
+    open_policy said."""
+    import dataclasses
+
+    from trapo.engine import dist
+    from trapo.training.settings import open_policy
+
+    dist.init_distributed()
+    cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), [])
+    result = {}
+    for value in (True, False, "auto"):
+        said = []
+        run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=value))
+        policy = open_policy(run_cfg, model_dir, 1, 0, say=said.append)
+        result[str(value)] = {"on": policy.model.is_gradient_checkpointing, "said": said}
     print(json.dumps(result))
 
 

@@ -31,7 +31,10 @@ MODES = {
 @pytest.mark.parametrize("name", list(MODES))
 def test_baseline_modes_one_process(toy_dir, tmp_path, name):
     mode = name.replace("_two_updates", "")
-    train(overrides(toy_dir, tmp_path, mode=mode, max_steps=2, run_name=name, **MODES[name]))
+    out = train(overrides(toy_dir, tmp_path, mode=mode, max_steps=2, run_name=name, **MODES[name]))
+    chosen = "on (model.gradient_checkpointing=true)" if mode == "supervised" else "off (auto: no GPU"
+    assert f"gradient checkpointing: {chosen}" in out.stderr  # said once at start-up
+    assert out.stderr.count("gradient checkpointing:") == 1
     m = metrics(tmp_path / name)
     assert [r["step"] for r in m] == [1, 2] and not any(r["skipped"] for r in m)
     assert all(math.isfinite(r["loss"]) for r in m)
@@ -407,6 +410,23 @@ def test_engine_placement_check(toy_dir):
     assert res["rng_kept"] == [True, True, True]
     assert res["max_num_seqs"] == 24  # sized from the config, not vLLM's serving default
     assert res["interface"]  # a trapo.engine.rollout_engine.RolloutEngine
+
+
+def test_the_policy_recomputes_layers_as_the_checkpointing_choice_says(tmp_path):
+    """true and false are obeyed; auto is the memory plan's choice, off on CPU (no GPU memory to plan)."""
+    from trapo.commands.toy import _model, _tokenizer
+    from trapo.config import Config
+    from trapo.engine.memory_plan import checkpointing_line, checkpointing_needed
+
+    _model(_tokenizer([f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]), seed=0).save_pretrained(tmp_path)
+    out = run([sys.executable, SCENARIO, "checkpointing", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    on_cpu = checkpointing_needed(Config(), 1, None, None)  # the default, auto, as the plan decides it here
+    assert on_cpu[0] is False
+    assert {value: r["on"] for value, r in res.items()} == {"True": True, "False": False, "auto": on_cpu[0]}
+    assert res["True"]["said"] == ["gradient checkpointing: on (model.gradient_checkpointing=true)"]
+    assert res["auto"]["said"] == [checkpointing_line(*on_cpu)]
 
 
 def test_tensor_parallel_rollouts_two_ranks(toy_dir, tmp_path):

@@ -38,8 +38,9 @@ from pathlib import Path
 
 from trapo import hub, runtime
 from trapo.config import ConfigError, load_config, read_deepspeed_config
-from trapo.engine.memory_plan import BUILTIN, GiB, Plan, memory_plan, model_arch
+from trapo.engine.memory_plan import GiB, Plan, checkpointing_line, memory_plan
 from trapo.engine.memory_plan_separate import SEPARATE_TITLES, separate_plan
+from trapo.engine.model_shapes import BUILTIN, model_arch
 
 CARDS = (80, 141)  # GiB: H100 / A100 80 GB, H200 141 GB
 TITLES = {
@@ -68,6 +69,7 @@ def format_plan(plan: Plan, title: str) -> str:
     lines = [
         f"memory plan: {title} on {plan.world} x {plan.gpu_bytes / GiB:g} GiB, per GPU",
         f"model {a.name} ({a.params:,} parameters; {a.source}); largest micro-batch {plan.tokens} tokens",
+        checkpointing_line(*plan.checkpointing),
     ]
     hf = not any(i.name.startswith("vLLM") for i in plan.phases["rollout"])
     titles = SEPARATE_TITLES if plan.placement == "separate" else HF_TITLES if hf else TITLES
@@ -456,10 +458,11 @@ def preflight(args: argparse.Namespace) -> int:
             ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
             memory = torch.cuda.get_device_properties(0).total_memory
             plan = memory_plan(cfg, world, memory, arch, ds_config)
+            peak = max(plan.peak(p) for p in plan.phases) / 2**30
             checks.add(
                 "memory plan",
                 plan.fits,
-                f"{world} x {memory / 2**30:.0f} GiB: peak {max(plan.peak(p) for p in plan.phases) / 2**30:.1f} GiB",
+                f"{world} x {memory / 2**30:.0f} GiB: peak {peak:.1f} GiB; " + checkpointing_line(*plan.checkpointing),
                 plan.problems[0] if plan.problems else "",
             )
         if rank == 0:

@@ -151,7 +151,8 @@ def verdicts_table(cards: tuple[int, ...]) -> str:
     import json as _json
 
     from trapo.config import load_config
-    from trapo.engine.memory_plan import GiB, memory_plan, model_arch
+    from trapo.engine.memory_plan import GiB, memory_plan
+    from trapo.engine.model_shapes import model_arch
 
     rows = [
         "| config | GPUs | start-up | rollouts | update | KV sequences held / needed | verdict |",

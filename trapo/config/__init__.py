@@ -16,8 +16,7 @@ modules. Import from the package (`from trapo.config import Config`), not
 from its modules.
 """
 
-from trapo.config.loading import check_key, dump_config, load_config, parse_override, read_deepspeed_config, to_dict
-from trapo.config.schema import (
+from trapo.config.choices import (
     ACQUIRERS,
     ADVANTAGE_SCALES,
     AGGREGATIONS,
@@ -26,15 +25,18 @@ from trapo.config.schema import (
     DTYPES,
     ENTROPY_AGGS,
     HF_DECODINGS,
-    LORA_TARGETS,
     MODES,
     OBJECTIVES,
     PROMPT_TEMPLATES,
     REFERENCES,
-    REMOVED_KEYS,
     ROLLOUT_IS_MODES,
     STRATEGIES,
     UNLABELED_KINDS,
+)
+from trapo.config.loading import check_key, dump_config, load_config, parse_override, read_deepspeed_config, to_dict
+from trapo.config.schema import (
+    LORA_TARGETS,
+    REMOVED_KEYS,
     Config,
     ConfigError,
     DataConfig,

@@ -1,7 +1,8 @@
 """Loading the configuration: defaults <- a YAML file <- dotted overrides, each value checked against its type.
 
 An unknown key gets a did-you-mean hint (or what replaced it, for a removed one); a value of the
-wrong type or outside the allowed choices names the key, the value and what was expected. Also the
+wrong type or outside the allowed choices names the key, the value and what was expected (and the
+choice a misspelt one is closest to). Also the
 way back: `to_dict` (what the loggers record) and `dump_config` (the run_dir/config.yaml a run writes).
 """
 
@@ -29,7 +30,8 @@ YAML11_EXPONENT = re.compile(r"[-+]?[0-9]+[eE][-+]?[0-9]+")
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        choices = typing.get_args(tp)
+        return repr(choices[0]) if len(choices) == 1 else "one of " + ", ".join(repr(a) for a in choices)
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
     if origin is list:
@@ -41,7 +43,7 @@ def _describe(tp: Any) -> str:
 def _coerce(tp: Any, value: Any, where: str) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
-    bad = ConfigError(f"{where}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
+    bad = ConfigError(f"{where}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}{_near(tp, value)}")
     if origin is Literal:
         if value not in typing.get_args(tp):
             raise bad
@@ -84,6 +86,16 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise bad
         return value
     raise TypeError(f"unsupported config annotation {tp!r} at {where}")
+
+
+def _near(tp: Any, value: Any) -> str:
+    """'; did you mean X?' for a string close to one of the choices `tp` allows (a misspelt 'atuo'), else ''."""
+    if not isinstance(value, str):
+        return ""
+    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    choices = [c for m in members if typing.get_origin(m) is Literal for c in typing.get_args(m) if isinstance(c, str)]
+    close = difflib.get_close_matches(value, choices, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _apply(obj: Any, values: dict, source: str, prefix: str = "") -> None:

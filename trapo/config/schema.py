@@ -1,63 +1,37 @@
 """The configuration's schema: one dataclass per section, with every key's type, default and meaning.
 
 The `Literal` annotations are the allowed choices (checked on loading); a set of choices that other code
-names too is a named `Literal` here, and its tuple (MODES, BACKENDS, ...) is `typing.get_args` of it.
+names too is a named `Literal` in choices.py.
 `ConfigError` is raised for any bad key or value, here (SelectionConfig's range checks) and on loading
 and validation.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
-# Choices that other modules check or offer (argparse, the algorithm's guards): each Literal is the one list.
-Mode = Literal["supervised", "unsupervised", "naive_semi", "trapo"]
-Dtype = Literal["auto", "float32", "bfloat16"]
-PromptTemplate = Literal["think", "cot", "chat", "dataset", "plain"]
-Backend = Literal["auto", "vllm", "hf"]
-Placement = Literal["colocated", "separate"]
-Aggregation = Literal["dr_grpo", "token_mean", "seq_mean"]
-AdvantageScale = Literal["none", "std"]
-Objective = Literal["grpo", "gspo", "cispo"]
-RolloutIsMode = Literal["truncate", "token_mask", "sequence_mask", "off"]
-Reference = Literal["mean_trajectory", "mean_cosine", "max_cosine"]
-Strategy = Literal["tcs", "random", "entropy", "self_certainty"]
-EntropyAgg = Literal["loss", "token_mean"]
-Curriculum = Literal["none", "trajectory"]
-UnlabeledKind = Literal["majority", "cluster_share", "scrl", "self_certainty", "token_entropy", "sentence_entropy"]
-Acquire = Literal["care", "tcs", "random"]
-HfDecoding = Literal["auto", "eager", "static", "cuda_graph", "compile"]
-
-# `reward.verifier`: one of these, or "module:name" (trapo/algorithm/rewards/verifiers.py)
-VERIFIERS = ("math", "mcq", "exact")
-_VERIFIER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
-
-
-def verifier_problem(spec: str) -> str | None:
-    """What is wrong with the form of a `reward.verifier` value, or None (nothing is imported here)."""
-    if spec in VERIFIERS or _VERIFIER_SPEC.fullmatch(spec):
-        return None
-    return f"must be {', '.join(VERIFIERS)} or 'module:name' (an object in a module on PYTHONPATH), got {spec!r}"
-
-
-MODES = get_args(Mode)
-DTYPES = get_args(Dtype)
-PROMPT_TEMPLATES = get_args(PromptTemplate)
-BACKENDS = get_args(Backend)
-AGGREGATIONS = get_args(Aggregation)
-ADVANTAGE_SCALES = get_args(AdvantageScale)
-OBJECTIVES = get_args(Objective)
-ROLLOUT_IS_MODES = get_args(RolloutIsMode)
-REFERENCES = get_args(Reference)
-STRATEGIES = get_args(Strategy)
-ENTROPY_AGGS = get_args(EntropyAgg)
-CURRICULA = get_args(Curriculum)
-UNLABELED_KINDS = get_args(UnlabeledKind)
-ACQUIRERS = get_args(Acquire)
-HF_DECODINGS = get_args(HfDecoding)
+from trapo.config.choices import (
+    REFERENCES,
+    STRATEGIES,
+    Acquire,
+    AdvantageScale,
+    Aggregation,
+    Backend,
+    Curriculum,
+    Dtype,
+    EntropyAgg,
+    HfDecoding,
+    Mode,
+    Objective,
+    Placement,
+    PromptTemplate,
+    Reference,
+    RolloutIsMode,
+    Strategy,
+    UnlabeledKind,
+)
 
 
 class ConfigError(ValueError):
@@ -100,7 +74,7 @@ class ModelConfig:
     dtype: Dtype = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     rope_theta: float | None = None  # override, e.g. 40000 for Qwen2.5-Math (paper appendix)
     max_position_embeddings: int | None = None  # override, e.g. 16384 for Qwen2.5-Math
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = "auto"  # auto: on only where the memory plan needs it
     # RMSNorm, SwiGLU and rotary embedding as torch.compile'd kernels in the update's forward and backward
     # (trapo/engine/fused_ops.py); generation keeps the plain ops. Compiles once per run (GPU; no-op on CPU).
     fused_kernels: bool = False

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from trapo.config.schema import Config, ConfigError, flatten, verifier_problem
+from trapo.config.choices import verifier_problem
+from trapo.config.schema import Config, ConfigError, flatten
 
 
 def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None = None) -> None:

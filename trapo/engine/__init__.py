@@ -17,7 +17,9 @@ they share with disk and with other ranks; and the processes that grade answers.
 - dist.py          the process group, small collectives, ZeRO-3 parameter gathering
 - checkpoint.py    atomic checkpoint directories (with checksums.py: verified before loading)
 - reshard.py       a checkpoint saved on N ranks loaded on M (DeepSpeed's universal form)
-- memory_plan.py   per-GPU bytes of a run from its config alone (memory_plan_separate.py: separate rollout GPUs)
+- memory_plan.py   per-GPU bytes of a run from its config alone (memory_plan_separate.py: separate rollout GPUs),
+                   and whether its update needs gradient checkpointing
+- model_shapes.py  a model's shapes for the plan: its config.json, or the built-in table of the paper's models
 - grading/         Math-Verify (or a task verifier) in supervised worker processes with hard deadlines: the
                    judge the reward functions are given
 

@@ -2,9 +2,10 @@
 
     plan = memory_plan(cfg, world=8, gpu_bytes=80 * GiB, arch=model_arch(cfg.model.path), ds_config=ds)
 
-Pure arithmetic (`model_arch` alone reads a file). Symbols: P parameters, w world size, s = ceil(P / w)
-one rank's ZeRO-3 partition, b bytes of the model dtype (2, bf16), g bytes of DeepSpeed's gradient
-accumulation dtype (`data_types.grad_accum_dtype`, else the model dtype; 4 with configs/deepspeed_zero3.json).
+Pure arithmetic (the architecture comes from trapo/engine/model_shapes.py). Symbols: P parameters, w world
+size, s = ceil(P / w) one rank's ZeRO-3 partition, b bytes of the model dtype (2, bf16), g bytes of
+DeepSpeed's gradient accumulation dtype (`data_types.grad_accum_dtype`, else the model dtype; 4 with
+configs/deepspeed_zero3.json).
 Where each term comes from in the pinned deepspeed, vLLM and transformers (file:line, dated), and the one
 term a GPU has measured: docs/memory-plan.md, "Where each term comes from".
 
@@ -57,6 +58,9 @@ LoRA (model.lora.rank > 0): P_t = rank x (in + out) per adapted projection and l
   trainable buffer, so nothing moves); the LM head has no [V, H] weight gradient; no reference copy (the
   base with adapters off). ZeRO-2 (LoRA only): the base and adapters whole, b*P + b*P_t (frozen parameters
   stay whole; only the trainable ones are flattened), gradients and states over w as above, nothing gathered.
+Gradient checkpointing (model.gradient_checkpointing): true counts the checkpointed layer inputs and one layer
+  recomputed above, false every layer's activations, `layers` x one layer's; auto is on only where the update
+  does not fit without it (`checkpointing_needed`, the one place that decides; the plan then counts its choice).
 Not computed, margins: RESERVE (CUDA context, NCCL buffers, allocator fragmentation) in every phase and
   VLLM_RUNTIME (vLLM's non-torch memory and CUDA graph pool, in its share; kept while asleep).
 Ignored (< 1 MB): parameters under stage3_param_persistence_threshold kept whole on every rank.
@@ -64,12 +68,11 @@ Ignored (< 1 MB): parameters under stage3_param_persistence_threshold kept whole
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from trapo.config import Config, ConfigError
+from trapo.engine.model_shapes import Arch
 
 GiB = 2**30
 RESERVE = 2 * GiB
@@ -84,92 +87,6 @@ PREFILL_I, PREFILL_H = 3, 4  # [N, I] and [N, H] tensors live at a no-grad forwa
 _DTYPE_BYTES = {n: 4 for n in ("fp32", "float32", "float", "torch.float32")} | {
     n: 2 for n in ("bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16")
 }  # DeepSpeed's DtypeEnum names
-
-
-@dataclass(frozen=True)
-class Arch:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool = False
-    qkv_bias: bool = False
-    source: str = "built-in table"
-
-    @property
-    def params(self) -> int:
-        q, kv, h = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden
-        attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attention + 3 * h * self.intermediate + 2 * h  # + MLP gate/up/down + two RMSNorms
-        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h  # + embeddings, head, norm
-
-    def lora_params(self, rank: int, targets: list[str]) -> int:
-        """Adapter parameters: rank x (in + out) for each targeted linear layer of every layer (A [r, in],
-        B [out, r]); a target is the layer's last name (q_proj ... down_proj)."""
-        q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
-        shapes = {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in shapes]
-        if unknown:
-            raise ConfigError(
-                f"model.lora.target_modules: the plan knows {', '.join(shapes)}, not {', '.join(unknown)}"
-            )
-        return self.layers * sum(rank * sum(shapes[t.rsplit(".", 1)[-1]]) for t in set(targets))
-
-    @property
-    def largest_module(self) -> int:  # DeepSpeed's `model_to_params`: one module's own parameters
-        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
-
-
-# Public config.json values (Hugging Face). R1-Distill-Qwen-1.5B is untied: 1.78e9 parameters need a separate head.
-BUILTIN = {
-    a.name: a
-    for a in (
-        Arch("Qwen2.5-Math-7B", 3584, 28, 28, 4, 128, 18944, 152064, qkv_bias=True),
-        Arch("DeepSeek-R1-Distill-Qwen-1.5B", 1536, 28, 12, 2, 128, 8960, 151936, qkv_bias=True),
-        Arch("Llama-3.1-8B-Instruct", 4096, 32, 32, 8, 128, 14336, 128256),
-    )
-}
-
-
-def model_arch(model_path: str) -> Arch:
-    """The architecture from `model_path`/config.json; without the directory, the built-in table by its name."""
-    if not model_path:
-        raise ConfigError("model.path is empty (toy.enabled builds its own model): the plan needs a model directory")
-    path = Path(model_path)
-    config = path / "config.json"
-    if config.is_file():
-        try:
-            c = json.loads(config.read_text())
-            heads = c["num_attention_heads"]
-            h, kv = c["hidden_size"], c.get("num_key_value_heads") or heads
-            dims = (h, c["num_hidden_layers"], heads, kv, c.get("head_dim") or h // heads, c["intermediate_size"])
-            tied = bool(c.get("tie_word_embeddings", False))  # Qwen2's and Llama's default
-            bias = bool(c.get("attention_bias", c.get("model_type") == "qwen2"))  # Qwen2: q/k/v biases
-            return Arch(path.name, *dims, c["vocab_size"], tied=tied, qkv_bias=bias, source=str(config))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ConfigError(
-                f"model.path {model_path}: cannot read the architecture from config.json ({err!r})"
-            ) from None
-    if not path.exists() and path.name in BUILTIN:
-        return BUILTIN[path.name]
-    if path.is_dir():
-        raise ConfigError(f"model.path {model_path}: no config.json in that directory to read the architecture from")
-    raise ConfigError(
-        f"model.path {model_path!r}: no {config} to read the architecture from, and {path.name!r} is not in "
-        f"the built-in table ({', '.join(BUILTIN)})"
-    )
 
 
 @dataclass
@@ -191,6 +108,7 @@ class Plan:
     warnings: list[str]
     placement: str = "colocated"  # rollout.placement; separate: trapo/engine/memory_plan_separate.py
     rollout_ranks: int = 0  # separate: the GPUs of `world` that hold only an engine
+    checkpointing: tuple[bool, str] = (False, "")  # what the update was planned with, and why (checkpointing_needed)
 
     @property
     def fits(self) -> bool:
@@ -235,6 +153,60 @@ def _zero(ds_config: dict | None, b: int) -> _Zero:
         int(z.get("stage3_max_live_parameters", 5e8 * 2)),
         int(z.get("sub_group_size", 1e9)),
     )
+
+
+def without_engine(cfg: Config) -> Config:
+    """`cfg` as its training GPUs run it under rollout.placement separate: no engine beside the trainer (the hf
+    backend's plan, whose rollout phase is the policy's own and is dropped), one GPU a rank."""
+    return replace(cfg, rollout=replace(cfg.rollout, backend="hf", tensor_parallel_size=1))
+
+
+def _checkpointed(cfg: Config, on: bool) -> Config:
+    return replace(cfg, model=replace(cfg.model, gradient_checkpointing=on))
+
+
+def _update_peak(cfg: Config, world: int, gpu: int, arch: Arch, ds_config: dict | None) -> int:
+    """The update phase's peak bytes per GPU, as `memory_plan` counts it."""
+    z = _zero(ds_config, 4 if cfg.model.dtype == "float32" else 2)
+    T = max(cfg.train.micro_batch_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
+    return _peak(_phases(cfg, world, gpu, arch, z, cfg.rollout.gpu_memory_utilization, T)[0]["update"])
+
+
+def checkpointing_needed(
+    cfg: Config, world: int, gpu_bytes: int | None, arch: Arch | None, ds_config: dict | None = None
+) -> tuple[bool, str]:
+    """(whether the update recomputes each layer, why): the one place that decides model.gradient_checkpointing.
+
+    true and false are obeyed. auto is on only where the update phase of the plan, counted without
+    checkpointing, exceeds `gpu_bytes` (recomputing costs about a third more FLOPs in the update); only the
+    update holds activations, so a start-up or rollout that does not fit is not checkpointing's to fix.
+    gpu_bytes None or 0 is a CPU run: the plan has no device memory to fit (`memory_plan` refuses it; the
+    doctor shows no plan there) and plans no host memory, so auto is off there. arch None (the plan cannot
+    read the model's architecture), or a run the plan cannot size: on, the choice that cannot run out of
+    memory for want of it. world: the GPUs that train (with rollout.placement separate, those without an engine)."""
+    setting = cfg.model.gradient_checkpointing
+    if setting != "auto":
+        return bool(setting), f"model.gradient_checkpointing={str(bool(setting)).lower()}"
+    if not gpu_bytes:
+        return False, "auto: no GPU, so no memory plan to fit"
+    if arch is None:
+        return True, "auto: the memory plan cannot read the model's architecture"
+    if cfg.rollout.placement == "separate":
+        cfg = without_engine(cfg)
+    gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
+    try:
+        without = _update_peak(_checkpointed(cfg, False), world, gpu_bytes, arch, ds_config)
+        if without <= gpu_bytes:
+            return False, f"auto: the update fits in {gib(without)} of {gib(gpu_bytes)} GiB without it"
+        with_it = _update_peak(_checkpointed(cfg, True), world, gpu_bytes, arch, ds_config)
+    except ConfigError as err:
+        return True, f"auto: the memory plan cannot size the update ({err})"
+    return True, f"auto: the update needs {gib(without)} of {gib(gpu_bytes)} GiB without it, {gib(with_it)} with it"
+
+
+def checkpointing_line(on: bool, why: str) -> str:
+    """The trainer's start-up line (and the plan's) saying what `checkpointing_needed` decided."""
+    return f"gradient checkpointing: {'on' if on else 'off'} ({why})"
 
 
 def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float, T: int):
@@ -418,6 +390,8 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
     b = 4 if cfg.model.dtype == "float32" else 2
     z, util, seq = _zero(ds_config, b), r.gpu_memory_utilization, cfg.data.max_prompt_tokens + r.max_tokens
     check_stage(z.stage, cfg.model.lora.rank)
+    checkpointing = checkpointing_needed(cfg, world, gpu_bytes, arch, ds_config)
+    cfg = _checkpointed(cfg, checkpointing[0])  # every phase and hint below counts the choice (auto decided)
     T = max(t.micro_batch_tokens, seq)
     ph, kv = _phases(cfg, world, gpu_bytes, arch, z, util, T)
     hf = r.backend == "hf"
@@ -465,4 +439,4 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
             f"KV cache holds {kv['sequences_held']} of the {kv['sequences_needed']} {seq}-token "
             f"sequences each engine starts at once; vLLM queues the rest (slower, not OOM): {fix}"
         )
-    return Plan(arch, world, gpu_bytes, T, ph, kv, problems, warnings)
+    return Plan(arch, world, gpu_bytes, T, ph, kv, problems, warnings, checkpointing=checkpointing)

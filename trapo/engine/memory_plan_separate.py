@@ -18,7 +18,8 @@ import dataclasses
 import math
 
 from trapo.config import Config, ConfigError
-from trapo.engine.memory_plan import Arch, Plan, memory_plan
+from trapo.engine.memory_plan import Plan, memory_plan, without_engine
+from trapo.engine.model_shapes import Arch
 
 SEPARATE_TITLES = {  # trapo doctor --plan's phase titles for this placement
     "start-up": "training GPU, start-up: the ZeRO-3 partitions, no engine",
@@ -36,9 +37,8 @@ def separate_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config
         raise ConfigError(f"{world} GPUs with rollout.ranks={r.ranks}: no GPU left to train; use more GPUs")
     hf = r.backend == "hf"
     # the training GPUs hold no engine: the colocated arithmetic without one (hf's plan, whose rollout is dropped)
-    no_engine = dataclasses.replace(cfg, rollout=dataclasses.replace(r, backend="hf", tensor_parallel_size=1))
     try:
-        training = memory_plan(no_engine, trainers, gpu_bytes, arch, ds_config)
+        training = memory_plan(without_engine(cfg), trainers, gpu_bytes, arch, ds_config)
     except ConfigError as err:  # the training GPUs' count is what the user sets through rollout.ranks
         raise ConfigError(f"rollout.placement separate, {r.ranks} of them rollout GPUs: {err}") from None
     # the rollout GPUs' engine: the engine's items of a colocated plan on one GPU with a rollout rank's questions
@@ -66,4 +66,5 @@ def separate_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config
             "leaves no KV cache after the weights: raise rollout.gpu_memory_utilization (the card is the engine's)"
         )
     phases = {"start-up": training.phases["start-up"], "rollout": rollout, "update": training.phases["update"]}
-    return Plan(arch, world, gpu_bytes, training.tokens, phases, kv, problems, training.warnings, "separate", r.ranks)
+    tail = dict(placement="separate", rollout_ranks=r.ranks, checkpointing=training.checkpointing)  # training's choice
+    return Plan(arch, world, gpu_bytes, training.tokens, phases, kv, problems, training.warnings, **tail)

@@ -110,7 +110,9 @@ def _offloadable_states(wanted: bool) -> list | None:
 
 class Policy:
     """The policy of `model_dir` as the run's `model`, `train` and `rollout` settings shape it (the sampling
-    temperature: its log-probs are the sampler's), updated by `loss`; `seed` seeds the LoRA adapters."""
+    temperature: its log-probs are the sampler's), updated by `loss`; `seed` seeds the LoRA adapters.
+    `checkpointing`: recompute each layer in the backward, as `memory_plan.checkpointing_needed` decided
+    model.gradient_checkpointing (whose auto only the plan resolves)."""
 
     def __init__(
         self,
@@ -122,6 +124,7 @@ class Policy:
         train: TrainConfig,
         rollout: RolloutConfig,
         loss: PolicyLoss,
+        checkpointing: bool,
         seed: int = 0,
     ):
         import deepspeed
@@ -156,7 +159,7 @@ class Policy:
         for key, value in self.overrides.items():
             setattr(hf_config, key, value)
         net = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype)
-        if model.gradient_checkpointing:
+        if checkpointing:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         net.config.use_cache = False
         if model.fused_kernels:

@@ -60,6 +60,7 @@ SAFE = (
     "rollout.gpu_memory_utilization",
     "rollout.cpu_kv_cache_gb",
     "rollout.enable_sleep_mode",
+    "model.gradient_checkpointing",  # recomputed activations equal the kept ones: memory and time only
 )
 
 # Keys no resume can change, even named in resume_changes: the checkpoint's saved state takes its shape from

@@ -1,27 +1,60 @@
 """The run's `Config` cut into what each part below the training layer runs: the loss's rules (`loss_spec`),
-the policy that runs them (`open_policy`) and this rank's rollout engine (`engine_settings`). The engine and the
-math layer take these, or a config section, never the whole config.
+the policy that runs them (`open_policy`, with the memory plan's `gradient_checkpointing` choice) and this rank's
+rollout engine (`engine_settings`). The engine and the math layer take these, or a config section, never the
+whole config.
 
-    policy = open_policy(cfg, model_dir, world, pad_id)
+    policy = open_policy(cfg, model_dir, world, pad_id, say=lines.append)   # its checkpointing line to `say`
     engine = open_engine(engine_settings(cfg, rank=rank, world=world, overrides=policy.overrides), ...)
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from trapo import console
 from trapo.algorithm.loss import LossSpec, PolicyLoss
-from trapo.config import Config
+from trapo.config import Config, ConfigError, read_deepspeed_config
+from trapo.engine import dist
+from trapo.engine.memory_plan import checkpointing_line, checkpointing_needed
+from trapo.engine.model_shapes import model_arch
 from trapo.engine.policy import Policy
 from trapo.engine.rollout_engine import EngineSettings
 
 
-def open_policy(cfg: Config, model_dir, world: int, pad_id: int) -> Policy:
-    """The policy under DeepSpeed with its loss, built once: the policy calls it, the update reads its rules."""
+def open_policy(cfg: Config, model_dir, world: int, pad_id: int, say=console.say) -> Policy:
+    """The policy under DeepSpeed with its loss, built once: the policy calls it, the update reads its rules.
+    Its gradient checkpointing is `gradient_checkpointing`'s, said in one line (`say`)."""
     loss = PolicyLoss(loss_spec(cfg), world, on_gpu=torch.cuda.is_available())
+    checkpointing, why = gradient_checkpointing(cfg, model_dir, world)
+    say(checkpointing_line(checkpointing, why))
     return Policy(
-        model_dir, world, pad_id, model=cfg.model, train=cfg.train, rollout=cfg.rollout, loss=loss, seed=cfg.seed
+        model_dir,
+        world,
+        pad_id,
+        model=cfg.model,
+        train=cfg.train,
+        rollout=cfg.rollout,
+        loss=loss,
+        checkpointing=checkpointing,
+        seed=cfg.seed,
     )
+
+
+def gradient_checkpointing(cfg: Config, model_dir, world: int) -> tuple[bool, str]:
+    """model.gradient_checkpointing for this run, as `memory_plan.checkpointing_needed` decides it on this
+    node: the smallest GPU of the ranks' (so every rank chooses alike; none on CPU), the architecture in
+    `model_dir` (None where the plan cannot read it) and train.deepspeed_config. `world`: the training ranks."""
+    gpu = None
+    if torch.cuda.is_available():  # collective: every rank runs this
+        gpu = min(dist.all_gather(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory))
+    arch = ds_config = None
+    if gpu:  # the plan's inputs; on CPU there is no device memory to plan
+        ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
+        with contextlib.suppress(ConfigError):  # a model the plan cannot read stays None: the line says so
+            arch = model_arch(str(model_dir))
+    return checkpointing_needed(cfg, world, gpu, arch, ds_config)
 
 
 def loss_spec(cfg: Config) -> LossSpec:

@@ -58,8 +58,8 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         # auto: vLLM or hf, chosen here (a resume: the engine it started with); config.yaml records the choice
-        self.backend_chosen: list[str] = []  # its line, said with the run's first lines (train)
-        cfg = run_record.resolve_backend(cfg, say=self.backend_chosen.append)
+        self.chosen: list[str] = []  # the lines of what start-up chose, said with the run's first lines (train)
+        cfg = run_record.resolve_backend(cfg, say=self.chosen.append)
         self.cfg = cfg
         require_backend(cfg.rollout.backend, load=False)  # vLLM missing: one line before any work
         require_verifier(cfg.reward.verifier)  # reward.verifier that cannot be imported: the same
@@ -74,7 +74,8 @@ class Trainer:
         self.questions, self.prompts = inputs.questions, inputs.prompts
         # A vLLM that fails to import: one line after the input checks (they stay quick), before the model loads
         require_backend(cfg.rollout.backend)
-        self.policy = open_policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id)
+        # gradient checkpointing: the memory plan's choice for this GPU (auto), its line said with the others
+        self.policy = open_policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id, say=self.chosen.append)
         engine = engine_settings(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
         # rollout.placement, decided here once: this rank's own engine, or the rollout ranks' behind a link
         self.rollouts = open_rollout_source(cfg, engine, self.policy, inputs, rank=self.rank, world=self.world)
@@ -382,7 +383,7 @@ class Trainer:
         # every rank: a missing package, or a backend rank 0 cannot start, stops all ranks now, before any step
         self.loggers = Loggers.open_everywhere(cfg, self.is_main, state.tracker_ids)
         state.tracker_ids = self.loggers.ids() or state.tracker_ids  # what the checkpoints keep from now on
-        for line in self.backend_chosen:
+        for line in self.chosen:
             console.say(line)
         n_labeled = sum(q.labeled for q in self.questions)
         refills = " at most (dynamic sampling: refills consume batches)" if cfg.rollout.dynamic_sampling else ""

@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 from trapo.algorithm.rewards.answers import choice_letter, normalize
 from trapo.algorithm.rewards.extraction import extract_answer
 from trapo.algorithm.rewards.judge import Judge
-from trapo.config.schema import verifier_problem
+from trapo.config.choices import verifier_problem
 
 # Marks a response sent to the workers for extraction: the memory of slow items then never mistakes a response
 # for an answer of the same spelling (`MathVerifier.extract_many` adds it, `TaskChecker.single` drops it).

@@ -28,7 +28,7 @@ import shutil
 import time
 from pathlib import Path
 
-from trapo.engine.memory_plan import BUILTIN, Arch
+from trapo.engine.model_shapes import BUILTIN, Arch
 
 ANSWERS = 8  # per question
 DECODE_STRETCH = 32  # tokens per row of the profiled decode stretch: enough steps to average, few events
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from trapo.config import load_config
-    from trapo.engine.memory_plan import memory_plan, model_arch
+    from trapo.engine.memory_plan import memory_plan
+    from trapo.engine.model_shapes import model_arch
     from trapo.training.trainer import Trainer
 
     started = time.perf_counter()
