@@ -1,5 +1,6 @@
 """`make gpu-bench`'s dry run (the same script on CPU, toy and tiny shapes) and its profiler summary."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from toyrun import ROOT, run
 
+from trapo.commands.gpu_check import bench_table
 from trapo.commands.gpu_check.profile import profiled, summarize
 
 
@@ -85,3 +87,48 @@ def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
     text = report.read_text()
     assert text.startswith("# GPU bench") and "`make gpu-bench` (GPU_CHECK_DRY_RUN=1" in text
     assert "### profile: a decode stretch" in text and "outside kernels" in text
+    # the figures as data beside the report, and the GPU table rendered from them
+    figures = json.loads(report.with_suffix(".json").read_text())
+    assert figures["dry_run"] and figures["step"]["decoding"] == "eager"
+    assert set(figures["decode"]) == {"eager", "static", "cuda_graph", "compile"}
+    assert set(figures["update"]) == {
+        "update_checkpointing",
+        "update_no_checkpointing",
+        "update_fused",
+        "update_persistent",
+    }
+    table = bench_table.render(figures)
+    static = figures["decode"]["static"]
+    assert f"| decode stretch, static | {static['tokens_per_s']:,.0f} |" in table
+    assert f"{static['tokens_per_s'] / figures['decode']['eager']['tokens_per_s']:.2f}x eager" in table
+    fused = figures["update"]["update_fused"]
+    assert f"| update, gradient checkpointing, fused kernels | {fused['tokens_per_s']:,.0f} |" in table
+    assert f"| end to end: one training step | {figures['step']['step_tokens_per_s']:,.0f} per GPU |" in table
+    assert table.endswith(bench_table.NEMO_RL)
+
+
+def test_the_docs_gpu_table_is_the_newest_gpu_figures_file_rendered():
+    """docs/benchmarks.md's block is what bench_table writes from the newest GPU run's figures in docs/gpu/ (or
+    says that none has run): a figure typed in, or a stale table, fails here."""
+    from trapo.commands.readme import replace_block
+
+    newest = bench_table.newest()
+    source = str(newest.resolve().relative_to(Path(ROOT).resolve())) if newest else ""
+    rendered = bench_table.render(json.loads(newest.read_text()) if newest else None, source)
+    page = bench_table.PAGE.read_text()
+    assert replace_block(page, bench_table.BLOCK, rendered) == page
+
+
+def test_update_figures_parse_bench_update_gpus_row_and_plan_line():
+    from trapo.commands.gpu_check.bench import update_figures
+
+    row = "ours (chunked head)          17883  19.3%     35.80     1.234"
+    plan = "memory plan, update phase: 39.99 GiB planned, 35.80 GiB measured (measured/planned 0.90)"
+    assert update_figures(row, plan) == {
+        "tokens_per_s": 17883.0,
+        "mfu": 0.193,
+        "peak_gib": 35.8,
+        "plan_gib": 39.99,
+        "update_s": 1.234,
+    }
+    assert update_figures(row.replace("35.80", "nan"), "memory plan: (GPU only)")["plan_gib"] is None

@@ -25,7 +25,9 @@ answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process o
 
 The dry run runs every variant on CPU and ends with `one call: <variants> planned in <N> s (limit <B>)`: the
 plan for the GPU, by the estimates. The report goes to `--report-dir`/<date>-<gpu>-bench.md (docs/gpu/ in
-a clone; the dry run's to .gpucheck/reports/).
+a clone; the dry run's to .gpucheck/reports/), its figures as data beside it (.json), from which
+docs/benchmarks.md's GPU table is written (bench_table.py: by the run itself when it reports into a clone's
+docs/gpu/, else `--docs-from <file>.json`).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from trapo.commands import gpu_check
-from trapo.commands.gpu_check import plan
+from trapo.commands.gpu_check import bench_table, plan
 from trapo.commands.gpu_check.processes import shell, tail
 from trapo.commands.gpu_check.profile import lines as profile_lines
 from trapo.commands.gpu_check.report import Check, shown, write_report
@@ -56,6 +59,7 @@ ROLLOUT_TARGET = 32_000  # response tokens/s at the 1.5B shape on one H100/H200:
 def decode_rows(check: Check, decodings: dict, dry_run: bool) -> None:
     """One row per decode path: tokens/s, start-up, log-prob gap, and its speed against eager's."""
     eager = decodings.get("eager", {}).get("tokens_per_s")
+    check.figures.setdefault("decode", {}).update(decodings)
     for name, r in decodings.items():
         title = f"decode: {name}" + (" (tiny shape, dry run)" if dry_run else "")
         if "error" in r:  # on CPU the captured paths must be refused: that is the dry run's pass
@@ -88,6 +92,16 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
         if k in timing
     )
     rate = tokens / timing["rollout"]
+    check.figures["step"] = {
+        "decoding": result["decoding"],
+        "rollout_tokens_per_s": round(rate, 1),
+        "step_tokens_per_s": round(tokens / timing["step"], 1),
+        "update_s": timing.get("update"),
+        "step_s": timing["step"],
+        "peak_gib": peak,
+        "plan_gib": planned,
+        "logprob_diff_rollout_vs_policy": result["logprob_diff_rollout_vs_policy"],
+    }
     target = "" if dry_run else f" ({rate / ROLLOUT_TARGET:.2f} of the {ROLLOUT_TARGET:,} target)"
     check.add(
         name,
@@ -109,6 +123,20 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
     decode_rows(check, result["decodings"], dry_run)
 
 
+def update_figures(row: str, plan_line: str) -> dict:
+    """bench_update_gpu's row for our path ("ours (chunked head)  tokens/s  MFU%  peak  s/update") and its plan
+    line ("... X GiB planned, Y GiB measured ...") as numbers; nan where the run had no GPU."""
+    tokens_per_s, mfu, peak, seconds = row.split()[-4:]
+    planned = re.search(r"([\d.]+) GiB planned", plan_line)
+    return {
+        "tokens_per_s": float(tokens_per_s),
+        "mfu": float(mfu.rstrip("%")) / 100,
+        "peak_gib": float(peak),
+        "plan_gib": float(planned[1]) if planned else None,
+        "update_s": float(seconds),
+    }
+
+
 UPDATE_VARIANTS = {  # variant -> (bench_update_gpu flags, what its row says)
     "update_checkpointing": ([], "gradient checkpointing"),
     "update_no_checkpointing": (["--no-checkpointing"], "no gradient checkpointing"),
@@ -125,6 +153,8 @@ def _update(check: Check, env: dict, dry_run: bool, variant: str) -> None:
     plan_line = next((line for line in out.splitlines() if line.startswith("memory plan")), "")
     name = f"update, {what}" + ("" if not dry_run else " (tiny shape, dry run)")
     failed = "out of memory" if "OutOfMemoryError" in out else f"failed ({code})"
+    if code == 0 and row:
+        check.figures.setdefault("update", {})[variant] = {"what": what, **update_figures(row, plan_line)}
     check.add(
         name, code == 0 and bool(row), f"{' '.join(row.split())} | {plan_line}" if code == 0 else failed, tail(out)
     )
@@ -172,7 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("GPU_CHECK_DRY_RUN") == "1",
         help="on CPU with the toy and tiny shapes, every variant (also GPU_CHECK_DRY_RUN=1)",
     )
+    parser.add_argument(
+        "--docs-from", type=Path, help="only rewrite docs/benchmarks.md's GPU table from this figures file (.json)"
+    )
     args = parser.parse_args(argv)
+    if args.docs_from:
+        if not args.docs_from.is_file():
+            parser.error(f"--docs-from {args.docs_from}: no such figures file (a gpu-bench run writes <report>.json)")
+        bench_table.write(args.docs_from)
+        print(f"gpu-bench: docs/benchmarks.md's GPU table written from {shown(args.docs_from)}")
+        return 0
     if args.budget_s <= 0:
         parser.error(f"--budget-s {args.budget_s:g}: give the time box in seconds, more than 0")
     folder = args.report_dir or gpu_check.default_report_dir(args.dry_run)
@@ -196,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = began + args.budget_s + gpu_check.GRACE_S
     gpu_check.run_checks(check, fns, env, args.dry_run, deadline, write, plan.BENCH_ESTIMATES)
     path = write()
+    if not args.dry_run and folder.resolve() == bench_table.REPORTS.resolve():  # a clone's docs: its table too
+        bench_table.write(path.with_suffix(".json"))
     failed = sum(not ok for _, ok, _ in check.rows)
     print(f"gpu-bench: {len(check.rows) - failed} passed, {failed} failed; report {shown(path)}")
     print(f"one call: {', '.join(planned)} planned in {planned_s:.0f} s (limit {args.budget_s:g})")

@@ -4,6 +4,7 @@ check, so a run cut short still leaves what ran."""
 from __future__ import annotations
 
 import datetime
+import json
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ class Check:
         self.seconds: dict[str, float] = {}  # row name -> seconds its check took here
         self.estimates: dict[str, float] = {}  # row name -> its check's GPU estimate (plan.ESTIMATES)
         self.failed_checks: set[str] = set()  # check functions (ORDER's names) with a failed or skipped row
+        self.figures: dict = {}  # measured figures as data (gpu-bench), written beside the report as JSON
 
     def add(self, name: str, ok: bool, figure: str, log: str = "") -> None:
         self.rows.append((name, ok, figure))
@@ -35,8 +37,9 @@ def write_report(
     folder: Path,
     command: str = "gpu-check",
 ) -> Path:
-    """`check`'s rows and logs under the node's environment, as `folder`/<date>-<gpu>[-<title>].md; its path.
-    command: the make target that ran (gpu-check, gpu-bench)."""
+    """`check`'s rows and logs under the node's environment, as `folder`/<date>-<gpu>[-<title>].md, and its
+    figures as data beside it (.json) where it has any; the report's path. command: the make target that ran
+    (gpu-check, gpu-bench)."""
     gpu = next((line for line in env_lines if line.startswith("nvidia-smi:")), "")
     name = "cpu-dry-run" if dry_run else re.sub(r"[^a-z0-9]+", "-", gpu.split(":", 1)[-1].split(",")[0].lower())
     name = name.strip("-") or "unknown-gpu"
@@ -67,6 +70,9 @@ def write_report(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{stem}.md"
     path.write_text("\n".join(lines) + "\n")
+    if check.figures:
+        about = {"gpu": gpu.split(":", 1)[-1].split(",")[0].strip(), "date": stem[:10], "dry_run": dry_run}
+        path.with_suffix(".json").write_text(json.dumps({**about, **check.figures}, indent=1) + "\n")
     return path
 
 
