@@ -8,7 +8,8 @@ At the 1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B's widths, random weights, the h
 answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process of its own, planned within
 `--budget-s` by plan.BENCH_ESTIMATES (the kit's install included):
 
-    step_profiled             two training steps (rollout.hf_decoding=auto: CUDA graphs): the second's
+    step_profiled             two training steps (rollout.hf_decoding and model.gradient_checkpointing auto,
+                              as a user's run: CUDA graphs, and checkpointing where the plan needs it): the second's
                               rollout tokens/s, update and step seconds and each phase's peak beside the
                               memory plan's; torch-profiler summaries of the first step's update and of one
                               decode stretch (gpu_check/profile.py: the longest kernels, the share of wall
@@ -77,10 +78,14 @@ def decode_rows(check: Check, decodings: dict, dry_run: bool) -> None:
 
 
 def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
-    args = ["--profile", "--decodings", STEP_DECODINGS, *(["--dry-run"] if dry_run else [])]
+    # what a user's run gets by default: auto decoding and auto checkpointing (the memory plan's choice)
+    args = ["--profile", "--decodings", STEP_DECODINGS, "--checkpointing", "auto", *(["--dry-run"] if dry_run else [])]
     code, out = shell([*SHAPE_STEP, *args], env, 600)
     result = _json_line(out)
-    name = "1.5B-shape step, checkpointing" if not dry_run else "shape step (tiny shape, dry run)"
+    name = "1.5B-shape step" if not dry_run else "shape step (tiny shape, dry run)"
+    checkpointing = next(
+        (line.split("] ", 1)[-1] for line in out.splitlines() if "gradient checkpointing:" in line), ""
+    )
     if code != 0 or result is None or "profile" not in result:
         check.add(name, False, f"failed ({code})", tail(out, 40))
         return
@@ -91,9 +96,10 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
         for k in ("rollout", "update", "step")
         if k in timing
     )
-    rate = tokens / timing["rollout"]
+    rate, checkpointing = tokens / timing["rollout"], result.get("checkpointing")
     check.figures["step"] = {
         "decoding": result["decoding"],
+        "checkpointing": checkpointing,
         "rollout_tokens_per_s": round(rate, 1),
         "step_tokens_per_s": round(tokens / timing["step"], 1),
         "update_s": timing.get("update"),
@@ -106,7 +112,8 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
     check.add(
         name,
         result["trained_sequences"] == result["answers"],
-        f"decoding {result['decoding']}: rollout {rate:,.0f} response tokens/s{target}, step "
+        f"decoding {result['decoding']}, {checkpointing or 'gradient checkpointing: not said'}: rollout "
+        f"{rate:,.0f} response tokens/s{target}, step "
         f"{tokens / timing['step']:,.0f}; {phases}; "
         f"logprob_diff_rollout_vs_policy {result['logprob_diff_rollout_vs_policy']:.2e}",
         json.dumps(result),

@@ -42,9 +42,10 @@ def render(figures: dict | None, source: str = "") -> str:
     step = figures.get("step")
     if step:
         peak, plan = step.get("peak_gib") or {}, step.get("plan_gib") or {}
+        peaks = ", ".join(f"{k} {_gib(v)} (plan {plan.get(k)})" for k, v in peak.items())
         rows.append(
             f"| end to end: one training step | {step['step_tokens_per_s']:,.0f} per GPU | {step['step_s']:.1f} s a "
-            f"step; peaks {', '.join(f'{k} {_gib(v)} (plan {plan.get(k)})' for k, v in peak.items())} |"
+            f"step; {step.get('checkpointing') or 'checkpointing not said'}; peaks {peaks} |"
         )
         rows.append(
             f"| rollout, decoding {step['decoding']} | {step['rollout_tokens_per_s']:,.0f} | "

@@ -6,11 +6,12 @@ the memory plan's: one check of `make gpu-check`, run in a process of its own.
 
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2, the questions and tokenizer the toy's;
 rollout.backend=hf with 512-token answers (random weights rarely stop early), 64 questions x 8, bf16, ZeRO-3,
-gradient checkpointing (--dry-run: the toy's shape, 16 questions x 8 answers of 32 tokens, fp32). Two steps:
-the second has Adam moments, as the plan's rollout and update phases assume. Every answer is trained (mode
-naive_semi gates none out, and train.skip_zero_advantage=false keeps the zero advantages random weights earn),
-so the update is measured at its largest. --lora: Qwen2.5-Math-7B's shape with the adapters and the DeepSpeed
-config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as it trains on one GPU.
+gradient checkpointing (--checkpointing auto: the plan's choice) (--dry-run: the toy's shape, 16 questions x 8
+answers of 32 tokens, fp32). Two steps: the second has Adam moments, as the plan's rollout and update phases
+assume. Every answer is trained (mode naive_semi gates none out, and train.skip_zero_advantage=false keeps the
+zero advantages random weights earn), so the update is measured at its largest. --lora: Qwen2.5-Math-7B's
+shape with the adapters and the DeepSpeed config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from
+that file, as it trains on one GPU.
 --profile (`make gpu-bench`): the first step's update under torch.profiler (the same kernels as the second's,
 whose figures are reported without the profiler's overhead; its optimizer step also allocates Adam's moments),
 then one decode stretch (the round's rows, DECODE_STRETCH tokens each, forced) under it too: their summaries
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="profile the second update and a decode stretch")
     parser.add_argument("--decodings", default="", help="decode paths to measure after the steps (comma-separated)")
     parser.add_argument("--steps", type=int, default=2, help="training steps before (0: only decode)")
+    parser.add_argument(
+        "--checkpointing", default="true", choices=["true", "false", "auto"], help="model.gradient_checkpointing"
+    )
     args = parser.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         f"data.train_files=[{train_file}]",
         "data.test_files=[]",
         f"model.dtype={'float32' if args.dry_run else 'bfloat16'}",  # bf16 on GPU; CPU trains in fp32
-        "model.gradient_checkpointing=true",
+        f"model.gradient_checkpointing={args.checkpointing}",
         "rollout.backend=hf",
         f"rollout.n={ANSWERS}",
         f"rollout.max_tokens={answer}",
@@ -202,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
     params = list(trainer.policy.model.parameters())
-    result = {"model_build_s": round(build_s, 1), "decodings": decodings, "decoding": trainer.rollouts.engine.decoding}
+    result = {
+        "model_build_s": round(build_s, 1),
+        "decodings": decodings,
+        "decoding": trainer.rollouts.engine.decoding,
+        "checkpointing": next((line for line in trainer.chosen if line.startswith("gradient checkpointing")), None),
+    }
     if not logs:
         print(json.dumps(result))
         return 0
