@@ -102,9 +102,23 @@ def bench_update_only_s(checkpointing: bool = True, seqs: int = 32, length: int 
 
 PROFILE_S = 20.0  # the profiler's recording and summary of one update and one decode stretch
 DECODE_STRETCH = 32  # tokens per row of the profiled decode stretch (shape_step.DECODE_STRETCH)
+TRL_START_S = 10.0  # TRL's own imports (datasets, pandas, pyarrow) and GRPOTrainer's set-up, beyond a process's
 
-# `make gpu-bench`'s variants -> estimated GPU seconds, in the order they run: the real loop profiled, then the
-# update with and without gradient checkpointing
+
+def trl_step_s(shape: Shape, build_model: bool = False) -> float:
+    """TRL's GRPOTrainer at `shape` (bench/peers/trl_job.py): the random model read (built first when no shape step
+    of the same call left it), two steps, each one generation batch of every answer (one round of decoding: TRL
+    generates them all at once) and one update (no recompute of old log-probabilities: generation and update are
+    aligned, TRL's own rule)."""
+    written = 2 * shape.params / DISK_BYTES_S  # bf16
+    build = PROCESS_S + PARAM_S * shape.params + written if build_model else 0.0
+    one_round = Shape(shape.params, shape.layers, shape.sequences, shape.prompt, shape.answer, shape.sequences)
+    return build + PROCESS_S + TRL_START_S + written + 2 * (generation_s(one_round) + update_s(shape))
+
+
+# `make gpu-bench`'s variants -> estimated GPU seconds, in the order they run: the real loop profiled, the update
+# with and without gradient checkpointing, then TRL's step on the model step_profiled left (a call without
+# step_profiled builds it first: trl_step_s(R1_1P5B, build_model=True))
 BENCH_ESTIMATES = {
     "kit": KIT_S,
     "step_profiled": shape_step_s(R1_1P5B)
@@ -112,6 +126,7 @@ BENCH_ESTIMATES = {
     + generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=DECODE_STRETCH)),
     "update_checkpointing": bench_update_only_s(checkpointing=True),
     "update_no_checkpointing": bench_update_only_s(checkpointing=False),
+    "trl_step": trl_step_s(R1_1P5B),
 }
 
 

@@ -17,6 +17,7 @@ class Check:
         self.seconds: dict[str, float] = {}  # row name -> seconds its check took here
         self.estimates: dict[str, float] = {}  # row name -> its check's GPU estimate (plan.ESTIMATES)
         self.failed_checks: set[str] = set()  # check functions (ORDER's names) with a failed or skipped row
+        self.results: dict[str, dict] = {}  # check function -> what it measured, for a later check to compare
 
     def add(self, name: str, ok: bool, figure: str, log: str = "") -> None:
         self.rows.append((name, ok, figure))

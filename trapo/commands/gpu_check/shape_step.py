@@ -1,7 +1,7 @@
 """Training steps at a real model's shape with random weights (no hub), each phase's time and peak memory beside
 the memory plan's: one check of `make gpu-check`, run in a process of its own.
 
-    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora] [--profile]
+    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora] [--profile | --model-only]
 
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2, the questions and tokenizer the toy's;
 rollout.backend=hf with 512-token answers (random weights rarely stop early), 64 questions x 8, bf16, ZeRO-3,
@@ -13,7 +13,8 @@ config (ZeRO-2) of configs/trapo_1k_3k_lora_1gpu.yaml, read from that file, as i
 --profile (`make gpu-bench`): the first step's update under torch.profiler (the same kernels as the second's,
 whose figures are reported without the profiler's overhead; its optimizer step also allocates Adam's moments),
 then one decode stretch (the round's rows, DECODE_STRETCH tokens each, forced) under it too: their summaries
-(gpu_check/profile.py) and the stretch's tokens/s. Prints one JSON line.
+(gpu_check/profile.py) and the stretch's tokens/s. --model-only (gpu-bench's trl_step, when no shape step left
+its model): the random model and the toy's questions alone, their paths. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--lora", action="store_true", help="Qwen2.5-Math-7B's shape with rank-32 adapters")
     parser.add_argument("--profile", action="store_true", help="profile the second update and a decode stretch")
+    parser.add_argument("--model-only", action="store_true", help="build the model, print its and the data's paths")
     args = parser.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -146,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model_dir, train_file = build_model(work, args.dry_run, QWEN_MATH_7B if args.lora else R1_DISTILL_1P5B)
     build_s = time.perf_counter() - started
+    if args.model_only:
+        print(
+            json.dumps({"model_dir": str(model_dir), "train_file": str(train_file), "model_build_s": round(build_s, 1)})
+        )
+        return 0
     # One rollout batch per step; the dry run only proves the script runs, in a quarter of the work.
     questions, answer = (16, 32) if args.dry_run else (64, 512)
     answers = questions * ANSWERS
@@ -189,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     last, params = logs[-1], list(trainer.policy.model.parameters())
     result = {
         "model_build_s": round(build_s, 1),
+        "model_dir": str(model_dir),  # gpu-bench's trl_step trains the same model on the same questions
+        "train_file": str(train_file),
         "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
         "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad),
         "mean_response_tokens": last["response_tokens"] / answers if "response_tokens" in last else None,
