@@ -163,10 +163,13 @@ bench: $(STAMP)
 # `make gpu-check [PART=1|2|3|4 | ONLY=check,...] [BUDGET_S=480] [REPORT_DIR=dir]` installs it offline and
 # checks the trainer on the GPU within BUDGET_S seconds, writing <date>-<gpu>.md into REPORT_DIR (default
 # docs/gpu/ in a clone). GPU_CHECK_DRY_RUN=1 runs the same script on CPU with the toy (CI does).
+# KIT_TRL=0 leaves out TRL and its needs (gpu-bench's trl_step).
 KIT_PYTHON ?=
 KIT_TORCH ?=
+KIT_TRL ?=
 gpu-kit: $(STAMP)
-	$(PY) -m trapo gpu-kit $(if $(KIT_PYTHON),--python $(KIT_PYTHON)) $(if $(KIT_TORCH),--torch $(KIT_TORCH))
+	$(PY) -m trapo gpu-kit $(if $(KIT_PYTHON),--python $(KIT_PYTHON)) $(if $(KIT_TORCH),--torch $(KIT_TORCH)) \
+		$(if $(filter 0,$(KIT_TRL)),--no-trl)
 
 PART ?=
 ONLY ?=
@@ -174,9 +177,11 @@ BUDGET_S ?=
 REPORT_DIR ?=
 GPU_CHECK_ARGS = $(if $(PART),--part $(PART)) $(if $(ONLY),--only $(ONLY)) $(if $(BUDGET_S),--budget-s $(BUDGET_S)) \
 	$(if $(REPORT_DIR),--report-dir $(REPORT_DIR))
-GPU_BENCH_ARGS = $(if $(BUDGET_S),--budget-s $(BUDGET_S)) $(if $(REPORT_DIR),--report-dir $(REPORT_DIR))
-# `make gpu-bench [BUDGET_S=480] [REPORT_DIR=dir]`, after gpu-check on the node (its kit): where a step's GPU time
-# goes at the 1.5B shape, profiled, into <date>-<gpu>-bench.md (trapo/commands/gpu_check/bench.py)
+GPU_BENCH_ARGS = $(if $(ONLY),--only $(ONLY)) $(if $(BUDGET_S),--budget-s $(BUDGET_S)) \
+	$(if $(REPORT_DIR),--report-dir $(REPORT_DIR))
+# `make gpu-bench [ONLY=variant,...] [BUDGET_S=480] [REPORT_DIR=dir]`, after gpu-check on the node (its kit): where
+# a step's GPU time goes at the 1.5B shape, profiled, and TRL's GRPOTrainer on the same job, into
+# <date>-<gpu>-bench.md (trapo/commands/gpu_check/bench.py)
 ifeq ($(GPU_CHECK_DRY_RUN),1)
 gpu-check: $(STAMP)
 	$(PY) -m trapo gpu-check --dry-run $(GPU_CHECK_ARGS)

@@ -164,8 +164,8 @@ def test_kit_defaults_to_the_last_checked_node_and_checks_the_wheels_torch_requi
     assert gpu_kit.torch_conflicts(wheels, "3.12", "2.11.0+cu130") == []
     assert gpu_kit.torch_conflicts(wheels, "3.12", "1.12.1") == ["peft-1.0-py3-none-any.whl requires torch>=1.13.0"]
 
-    def download(out, python):  # what the index would give, without it
-        for name in gpu_kit.WHEELS + gpu_kit.BUILT:
+    def download(out, python, trl):  # what the index would give, without it
+        for name in gpu_kit.WHEELS + gpu_kit.BUILT + (gpu_kit.TRL_WHEELS if trl else []):
             _wheel(out, name.replace("-", "_"), "1.0", ["torch>=2.0"] if name == "deepspeed" else [])
 
     monkeypatch.setattr(gpu_kit, "download", download)
@@ -174,6 +174,45 @@ def test_kit_defaults_to_the_last_checked_node_and_checks_the_wheels_torch_requi
     assert gpu_kit.verify(tmp_path / "built") == rows
     with pytest.raises(KitError, match=r"the node's torch 1.13.1 does not meet: deepspeed-1.0.* requires torch>=2.0"):
         gpu_kit.build(tmp_path / "built", "3.11", "1.13.1")
+
+
+def test_kit_carries_trl_at_bench_peers_pins_and_can_leave_it_out(tmp_path, monkeypatch):
+    # the shipped pins: every wheel TRL needs pinned, and no pin that differs from ours for a wheel both carry
+    specs = gpu_kit.trl_specs()
+    assert [s.split("==")[0] for s in specs] == ["trl", "datasets", "dill", "multiprocess"]
+    assert "trl==1.16.0" in specs
+    pins = tmp_path / "requirements.txt"
+    pins.write_text("# a comment\ntrl==9.9  # pinned\nDatasets==1.0\ndill==2\nmultiprocess==3\ntorch==2.13.0\n")
+    assert gpu_kit.trl_specs(pins) == ["trl==9.9", "datasets==1.0", "dill==2", "multiprocess==3"]
+    pins.write_text("trl==9.9\n")
+    with pytest.raises(KitError, match="pins no datasets, dill, multiprocess"):
+        gpu_kit.trl_specs(pins)
+    theirs = gpu_kit.pinned("transformers") + ".1"
+    pins.write_text(f"trl==1\ndatasets==1\ndill==1\nmultiprocess==1\ntransformers=={theirs}\n")
+    with pytest.raises(KitError, match=f"pin differently .*transformers {theirs} there"):
+        gpu_kit.trl_specs(pins)
+    with pytest.raises(KitError, match="is not here"):
+        gpu_kit.trl_specs(tmp_path / "missing.txt")
+
+    asked = []
+
+    def download(out, python, trl):
+        asked.append(trl)
+        for name in gpu_kit.WHEELS + gpu_kit.BUILT + (gpu_kit.TRL_WHEELS if trl else []):
+            _wheel(out, name.replace("-", "_"), "1.0", [])
+
+    monkeypatch.setattr(gpu_kit, "download", download)
+    names = {r["name"] for r in gpu_kit.build(tmp_path / "kit", "3.12", "2.11.0+cu130")}
+    assert {"trl", "datasets", "dill", "multiprocess", "deepspeed", "transformers"} <= names
+    names = {r["name"] for r in gpu_kit.build(tmp_path / "kit", "3.12", "2.11.0+cu130", trl=False)}
+    assert "deepspeed" in names and not names & {"trl", "datasets", "dill", "multiprocess"} and asked == [True, False]
+
+    def no_trl(out, python, trl):  # the index gave no TRL wheel: the kit is refused, not short
+        download(out, python, False)
+
+    monkeypatch.setattr(gpu_kit, "download", no_trl)
+    with pytest.raises(KitError, match="the kit lacks trl, datasets, dill, multiprocess"):
+        gpu_kit.build(tmp_path / "kit", "3.12", "2.11.0+cu130")
 
 
 def test_gpu_check_refuses_a_kit_made_for_another_python(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """`make gpu-kit`: an offline wheel kit for a new GPU node that reaches no package index (`make gpu-check` there).
 
-    python -m trapo gpu-kit [--python 3.12] [--torch 2.11.0+cu130] [--out .gpukit]
+    python -m trapo gpu-kit [--python 3.12] [--torch 2.11.0+cu130] [--out .gpukit] [--no-trl]
 
 The node is taken to have its own Python and torch (the CUDA build that matches its driver) and the usual
 scientific stack; what the trainer imports beyond that is carried here, at the versions this checkout is
@@ -12,12 +12,16 @@ the node's Python on linux x86_64:
 - Math-Verify, its LaTeX parser and the ANTLR runtime that parser pins;
 - transformers and tokenizers at our pins, and regex and typing-extensions, which they and pydantic need
   newer than a node's may be;
-- peft, for model.lora.
+- peft, for model.lora;
+- for `make gpu-bench`'s trl_step, TRL and what it needs that such a node lacks (datasets, and datasets' dill
+  and multiprocess), at bench/peers/requirements.txt's pins (`make bench-peers` runs the same TRL on CPU);
+  a pin there that differs from ours for a wheel both need stops the build (the kit holds one version of
+  each). `--no-trl` (`make gpu-kit KIT_TRL=0`) leaves them out: trl_step then says so on the node.
 
 Left out, as a node with torch usually has them at a version we accept: accelerate, psutil, einops, msgpack,
-ninja, py-cpuinfo, pyarrow, huggingface-hub, safetensors, pytest (`make gpu-check`'s first lines print the
-node's versions; docs/gpus.md). On the node, `make gpu-check` installs only the wheels whose exact version it
-lacks (`needed`).
+ninja, py-cpuinfo, pyarrow, huggingface-hub, safetensors, pytest, and for TRL and datasets pandas, fsspec,
+xxhash, jinja2 and pyyaml (`make gpu-check`'s first lines print the node's versions; docs/gpus.md). On the
+node, `make gpu-check` installs only the wheels whose exact version it lacks (`needed`).
 
 `--python` and `--torch` name the node's; their defaults are the ones the GPU check last ran on, read from
 the newest report in docs/gpu/ (`last_checked`). The wheels' own torch requirements are checked against
@@ -66,6 +70,9 @@ WHEELS = [
     "peft",  # model.lora
 ]
 BUILT = ["deepspeed"]  # a source release only: built into a wheel here
+PEERS = runtime.ROOT / "bench" / "peers" / "requirements.txt"  # TRL's pins, shared with make bench-peers
+# gpu-bench's trl_step: TRL and what it needs beyond the node's stack and the wheels above (about 2 MiB)
+TRL_WHEELS = ["trl", "datasets", "dill", "multiprocess"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
 
 
@@ -96,6 +103,34 @@ def pinned(name: str) -> str:
         raise KitError(f"{name} is not installed here; run `make setup` first (the kit takes its versions)") from None
 
 
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def trl_specs(path: Path = PEERS) -> list[str]:
+    """TRL_WHEELS as `name==version` at `path`'s pins (bench/peers/requirements.txt); KitError where one is not
+    pinned there, or where a wheel the kit already carries (WHEELS) is pinned there at another version than ours."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        raise KitError(f"{path} is not here (TRL's pins: a clone of the repository has it); or --no-trl") from None
+    pins = dict(
+        (canonical(name), version.strip())
+        for name, _, version in (line.split("#")[0].partition("==") for line in lines)
+        if version.strip()
+    )
+    if missing := [name for name in TRL_WHEELS if canonical(name) not in pins]:
+        raise KitError(f"{path} pins no {', '.join(missing)}")
+    differ = [
+        f"{name} {pins[canonical(name)]} there, {pinned(name)} here"
+        for name in WHEELS
+        if canonical(name) in pins and pins[canonical(name)] != pinned(name)
+    ]
+    if differ:
+        raise KitError(f"{path} and this environment pin differently (the kit holds one of each): {'; '.join(differ)}")
+    return [f"{name}=={pins[canonical(name)]}" for name in TRL_WHEELS]
+
+
 def _pip(*args: str, env: dict | None = None) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -103,9 +138,9 @@ def _pip(*args: str, env: dict | None = None) -> None:
         raise KitError(f"{' '.join(cmd[2:6])} ...: {(out.stderr or out.stdout).strip().splitlines()[-1]}")
 
 
-def download(out: Path, python: str) -> None:
+def download(out: Path, python: str, trl: bool = True) -> None:
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
-    specs = [f"{name}=={pinned(name)}" for name in WHEELS]
+    specs = [f"{name}=={pinned(name)}" for name in WHEELS] + (trl_specs() if trl else [])
     _pip(
         "download",
         "-q",
@@ -198,14 +233,14 @@ def needed(rows: list[dict]) -> list[dict]:
     return missing
 
 
-def build(out: Path, python: str, torch: str) -> list[dict]:
+def build(out: Path, python: str, torch: str, trl: bool = True) -> list[dict]:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    download(out, python)
+    download(out, python, trl)
     rows = manifest(out)
-    names = {r["name"].lower().replace("_", "-") for r in rows}
-    missing = [n for n in WHEELS + BUILT if n.lower().replace("_", "-") not in names]
+    names = {canonical(r["name"]) for r in rows}
+    missing = [n for n in WHEELS + BUILT + (TRL_WHEELS if trl else []) if canonical(n) not in names]
     if missing:
         raise KitError(f"the kit lacks {', '.join(missing)}")
     big = [r for r in rows if r["bytes"] > MAX_FILE]
@@ -230,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", help=f"the node's Python, major.minor (default: {python}, {seen})")
     parser.add_argument("--torch", help=f"the node's torch version (default: {torch}, {seen})")
     parser.add_argument("--out", default=KIT_DIR, help="the kit's folder (git-ignored), default .gpukit")
+    parser.add_argument("--no-trl", action="store_true", help="without TRL and its needs (gpu-bench's trl_step)")
     args = parser.parse_args(argv)
     python, torch = args.python or (last and last[0]), args.torch or (last and last[1])
     if not python or not torch:
@@ -237,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if not re.fullmatch(r"3\.\d+", python):
         parser.error(f"--python {python}: give major.minor, such as 3.12")
     try:
-        rows = build(Path(args.out), python, torch)
+        rows = build(Path(args.out), python, torch, trl=not args.no_trl)
     except KitError as err:
         print(f"trapo gpu-kit: {err}", file=sys.stderr)
         return 2

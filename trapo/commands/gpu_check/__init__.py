@@ -337,7 +337,8 @@ def shape_step(check: Check, env: dict, dry_run: bool, lora: bool = False) -> No
 
 
 def shape_step_lora(check: Check, env: dict, dry_run: bool) -> None:
-    shape_step(check, env, dry_run, lora=True)
+    # CHECKS's, not the package's name: an import of the submodule shape_step rebinds that to the module
+    CHECKS["shape_step"](check, env, dry_run, lora=True)
 
 
 PARTS = {1: [doctor, pytest_gpu], 2: [bench_update], 3: [kill_resume, shape_step], 4: [shape_step_lora]}

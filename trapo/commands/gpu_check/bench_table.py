@@ -69,6 +69,12 @@ def render(figures: dict | None, source: str = "") -> str:
             f"| update, {variant['what']} | {variant['tokens_per_s']:,.0f} | MFU {variant['mfu']:.1%}; peak "
             f"{_gib(variant['peak_gib'])}{ratio} |"
         )
+    trl = figures.get("trl")
+    if trl:
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in trl["phases_s"].items())
+        against = trl.get("ours_over_trl")
+        versus = ", ".join(f"{k} {r:.2f}x" for k, r in against.items()) if against else "no step of ours in the call"
+        rows.append(f"| TRL {trl.get('version') or ''} GRPOTrainer, the same job | | {phases}; ours/TRL {versus} |")
     head = f"From `{source}`.\n\n" if source else ""
     return head + "\n".join(rows) + "\n\n" + NEMO_RL
 

@@ -116,8 +116,23 @@ def decode_paths_s(paths: dict[str, float]) -> float:
     return sum(2 * once / speedup + (CAPTURE_S if speedup > 1 else 0.0) for speedup in paths.values())
 
 
-# `make gpu-bench`'s variants -> estimated GPU seconds, in the order they run: the real loop profiled, then the
-# update with and without gradient checkpointing
+TRL_START_S = 10.0  # TRL's own imports (datasets, pandas, pyarrow) and GRPOTrainer's set-up, beyond a process's
+
+
+def trl_step_s(shape: Shape, build_model: bool = False) -> float:
+    """TRL's GRPOTrainer at `shape` (bench/peers/trl_job.py): the random model read (built first when no shape step
+    of the same call left it), two steps, each one generation batch of every answer (one round of decoding: TRL
+    generates them all at once) and one update (no recompute of old log-probabilities: generation and update are
+    aligned, TRL's own rule)."""
+    written = 2 * shape.params / DISK_BYTES_S  # bf16
+    build = PROCESS_S + PARAM_S * shape.params + written if build_model else 0.0
+    one_round = Shape(shape.params, shape.layers, shape.sequences, shape.prompt, shape.answer, shape.sequences)
+    return build + PROCESS_S + TRL_START_S + written + 2 * (generation_s(one_round) + update_s(shape))
+
+
+# `make gpu-bench`'s variants -> estimated GPU seconds, in the order they run: the real loop profiled, the update
+# with and without gradient checkpointing, TRL's step on the model step_profiled left (a call without
+# step_profiled builds it first: trl_step_s(R1_1P5B, build_model=True)), then the update and decode candidates
 BENCH_ESTIMATES = {
     "kit": KIT_S,
     # the two steps' rollouts at eager's speed: the bound for a GPU where the capture falls back
@@ -127,6 +142,7 @@ BENCH_ESTIMATES = {
     + decode_paths_s({"eager": 1.0, "static": 1.0, "cuda_graph": GRAPH_SPEEDUP}),
     "update_checkpointing": bench_update_only_s(checkpointing=True),
     "update_no_checkpointing": bench_update_only_s(checkpointing=False),
+    "trl_step": trl_step_s(R1_1P5B),
     "update_fused": bench_update_only_s(checkpointing=True) + FUSE_COMPILE_S,
     "update_persistent": bench_update_only_s(checkpointing=True),
     "decode_compile": PROCESS_S

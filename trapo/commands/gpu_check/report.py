@@ -19,6 +19,7 @@ class Check:
         self.estimates: dict[str, float] = {}  # row name -> its check's GPU estimate (plan.ESTIMATES)
         self.failed_checks: set[str] = set()  # check functions (ORDER's names) with a failed or skipped row
         self.figures: dict = {}  # measured figures as data (gpu-bench), written beside the report as JSON
+        self.results: dict[str, dict] = {}  # check function -> what it measured, for a later check to compare
 
     def add(self, name: str, ok: bool, figure: str, log: str = "") -> None:
         self.rows.append((name, ok, figure))

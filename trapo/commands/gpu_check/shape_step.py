@@ -1,8 +1,8 @@
 """Training steps at a real model's shape with random weights (no hub), each phase's time and peak memory beside
 the memory plan's: one check of `make gpu-check`, run in a process of its own.
 
-    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora] [--profile]
-        [--decodings eager,static,cuda_graph,compile] [--steps 2]
+    python -m trapo.commands.gpu_check.shape_step --work DIR [--dry-run] [--lora] [--profile | --model-only]
+        [--decodings eager,static,cuda_graph,compile] [--steps 2] [--checkpointing true|false|auto]
 
 The model is a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2, the questions and tokenizer the toy's;
 rollout.backend=hf with 512-token answers (random weights rarely stop early), 64 questions x 8, bf16, ZeRO-3,
@@ -17,7 +17,8 @@ whose figures are reported without the profiler's overhead; its optimizer step a
 then one decode stretch (the round's rows, DECODE_STRETCH tokens each, forced) under it too: their summaries
 (gpu_check/profile.py) and the stretch's tokens/s. --decodings: after the steps, the round's rows decoded by
 each named rollout.hf_decoding path, VARIANT_TOKENS forced tokens each (gpu_check/decode_variants.py);
---steps 0 decodes without training. Prints one JSON line.
+--steps 0 decodes without training. --model-only (gpu-bench's trl_step, when no shape step left its model): the
+random model and the toy's questions alone, their paths. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--checkpointing", default="true", choices=["true", "false", "auto"], help="model.gradient_checkpointing"
     )
+    parser.add_argument("--model-only", action="store_true", help="build the model, print its and the data's paths")
     args = parser.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -157,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model_dir, train_file = build_model(work, args.dry_run, QWEN_MATH_7B if args.lora else R1_DISTILL_1P5B)
     build_s = time.perf_counter() - started
+    if args.model_only:
+        print(
+            json.dumps({"model_dir": str(model_dir), "train_file": str(train_file), "model_build_s": round(build_s, 1)})
+        )
+        return 0
     # One rollout batch per step; the dry run only proves the script runs, in a quarter of the work.
     questions, answer = (16, 32) if args.dry_run else (64, 512)
     answers = questions * ANSWERS
@@ -208,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     params = list(trainer.policy.model.parameters())
     result = {
         "model_build_s": round(build_s, 1),
+        "model_dir": str(model_dir),  # gpu-bench's trl_step trains the same model on the same questions
+        "train_file": str(train_file),
         "decodings": decodings,
         "decoding": trainer.rollouts.engine.decoding,
         "checkpointing": next((line for line in trainer.chosen if line.startswith("gradient checkpointing")), None),
