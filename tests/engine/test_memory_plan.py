@@ -323,8 +323,11 @@ def test_hf_prefill_activations_by_hand():
     assert big["hf generation: sampler rows (4 fp32 [256, V])"] == (622_854_144, False)
     # The paper config's 64 sequences a rank: trainer 2s + 4s + 4s + 8s + 1e9 = 18,135,137,152 + 2 GiB reserve
     # + the model 2 x P = 15,231,233,024 + KV 64 x 9216 x 57,344 = 33,822,867,456 + the same prefill
-    # 2,357,198,848 = 71,693,920,128 (66.8 GiB).
-    assert plan_for(8, 80, "rollout.backend=hf").peak("rollout") == 71_693_920_128
+    # 2,357,198,848 = 71,693,920,128 (66.8 GiB), + on a GPU (auto: static steps) their logits buffer, 64 rows
+    # x 152,064 x 2 B = 19,464,192: 71,713,384,320.
+    assert plan_for(8, 80, "rollout.backend=hf").peak("rollout") == 71_713_384_320
+    eager = plan_for(8, 80, "rollout.backend=hf", "rollout.hf_decoding=eager")
+    assert eager.peak("rollout") == 71_693_920_128
     # A prompt over the budget goes alone: 20,000 x (142,848 + 20,000) = 3,256,960,000. Prompts of 16 tokens:
     # 64 x 16 x (142,848 + 16) = 146,292,736, under the sampler's 4 x 64 x 152,064 x 4 = 155,713,536, which
     # then counts.

@@ -50,6 +50,10 @@ def test_buckets_waste_at_most_a_third_and_spans_cover_what_is_filled():
     assert all((bucket(n) - n) / bucket(n) <= 1 / 3 for n in range(1, 4096))
     assert bucket(5000) == 6144 and bucket(7000) == 7168 and BUCKETS == sorted(BUCKETS)
     assert [span_for(f, 600) for f in (1, SPAN, SPAN + 1, 599)] == [SPAN, SPAN, 2 * SPAN, 600]
+    # past 8 spans the grain is an eighth of the power of two below: at most an eighth over, 8 spans a doubling
+    assert [span_for(f, 10**6) for f in (1024, 1025, 2047, 2048, 2049)] == [1024, 1152, 2048, 2048, 2304]
+    assert all(span_for(f, 10**6) - f <= max(SPAN, f / 8) for f in range(1, 20000))
+    assert len({span_for(f, 10**6) for f in range(4097, 8193)}) == 8  # 4608, 5120, ..., 8192
 
 
 def test_auto_captures_on_cuda_only_for_full_attention_models_and_explicit_choices_are_checked(toy):

@@ -298,12 +298,13 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
     if r.backend == "hf":
         startup = ddp + fp32 + bucket + ref + [reserve]
         batch = min(r.hf_max_batch, kv["sequences_needed"])
-        held_rows, held_tokens, static = batch, seq_tokens, ""
+        held_rows, held_tokens, static, logits = batch, seq_tokens, "", 0
         if r.hf_decoding != "eager":  # on a GPU the static path holds a row bucket x whole cache spans
             from trapo.engine.static_decoding import SPAN, bucket
 
             held_rows, held_tokens = bucket(batch), -(-seq_tokens // SPAN) * SPAN
             static = f", static: {held_rows} rows x {held_tokens} positions"
+            logits = held_rows * a.vocab * b  # the captured steps' one logits buffer, the turn long
         kv.update(kv_cache_bytes=held_rows * per_token * held_tokens, sequences_held=batch, vllm_fixed=0)
         prompt = cfg.data.max_prompt_tokens
         rows = min(batch, max(1, HF_PREFILL_TOKENS // prompt))
@@ -324,6 +325,7 @@ def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float
                     prefill >= sampler,
                 ),
                 Item(f"hf generation: sampler rows (4 fp32 [{batch}, V])", sampler, sampler > prefill),
+                *([Item(f"hf generation: static steps' logits ({b} B x [{held_rows}, V])", logits)] if logits else []),
             ]
         )
         update = [i for i in update if not i.name.startswith("vLLM asleep")]

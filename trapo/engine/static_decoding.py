@@ -8,7 +8,9 @@ replayed (CUDA graphs) instead of launching a few hundred small kernels from Pyt
   the weights at new addresses each turn) and grows, dropping the captures, only when a batch of the turn
   needs more rows or positions than it has.
 - A batch runs at a bucket of rows (`BUCKETS`: no more than a third of them padding) and attends over a span
-  of the cache (multiples of `SPAN`), so a handful of captured shapes serve every step. Finished rows leave
+  of the cache (`span_for`: multiples of SPAN, coarser as the context grows), so a few dozen captured shapes
+  serve every step. Every shape writes its logits into one buffer, so a captured shape keeps no memory of its
+  own beyond the graph. Finished rows leave
   the batch when the live ones fit a smaller bucket: they are copied to the front of the buffers.
 - Left padding puts every row's token t in the same slot (prompt width + t); the mask says which slots each
   row attends to. Padded rows of a bucket hold earlier rows' values: finite, never read by a live row.
@@ -45,8 +47,11 @@ def bucket(rows: int) -> int:
 
 
 def span_for(filled: int, length: int) -> int:
-    """Cache positions a step attends over when `filled` are written: a multiple of SPAN, at most `length`."""
-    return min(length, -(-filled // SPAN) * SPAN)
+    """Cache positions a step attends over when `filled` are written, at most `length`: a multiple of SPAN, or
+    past 8 x SPAN of an eighth of the power of two below `filled` (at most an eighth more than filled; eight
+    captured spans per doubling of the context, not one per SPAN)."""
+    grain = max(SPAN, 2 ** (filled.bit_length() - 1) // 8)
+    return min(length, -(-filled // grain) * grain)
 
 
 def static_supported(model) -> str | None:
@@ -151,6 +156,7 @@ class StaticKV:
         self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.mask = torch.zeros((rows, 1, 1, length), dtype=torch.bool, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits = None  # [rows, V], made from the prefill's logits before any capture (`hold_logits`)
         self.rows, self.length, self.kv_heads, self.head_dim, self.dtype = rows, length, kv_heads, head_dim, dtype
         self.cache = Cache(layers=[SlotLayer(k, v, self.slot) for k, v in zip(self.keys, self.values)])
 
@@ -158,6 +164,11 @@ class StaticKV:
         return (len(self.keys), kv_heads, head_dim, dtype) == (layers, self.kv_heads, self.head_dim, self.dtype) and (
             rows <= self.rows and length <= self.length
         )
+
+    def hold_logits(self, like: torch.Tensor) -> None:
+        """The steps' logits buffer, [rows, V] in the dtype of `like` (the prefill's last logits)."""
+        if self.logits is None or self.logits.shape[1:] != like.shape[1:] or self.logits.dtype != like.dtype:
+            self.logits = like.new_empty((self.rows, *like.shape[1:]))
 
     def view(self, rows: int, span: int) -> None:
         for layer in self.cache.layers:
@@ -171,7 +182,7 @@ class StaticKV:
 
     def mark_static(self) -> None:
         """Tell torch.compile the buffers' addresses never change (its graphs read them in place)."""
-        for buffer in [*self.keys, *self.values, self.token, self.position, self.mask, self.slot]:
+        for buffer in [*self.keys, *self.values, self.token, self.position, self.mask, self.slot, self.logits]:
             torch._dynamo.mark_static_address(buffer)
 
 
@@ -292,8 +303,6 @@ class StaticSteps:
                 self.holder["kv"] = kv = None
                 self.runner.reset()
             kv = StaticKV(layers, rows, kv_heads, length, head_dim, like[0].keys.dtype, like[0].keys.device)
-            if isinstance(self.runner, Compiled):
-                kv.mark_static()
             self.holder["kv"] = kv
         return kv
 
@@ -302,6 +311,9 @@ class StaticSteps:
         cache, logits = self.prefill(ids, mask, positions)
         self.rows = bucket(b)
         kv = self.kv = self._buffers(self.rows, width + max_tokens, cache.layers)
+        kv.hold_logits(logits)
+        if isinstance(self.runner, Compiled):
+            kv.mark_static()
         for layer, keys, values in zip(cache.layers, kv.keys, kv.values):
             keys[:b, :, :width], values[:b, :, :width] = layer.keys, layer.values
             layer.reset()  # the prefill's copy freed layer by layer
@@ -334,7 +346,8 @@ class StaticSteps:
 
 
 def _forward(kv: StaticKV, rows: int, span: int, types: list[str], forward) -> torch.Tensor:
-    """One decode step of `rows` rows attending over `span` positions of `kv`: the logits [rows, V]."""
+    """One decode step of `rows` rows attending over `span` positions of `kv`: the logits [rows, V], written into
+    kv.logits (a captured step's own output is then freed at capture, not held per shape)."""
     kv.view(rows, span)
     mask = kv.mask[:rows, :, :, :span]
     out = forward(
@@ -344,4 +357,4 @@ def _forward(kv: StaticKV, rows: int, span: int, types: list[str], forward) -> t
         past_key_values=kv.cache,
         use_cache=True,
     )
-    return out.logits[:, -1]
+    return kv.logits[:rows].copy_(out.logits[:, -1])
