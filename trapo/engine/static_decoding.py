@@ -174,11 +174,13 @@ class StaticKV:
         for layer in self.cache.layers:
             layer.rows, layer.span = rows, span
 
-    def keep(self, indices: torch.Tensor) -> None:
-        """Rows `indices` moved to the front of every buffer, in order (a copy of the rows kept)."""
+    def keep(self, indices: torch.Tensor, filled: int) -> None:
+        """Rows `indices` moved to the front of every buffer, in order: a copy of the rows kept, of the cache's
+        first `filled` positions (the rest is written before it is read)."""
         n = len(indices)
-        for buffer in [*self.keys, *self.values, self.mask]:
-            buffer[:n] = buffer[indices]
+        for buffer in [*self.keys, *self.values]:
+            buffer[:n, :, :filled] = buffer[indices, :, :filled]
+        self.mask[:n] = self.mask[indices]
 
     def mark_static(self) -> None:
         """Tell torch.compile the buffers' addresses never change (its graphs read them in place)."""
@@ -320,7 +322,7 @@ class StaticSteps:
         kv.mask[: self.rows] = False
         kv.mask[:b, 0, 0, :width] = mask.bool()
         kv.mask[b : self.rows, 0, 0, 0] = True  # padded rows attend somewhere: finite values, never NaN
-        self.width = width
+        self.width = self.filled = width  # positions written
         return logits
 
     def compact(self, done: torch.Tensor, finished: int) -> torch.Tensor | None:
@@ -329,7 +331,7 @@ class StaticSteps:
         if bucket(live) >= self.rows:
             return None
         keep = (~done).nonzero()[:, 0]
-        self.kv.keep(keep)
+        self.kv.keep(keep, self.filled)
         self.rows = bucket(live)
         return keep
 
@@ -339,6 +341,7 @@ class StaticSteps:
         kv.position[:n, 0] = position
         kv.mask[: self.rows, 0, 0, slot] = True
         kv.slot.fill_(slot)
+        self.filled = slot + 1
         rows, span, types = self.rows, span_for(slot + 1, kv.length), self.types
         # the step reads only the buffers and the shapes bound here: a replay of its capture is the same step
         step = functools.partial(_forward, kv, rows, span, types)
