@@ -55,6 +55,32 @@ def test_hf_backend_bf16_health_and_resume(toy_dir, tmp_path):
         assert r["pushed_gb"] == 0 and r["peak_gb"]["rollout"] > 0
 
 
+def test_captured_decode_steps_replay_the_static_steps_exactly_and_follow_eager_decoding():
+    """rollout.hf_decoding on CUDA (fp32, so the paths' kernels differ only in rounding): the CUDA-graph replays
+    give the static steps' tokens and log-probs bit for bit (the same kernels, launched by a replay), and both
+    follow eager decoding; rows end at many steps (compaction across buckets) and run past one cache span."""
+    from trapo.commands.toy import _model, _tokenizer
+    from trapo.engine.hf_rollout import HfEngine
+    from trapo.engine.rollout import request_seed
+    from trapo.engine.static_decoding import SPAN
+
+    tokenizer = _tokenizer([f"{a}+{b}={a + b}" for a in range(20) for b in range(20)])
+    model = _model(tokenizer, seed=5).to("cuda").eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "17+15=", "3+4=7 and 12+9=", "8")]
+    stops = list(range(0, model.config.vocab_size, 40))
+    seeds = [request_seed(4, i) for i in range(len(prompts))]
+    runs = {}
+    for decoding in ("eager", "static", "cuda_graph"):
+        engine = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding=decoding)
+        out = engine.generate(prompts, n=6, temperature=1.0, max_tokens=SPAN + 16, seeds=seeds)
+        runs[decoding] = [(r.token_ids, r.logprobs) for g in out for r in g]
+    assert runs["cuda_graph"] == runs["static"]
+    assert len({len(t) for t, _ in runs["static"]}) > 3  # rows ended at many different steps
+    for (tokens, lps), (ref_tokens, ref) in zip(runs["static"], runs["eager"]):
+        assert tokens == ref_tokens
+        assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=1e-4)
+
+
 def test_packed_rows_run_the_varlen_kernel_and_match_per_sequence_attention():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
