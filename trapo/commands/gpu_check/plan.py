@@ -138,7 +138,7 @@ BENCH_ESTIMATES = {
     # the two steps' rollouts at eager's speed: the bound for a GPU where the capture falls back
     "step_profiled": shape_step_s(R1_1P5B)
     + PROFILE_S
-    + generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=DECODE_STRETCH))
+    + 2 * generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=DECODE_STRETCH))  # warm, profiled
     + decode_paths_s({"eager": 1.0, "static": 1.0, "cuda_graph": GRAPH_SPEEDUP}),
     "update_checkpointing": bench_update_only_s(checkpointing=True),
     "update_no_checkpointing": bench_update_only_s(checkpointing=False),
