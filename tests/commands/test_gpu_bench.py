@@ -81,6 +81,7 @@ def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
         "TRL step (tiny shape, dry run)",
         "update, gradient checkpointing, fused kernels (tiny shape, dry run)",
         "update, gradient checkpointing, parameters persistent (tiny shape, dry run)",
+        "update, gradient checkpointing, micro-batches of 32,768 tokens (tiny shape, dry run)",
         "decode",  # compile
     ]
     assert "profile: a decode stretch" in out.stdout and "tokens/s" in rows[3]
@@ -90,7 +91,7 @@ def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
     ]
     assert "x eager; first call" in decode[1] and "log-prob gap to a plain forward" in decode[1]
     assert all("refused on CPU, as it must be" in line for line in decode[2:])
-    assert "not run: GPU_BENCH_TRL=1 runs it" in rows[-4]  # TRL lives outside the suite's environment
+    assert "not run: GPU_BENCH_TRL=1 runs it" in rows[-5]  # TRL lives outside the suite's environment
     *_, summary, planned = out.stdout.strip().splitlines()
     match = re.fullmatch(
         r"one call: kit, step_profiled, update_checkpointing, update_no_checkpointing planned in (\d+) s "
@@ -112,6 +113,7 @@ def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
         "update_no_checkpointing",
         "update_fused",
         "update_persistent",
+        "update_micro_32k",
     }
     table = bench_table.render(figures)
     static = figures["decode"]["static"]

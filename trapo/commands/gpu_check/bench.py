@@ -31,6 +31,7 @@ answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process o
     update_fused              with checkpointing and model.fused_kernels (compiled RMSNorm, SwiGLU, rotary)
     update_persistent         with checkpointing and every ZeRO-3 parameter persistent: on one GPU its
                               partition is the whole model, so this is what gathering and releasing cost
+    update_micro_32k          with checkpointing and micro-batches of 32,768 tokens (twice the configs')
     decode_compile            the round's rows decoded through torch.compile (reduce-overhead), no training
 
 Phases, on both sides: the rollout is the generation; the update is ours' update phase (log-probabilities,
@@ -179,6 +180,7 @@ UPDATE_VARIANTS = {  # variant -> (bench_update_gpu flags, what its row says)
     "update_no_checkpointing": (["--no-checkpointing"], "no gradient checkpointing"),
     "update_fused": (["--fused-kernels"], "gradient checkpointing, fused kernels"),
     "update_persistent": (["--persistent-params"], "gradient checkpointing, parameters persistent"),
+    "update_micro_32k": (["--tokens", "32768"], "gradient checkpointing, micro-batches of 32,768 tokens"),
 }
 
 
@@ -211,6 +213,10 @@ def update_fused(check: Check, env: dict, dry_run: bool) -> None:
 
 def update_persistent(check: Check, env: dict, dry_run: bool) -> None:
     _update(check, env, dry_run, "update_persistent")
+
+
+def update_micro_32k(check: Check, env: dict, dry_run: bool) -> None:
+    _update(check, env, dry_run, "update_micro_32k")
 
 
 def decode_compile(check: Check, env: dict, dry_run: bool) -> None:
@@ -316,6 +322,7 @@ ORDER = [
     trl_step,
     update_fused,
     update_persistent,
+    update_micro_32k,
     decode_compile,
 ]
 VARIANTS = {fn.__name__: fn for fn in ORDER}

@@ -145,6 +145,7 @@ BENCH_ESTIMATES = {
     "trl_step": trl_step_s(R1_1P5B),
     "update_fused": bench_update_only_s(checkpointing=True) + FUSE_COMPILE_S,
     "update_persistent": bench_update_only_s(checkpointing=True),
+    "update_micro_32k": bench_update_only_s(checkpointing=True),
     "decode_compile": PROCESS_S
     + TRAINER_S
     + PARAM_S * R1_1P5B.params
