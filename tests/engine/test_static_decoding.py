@@ -88,6 +88,26 @@ def test_static_steps_past_several_spans_equal_eager_decoding(toy):
             assert len({len(t) for t, _, _ in ref}) > 3  # rows ended at many different steps
 
 
+def test_a_llama_model_decodes_statically_as_it_does_eagerly(toy):
+    """Llama's forward builds its mask with create_causal_mask alone (no per-layer-type mapping, unlike Qwen2's):
+    the step's 4D mask goes through it as it is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer, prompts = toy
+    torch.manual_seed(1)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(vocab_size=len(tokenizer), num_key_value_heads=2, max_position_embeddings=512, **shape)
+    model = LlamaForCausalLM(config).eval()
+    stops = list(range(0, config.vocab_size, 9))
+    eager = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="eager")
+    static = HfEngine(model, tokenizer, stop_token_ids=stops, max_batch=64, decoding="static")
+    captured = []
+    static._runner = Captured(capture=stand_in_capture(captured))
+    ref = generated(eager, prompts, n=4, temperature=1.0, max_tokens=SPAN + 4)
+    assert_same(generated(static, prompts, n=4, temperature=1.0, max_tokens=SPAN + 4), ref)
+    assert captured and len({len(t) for t, _, _ in ref}) > 2
+
+
 def test_captured_steps_replay_the_buffers_and_are_captured_once_per_shape(toy):
     model, tokenizer, prompts = toy
     stops = list(range(0, model.config.vocab_size, 40))  # some rows end early, some run past one span

@@ -13,7 +13,8 @@ replayed (CUDA graphs) instead of launching a few hundred small kernels from Pyt
   own beyond the graph. Finished rows leave
   the batch when the live ones fit a smaller bucket: they are copied to the front of the buffers.
 - Left padding puts every row's token t in the same slot (prompt width + t); the mask says which slots each
-  row attends to. Padded rows of a bucket hold earlier rows' values: finite, never read by a live row.
+  row attends to (4D, so transformers builds no mask of its own). Padded rows of a bucket hold earlier rows'
+  values: finite, never read by a live row.
 - `step_runner`: how a step runs. `static` calls it (the CPU path, and the reference the others must equal),
   `cuda_graph` captures it with torch.cuda.CUDAGraph per (rows, span), `compile` hands it to
   torch.compile(mode="reduce-overhead"), which captures its own graphs. Under `auto` a capture the
@@ -56,8 +57,8 @@ def span_for(filled: int, length: int) -> int:
 
 def static_supported(model) -> str | None:
     """None if `model` can decode statically, else why not: every layer must attend to all earlier positions
-    (a sliding window's cache keeps only its window) and its forward must take a prepared mask per layer type,
-    as the Llama-family models of transformers do."""
+    (a sliding window's cache keeps only its window). The step's mask is 4D, which transformers' mask functions
+    (create_causal_mask, in the Llama and Qwen families) return as they got it."""
     types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
         return f"layer types {sorted(types)}: only full attention decodes statically"
@@ -293,7 +294,6 @@ class StaticSteps:
 
     def __init__(self, model, prefill, runner, kv_holder: dict):
         self.model, self.prefill, self.runner, self.holder = model, prefill, runner, kv_holder
-        self.types = sorted(set(getattr(model.config, "layer_types", None) or ["full_attention"]))
 
     def _buffers(self, rows: int, length: int, like) -> StaticKV:
         layers, (_, kv_heads, _, head_dim) = len(like), like[0].keys.shape
@@ -342,20 +342,19 @@ class StaticSteps:
         kv.mask[: self.rows, 0, 0, slot] = True
         kv.slot.fill_(slot)
         self.filled = slot + 1
-        rows, span, types = self.rows, span_for(slot + 1, kv.length), self.types
+        rows, span = self.rows, span_for(slot + 1, kv.length)
         # the step reads only the buffers and the shapes bound here: a replay of its capture is the same step
-        step = functools.partial(_forward, kv, rows, span, types)
+        step = functools.partial(_forward, kv, rows, span)
         return self.runner((rows, span), lambda forward=self.model: step(forward))[:n]
 
 
-def _forward(kv: StaticKV, rows: int, span: int, types: list[str], forward) -> torch.Tensor:
+def _forward(kv: StaticKV, rows: int, span: int, forward) -> torch.Tensor:
     """One decode step of `rows` rows attending over `span` positions of `kv`: the logits [rows, V], written into
     kv.logits (a captured step's own output is then freed at capture, not held per shape)."""
     kv.view(rows, span)
-    mask = kv.mask[:rows, :, :, :span]
     out = forward(
         input_ids=kv.token[:rows],
-        attention_mask={t: mask for t in types},
+        attention_mask=kv.mask[:rows, :, :, :span],  # 4D: transformers' mask functions hand it on as it is
         position_ids=kv.position[:rows],
         past_key_values=kv.cache,
         use_cache=True,
