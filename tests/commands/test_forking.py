@@ -20,7 +20,11 @@ print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
 """
 
-SLOW = "import os, pathlib, time\npathlib.Path('pid').write_text(str(os.getpid()))\ntime.sleep(60)\n"
+# the pid file appears whole (written aside, then renamed): a reader polling for it never sees it empty
+SLOW = (
+    "import os, pathlib, time\npathlib.Path('pid.tmp').write_text(str(os.getpid()))\nos.replace('pid.tmp', 'pid')\n"
+    "time.sleep(60)\n"
+)
 
 
 @pytest.mark.toy_run  # the parent imports what a trainer imports
