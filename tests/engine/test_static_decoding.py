@@ -150,6 +150,27 @@ def test_a_refused_capture_falls_back_to_uncaptured_steps_under_auto_and_fails_o
         generated(engine, prompts, n=2, temperature=1.0, max_tokens=6)
 
 
+def test_static_steps_that_fail_under_auto_leave_the_engine_decoding_eagerly_with_eagers_samples(toy):
+    """A model whose forward the static path does not fit (stood in for by a step that raises): under auto the
+    batch is generated again eagerly and so is every later one; an explicit choice raises."""
+    model, tokenizer, prompts = toy
+
+    class Unfit(static_decoding.Called):
+        def __call__(self, key, step):
+            raise TypeError("forward() got an unexpected mask")
+
+    eager = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=3, decoding="eager")
+    ref = generated(eager, prompts, n=2, temperature=1.0, max_tokens=6)
+    engine = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=3, decoding="static")
+    engine._runner = Unfit()
+    with pytest.raises(TypeError, match="unexpected mask"):  # rollout.hf_decoding=static: as it is
+        generated(engine, prompts, n=2, temperature=1.0, max_tokens=6)
+    engine._auto = True  # as auto chose it on a GPU
+    assert generated(engine, prompts, n=2, temperature=1.0, max_tokens=6) == ref  # 3 batches: the first retried
+    assert engine.decoding == "eager" and engine._runner is None and "TypeError" in engine.decoding_why
+    assert model.config._attn_implementation == "sdpa"  # the turn put the model's own back
+
+
 def test_the_static_step_traces_whole_for_torch_compile(toy, monkeypatch):
     """dynamo's eager backend with fullgraph: the step traces as inductor would get it, with no graph break
     (a break would leave part of the step outside the CUDA graphs reduce-overhead captures)."""

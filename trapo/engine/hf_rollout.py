@@ -24,6 +24,7 @@ import contextlib
 
 import torch
 
+from trapo import console
 from trapo.engine import decoding, dist, static_decoding
 from trapo.engine.memory_plan import HF_PREFILL_TOKENS
 from trapo.engine.rollout import Rollout, decode_responses, request_seed
@@ -163,6 +164,7 @@ class HfEngine:
         self.decoding, self.decoding_why = static_decoding.resolve(decoding, self.device(), model)
         self._static = {}  # the static path's buffers (StaticKV), kept from one batch to the next of a turn
         self._runner = static_decoding.step_runner(self.decoding, model, chosen_by_auto=decoding == "auto")
+        self._auto = decoding == "auto"  # a static path auto chose may fall back to eager (_generate_or_fall_back)
         self._turns = 0  # open turns (a turn inside a turn gathers nothing more)
         self._calls = 0  # generate calls without seeds: their requests are keyed by this count
 
@@ -279,7 +281,7 @@ class HfEngine:
         with self.turn():
             for start in range(0, len(order), self.max_batch):
                 chunk = order[start : start + self.max_batch]
-                outs = self._generate_batch(
+                outs = self._generate_or_fall_back(
                     [prompts[requests[k][0]] for k in chunk],
                     [keys[k] for k in chunk],
                     temperature=temperature,
@@ -292,6 +294,22 @@ class HfEngine:
         texts = decode_responses(self.tokenizer, [ids for ids, _, _ in sampled], self.stop_token_ids)
         rollouts = [Rollout(ids, text, cut, lps) for (ids, lps, cut), text in zip(sampled, texts)]
         return [rollouts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_or_fall_back(self, prompts: list[list[int]], keys: list[int], **sampling):
+        """`_generate_batch`; under auto, a static step that fails (a model whose forward the static path does not
+        fit) is said once and the batch is generated again eagerly, as every later one: a sample depends on its key
+        and the weights only, so the batch's results are eager decoding's."""
+        try:
+            return self._generate_batch(prompts, keys, **sampling)
+        except Exception as error:  # noqa: BLE001 - under auto only; an explicit choice raises as it is
+            if self._runner is None or not self._auto:
+                raise
+            why = f"{type(error).__name__}: {str(error)[:200]}"
+            console.warn_once("static-decoding", f"hf decoding: the static steps failed ({why}); decoding eagerly")
+            self._end_static_turn()
+            self._runner, self.decoding, self.decoding_why = None, "eager", f"auto: the static steps failed ({why})"
+            self.model.set_attn_implementation(decoding.register_decode_attention())  # the turn restores its own
+            return self._generate_batch(prompts, keys, **sampling)
 
     def _generate_batch(
         self,
