@@ -165,7 +165,7 @@ def test_static_steps_that_fail_under_auto_leave_the_engine_decoding_eagerly_wit
     engine._runner = Unfit()
     with pytest.raises(TypeError, match="unexpected mask"):  # rollout.hf_decoding=static: as it is
         generated(engine, prompts, n=2, temperature=1.0, max_tokens=6)
-    engine._auto = True  # as auto chose it on a GPU
+    engine.requested = "auto"  # as auto chose it on a GPU
     assert generated(engine, prompts, n=2, temperature=1.0, max_tokens=6) == ref  # 3 batches: the first retried
     assert engine.decoding == "eager" and engine._runner is None and "TypeError" in engine.decoding_why
     assert model.config._attn_implementation == "sdpa"  # the turn put the model's own back

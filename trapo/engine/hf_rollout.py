@@ -161,10 +161,9 @@ class HfEngine:
         self.joinable_cache = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.stop_token_ids or [0])[0]
-        self.decoding, self.decoding_why = static_decoding.resolve(decoding, self.device(), model)
         self._static = {}  # the static path's buffers (StaticKV), kept from one batch to the next of a turn
-        self._runner = static_decoding.step_runner(self.decoding, model, chosen_by_auto=decoding == "auto")
-        self._auto = decoding == "auto"  # a static path auto chose may fall back to eager (_generate_or_fall_back)
+        self._runner = None  # how the static path's steps run (static_decoding.step_runner); None: eager
+        self.set_decoding(decoding)
         self._turns = 0  # open turns (a turn inside a turn gathers nothing more)
         self._calls = 0  # generate calls without seeds: their requests are keyed by this count
 
@@ -240,6 +239,15 @@ class HfEngine:
                 model.set_attn_implementation(attention)
                 model.train(was_training)
 
+    def set_decoding(self, decoding: str) -> None:
+        """Decode as `decoding` (rollout.hf_decoding) says from the next batch on, resolved for this model and
+        device (`static_decoding.resolve`): `requested`, `decoding` and why; the static path's buffers and
+        captures so far are dropped."""
+        self._end_static_turn()
+        self.requested = decoding  # auto: a static path that fails falls back to eager (_generate_or_fall_back)
+        self.decoding, self.decoding_why = static_decoding.resolve(decoding, self.device(), self.model)
+        self._runner = static_decoding.step_runner(self.decoding, self.model, chosen_by_auto=decoding == "auto")
+
     def _end_static_turn(self) -> None:
         """The static path's buffers and captured steps go with the turn: the update needs the memory, and a
         ZeRO-3 model's gathered weights, whose addresses the captures hold, are released with it."""
@@ -302,12 +310,12 @@ class HfEngine:
         try:
             return self._generate_batch(prompts, keys, **sampling)
         except Exception as error:  # noqa: BLE001 - under auto only; an explicit choice raises as it is
-            if self._runner is None or not self._auto:
+            if self._runner is None or self.requested != "auto":
                 raise
             why = f"{type(error).__name__}: {str(error)[:200]}"
             console.warn_once("static-decoding", f"hf decoding: the static steps failed ({why}); decoding eagerly")
-            self._end_static_turn()
-            self._runner, self.decoding, self.decoding_why = None, "eager", f"auto: the static steps failed ({why})"
+            self.set_decoding("eager")
+            self.decoding_why = f"auto: the static steps failed ({why})"
             self.model.set_attn_implementation(decoding.register_decode_attention())  # the turn restores its own
             return self._generate_batch(prompts, keys, **sampling)
 

@@ -195,8 +195,6 @@ class StaticKV:
 class Called:
     """The step called as it is: static decoding without capture (CPU, and the reference for the others)."""
 
-    name = "static"
-
     def __call__(self, key, step):
         return step()
 
@@ -223,8 +221,6 @@ class Captured:
     """Each (rows, span) step captured on first use, replayed after: its output is the same tensor every
     replay, read before the next. Every graph allocates from one pool (steps never overlap).
     `capture(step, pool) -> (replay, output, pool)` is the seam a CPU test stands in for."""
-
-    name = "cuda_graph"
 
     def __init__(self, capture=cuda_graph_capture, fall_back: bool = False):
         self.capture, self.graphs, self.pool = capture, {}, None
@@ -260,8 +256,6 @@ class Captured:
 class Compiled:
     """The step through torch.compile(mode="reduce-overhead"): inductor's kernels, replayed as CUDA graphs it
     captures per shape (a recompile per (rows, span), hence the raised limit)."""
-
-    name = "compile"
 
     def __init__(self, model, backend="inductor", fullgraph: bool = False):
         # another backend with fullgraph: traced as inductor would be, run without it (a CPU test's check
@@ -302,8 +296,8 @@ class StaticSteps:
         if kv is None or not kv.holds(layers, rows, kv_heads, length, head_dim, like[0].keys.dtype):
             if kv is not None:  # outgrown: every shape captured on it goes with it
                 rows, length = max(rows, kv.rows), max(length, kv.length)
-                self.holder["kv"] = kv = None
                 self.runner.reset()
+                self.holder["kv"] = kv = None  # the old buffers freed before the new ones are made
             kv = StaticKV(layers, rows, kv_heads, length, head_dim, like[0].keys.dtype, like[0].keys.device)
             self.holder["kv"] = kv
         return kv

@@ -348,12 +348,18 @@ ORDER = [shape_step, pytest_gpu, doctor, bench_update, kill_resume, shape_step_l
 CHECKS = {fn.__name__: fn for fn in ORDER}
 
 
-def _check_names(text: str) -> list[str]:
+def names_in(text: str, known, kind: str) -> list[str]:
+    """The comma-separated names in `text` (an --only value), each one of `known`: else argparse's error naming
+    the unknown ones and listing the `kind`s there are (gpu-check's checks, gpu-bench's variants)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CHECKS]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown check {unknown or text!r}; the checks: {', '.join(CHECKS)}")
+        raise argparse.ArgumentTypeError(f"unknown {kind} {unknown or text!r}; the {kind}s: {', '.join(known)}")
     return names
+
+
+def _check_names(text: str) -> list[str]:
+    return names_in(text, CHECKS, "check")
 
 
 def node_env(dry_run: bool) -> dict:

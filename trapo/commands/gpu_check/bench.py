@@ -113,9 +113,6 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
     code, out = shell([*SHAPE_STEP, *args], env, 600)
     result = _json_line(out)
     name = "1.5B-shape step" if not dry_run else "shape step (tiny shape, dry run)"
-    checkpointing = next(
-        (line.split("] ", 1)[-1] for line in out.splitlines() if "gradient checkpointing:" in line), ""
-    )
     if code != 0 or result is None or "profile" not in result:
         check.add(name, False, f"failed ({code})", tail(out, 40))
         return
@@ -127,11 +124,12 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
         if k in timing
     )
     rate, checkpointing = tokens / timing["rollout"], result.get("checkpointing")
+    step_rate = tokens / timing["step"]
     check.figures["step"] = {
         "decoding": result["decoding"],
         "checkpointing": checkpointing,
         "rollout_tokens_per_s": round(rate, 1),
-        "step_tokens_per_s": round(tokens / timing["step"], 1),
+        "step_tokens_per_s": round(step_rate, 1),
         "update_s": timing.get("update"),
         "step_s": timing["step"],
         "peak_gib": peak,
@@ -143,8 +141,7 @@ def step_profiled(check: Check, env: dict, dry_run: bool) -> None:
         name,
         result["trained_sequences"] == result["answers"],
         f"decoding {result['decoding']}, {checkpointing or 'gradient checkpointing: not said'}: rollout "
-        f"{rate:,.0f} response tokens/s{target}, step "
-        f"{tokens / timing['step']:,.0f}; {phases}; "
+        f"{rate:,.0f} response tokens/s{target}, step {step_rate:,.0f}; {phases}; "
         f"logprob_diff_rollout_vs_policy {result['logprob_diff_rollout_vs_policy']:.2e}",
         json.dumps(result),
     )
@@ -199,24 +196,17 @@ def _update(check: Check, env: dict, dry_run: bool, variant: str) -> None:
     )
 
 
-def update_checkpointing(check: Check, env: dict, dry_run: bool) -> None:
-    _update(check, env, dry_run, "update_checkpointing")
+def _update_variant(variant: str):
+    """The check of one UPDATE_VARIANTS entry, named after it (ORDER, --only and the plan go by the name)."""
+
+    def run(check: Check, env: dict, dry_run: bool) -> None:
+        _update(check, env, dry_run, variant)
+
+    run.__name__ = run.__qualname__ = variant
+    return run
 
 
-def update_no_checkpointing(check: Check, env: dict, dry_run: bool) -> None:
-    _update(check, env, dry_run, "update_no_checkpointing")
-
-
-def update_fused(check: Check, env: dict, dry_run: bool) -> None:
-    _update(check, env, dry_run, "update_fused")
-
-
-def update_persistent(check: Check, env: dict, dry_run: bool) -> None:
-    _update(check, env, dry_run, "update_persistent")
-
-
-def update_micro_32k(check: Check, env: dict, dry_run: bool) -> None:
-    _update(check, env, dry_run, "update_micro_32k")
+UPDATE = {variant: _update_variant(variant) for variant in UPDATE_VARIANTS}
 
 
 def decode_compile(check: Check, env: dict, dry_run: bool) -> None:
@@ -317,23 +307,19 @@ def trl_step(check: Check, env: dict, dry_run: bool) -> None:
 
 ORDER = [
     step_profiled,
-    update_checkpointing,
-    update_no_checkpointing,
+    UPDATE["update_checkpointing"],
+    UPDATE["update_no_checkpointing"],
     trl_step,
-    update_fused,
-    update_persistent,
-    update_micro_32k,
+    UPDATE["update_fused"],
+    UPDATE["update_persistent"],
+    UPDATE["update_micro_32k"],
     decode_compile,
 ]
 VARIANTS = {fn.__name__: fn for fn in ORDER}
 
 
 def _variant_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant {unknown or text!r}; the variants: {', '.join(VARIANTS)}")
-    return names
+    return gpu_check.names_in(text, VARIANTS, "variant")
 
 
 def rerun(left_out: set[str], failed: set[str]) -> list[str]:

@@ -14,8 +14,6 @@ import time
 
 import torch
 
-from trapo.engine import static_decoding
-
 CHECKED_ROWS = 16  # rows whose log-probs are checked against a plain forward
 
 
@@ -36,7 +34,7 @@ def measure(engine, prompts: list[list[int]], answers: int, tokens: int, decodin
     """{path: {"tokens_per_s", "first_call_s", "timed_s", "logprob_gap"} or {"error"}} for each of `decodings`,
     on `engine` (an HfEngine), whose path is restored after."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    kept = engine.decoding, engine.decoding_why, engine._runner
+    requested = engine.requested
     results = {}
     seeds = list(range(len(prompts)))
 
@@ -50,9 +48,7 @@ def measure(engine, prompts: list[list[int]], answers: int, tokens: int, decodin
     try:
         for decoding in decodings:
             try:
-                engine.decoding, engine.decoding_why = static_decoding.resolve(decoding, engine.device(), engine.model)
-                engine._runner = static_decoding.step_runner(engine.decoding, engine.model)
-                engine._static.clear()
+                engine.set_decoding(decoding)  # named, not auto: a failing path is its row, never a fallback
                 with engine.turn():
                     _, first = run()
                     out, timed = run()
@@ -69,6 +65,5 @@ def measure(engine, prompts: list[list[int]], answers: int, tokens: int, decodin
             except Exception as error:  # noqa: BLE001 - one path's failure is that path's row, the others still run
                 results[decoding] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     finally:
-        engine.decoding, engine.decoding_why, engine._runner = kept
-        engine._static.clear()
+        engine.set_decoding(requested)
     return results
