@@ -104,3 +104,19 @@ def test_a_label_budget_without_hidden_golds_is_refused_before_any_load(tmp_path
         prepare_inputs(load_config(paper, args), world=1)
     assert not isinstance(err.value, DataError)
     assert "labels.budget 2: only 1 unlabeled questions hold a gold; at most 1 are bought" in capsys.readouterr().err
+
+
+def test_a_captured_decode_path_without_cuda_is_refused_before_anything_is_read(tmp_path):
+    """rollout.hf_decoding=cuda_graph or compile on a machine without CUDA: refused ahead of the inputs (the model
+    path below does not even exist), where the engine would otherwise say it after the policy loaded."""
+    import torch
+
+    from trapo.training.trainer import Trainer
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the captured paths run")
+    for decoding in ("cuda_graph", "compile"):
+        args = [f"model.path={tmp_path / 'absent'}", "rollout.backend=hf", f"rollout.hf_decoding={decoding}"]
+        cfg = load_config(os.path.join(ROOT, "configs", "trapo_1k_3k.yaml"), args + [f"output_dir={tmp_path}"])
+        with pytest.raises(ConfigError, match=f"rollout.hf_decoding={decoding} captures CUDA graphs and needs a CUDA"):
+            Trainer(cfg)

@@ -80,9 +80,15 @@ def resolve(decoding: str, device: str, model) -> tuple[str, str]:
         return "cuda_graph", "auto: a CUDA device and a model that decodes statically"
     if decoding != "eager" and why_not:
         raise ConfigError(f"rollout.hf_decoding={decoding}: {why_not}; use eager")
-    if decoding in ("cuda_graph", "compile") and not cuda:
-        raise ConfigError(f"rollout.hf_decoding={decoding} captures CUDA graphs and needs a CUDA device, got {device}")
+    require_device(decoding, device)
     return decoding, "as configured"
+
+
+def require_device(decoding: str, device: str) -> None:
+    """A ConfigError where `decoding` (rollout.hf_decoding) cannot run on `device` ("cuda:0", "cpu"): the
+    captured paths need CUDA. The trainer asks before any model loads, the engine again when it opens."""
+    if decoding in ("cuda_graph", "compile") and not device.startswith("cuda"):
+        raise ConfigError(f"rollout.hf_decoding={decoding} captures CUDA graphs and needs a CUDA device, got {device}")
 
 
 def static_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):

@@ -34,7 +34,7 @@ from trapo.algorithm.rewards.verifiers import require_verifier
 from trapo.algorithm.selection import confidence_kind
 from trapo.config import Config, dump_config, to_dict
 from trapo.engine import checkpoint as ckpt
-from trapo.engine import dist
+from trapo.engine import dist, static_decoding
 from trapo.engine.grading.verifier import MathVerifier
 from trapo.engine.packing import update_efficiency
 from trapo.engine.policy import TrainingError
@@ -63,6 +63,8 @@ class Trainer:
         self.cfg = cfg
         require_backend(cfg.rollout.backend, load=False)  # vLLM missing: one line before any work
         require_verifier(cfg.reward.verifier)  # reward.verifier that cannot be imported: the same
+        if cfg.rollout.backend == "hf":  # a captured decode path on a machine without CUDA: the same
+            static_decoding.require_device(cfg.rollout.hf_decoding, "cuda" if torch.cuda.is_available() else "cpu")
         self.rank, self.world, self.local_rank = dist.init_distributed(cfg.dist_timeout_minutes)
         self.is_main = self.rank == 0
         self.run_dir = cfg.run_dir
