@@ -46,6 +46,8 @@ def test_one_entry_point_lists_every_command_and_dispatches():
         "eval",
         "configs",
         "prepare",
+        "get-model",
+        "word-problems",
         "doctor",
         "report",
         "reproduce",

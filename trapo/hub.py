@@ -81,6 +81,8 @@ def fetch(
     if Path(name).is_dir():
         if revision:
             raise HubError(f"{what} {name}: a local directory has no revision; drop the revision, or name a hub id")
+        if (Path(name) / CONVERSION_MANIFEST).is_file() and (problem := conversion_problem(Path(name))):
+            raise HubError(f"{what} {name}: {problem}; convert it again (`trapo get-model --force`)")
         return Snapshot(name, Path(name))
     if Path(name).exists():
         raise HubError(f"{what} {name}: a file, not a directory; name the directory that holds it")
@@ -141,6 +143,44 @@ def _explain(err: Exception, name: str, revision: str | None, what: str, repo_ty
         )
     first = str(err).splitlines()[0] if str(err) else ""
     return f"{where}: the Hugging Face hub failed ({type(err).__name__}: {first})"
+
+
+# Written last by `trapo get-model` into a directory it converted (trapo/commands/get_model.py): every file's
+# size and sha256, so a copy cut short or damaged later is refused instead of loaded.
+CONVERSION_MANIFEST = "trapo-conversion.json"
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def conversion_problem(model_dir: Path, hashes: bool = False) -> str | None:
+    """What is wrong with a converted model directory against its manifest, or None: no manifest (a conversion
+    that never finished), a file missing or of another size, or with `hashes` another sha256."""
+    import json
+
+    manifest = Path(model_dir) / CONVERSION_MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except FileNotFoundError:
+        return f"no {CONVERSION_MANIFEST} (not a finished conversion)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{CONVERSION_MANIFEST} cannot be read ({err})"
+    for name, want in sorted(files.items()):
+        f = Path(model_dir) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, its manifest says {want['bytes']} (damaged or cut short)"
+        if hashes and file_sha256(f) != want["sha256"]:
+            return f"{name} does not have its manifest's sha256 (damaged)"
+    return None
 
 
 def weight_problem(model_dir) -> str | None:

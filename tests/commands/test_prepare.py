@@ -1,8 +1,10 @@
 """trapo.commands.prepare: source layouts, cleaning counts, decontamination, splits, determinism, errors,
 trainer reads it."""
 
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -260,7 +262,7 @@ def test_paper_mode_writes_every_file_the_paper_configs_name(tmp_path):
     """`make data`: the sources folder laid out as the README says, every config's training file written."""
     names = set()
     for f in os.listdir(os.path.join(ROOT, "configs")):
-        if f.endswith(".yaml") and not f.startswith("toy"):
+        if f.endswith(".yaml") and not f.startswith(("toy", "real")):  # real_*: written by trapo word-problems
             with open(os.path.join(ROOT, "configs", f)) as fh:
                 names.update(os.path.basename(p) for p in yaml.safe_load(fh)["data"]["train_files"])
     assert names == set(PAPER_FILES)
@@ -358,3 +360,45 @@ def test_malformed_and_invalid_rows_are_named_by_file_and_line_and_prose_golds_a
     prose.write_text("".join(json.dumps(r) + "\n" for r in rows))
     manifest = run([str(prose), "--labeled", "all", "--out", out])
     assert manifest["counts"]["gold_unusable"] == 1 and manifest["counts"]["labeled"] == 6
+
+
+def test_a_prompt_file_is_stored_around_each_question_and_read_as_the_dataset_template(sources, tmp_path):
+    prompt = tmp_path / "prompt.json"
+    messages = [
+        {"role": "system", "content": "Box the answer."},
+        {"role": "user", "content": "1 + 1?"},
+        {"role": "assistant", "content": "\\boxed{2}"},
+        {"role": "user", "content": "Now: {question}"},
+    ]
+    prompt.write_text(json.dumps(messages))
+    out = tmp_path / "train.parquet"
+    manifest = run([sources["qa"], "--labeled", "3", "--unlabeled", "all", "--out", str(out), "--prompt", str(prompt)])
+    assert manifest["options"]["prompt"]["sha256"] == hashlib.sha256(prompt.read_bytes()).hexdigest()
+    assert manifest["options"]["template"] is None
+    qs = load_questions([str(out)])
+    for row, q in zip(pq.read_table(out).to_pylist(), qs):
+        assert row["prompt"][:3] == messages[:3] and row["prompt"][3]["content"] == f"Now: {q.question}"
+        assert q.messages[-1] == ("user", f"Now: {q.question}")  # the trainer's `dataset` template renders these
+        assert render_prompt(q, "dataset", None).startswith("System: Box the answer.\nUser: 1 + 1?\n")
+
+
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        ("not json", "cannot read it as JSON"),
+        (json.dumps({"role": "user"}), "expected a JSON list"),
+        (json.dumps([{"role": "robot", "content": "{question}"}]), "message 0 is not"),
+        (json.dumps([{"role": "user", "content": "no placeholder"}]), "holding {question} exactly once"),
+        (
+            json.dumps([{"role": "system", "content": "{question}"}, {"role": "user", "content": "{question}"}]),
+            "only the last",
+        ),
+    ],
+)
+def test_a_bad_prompt_file_is_named_with_the_fix(sources, tmp_path, content, error):
+    prompt = tmp_path / "p.json"
+    prompt.write_text(content)
+    out = tmp_path / "train.parquet"
+    with pytest.raises(DataError, match=re.escape(f"--prompt {prompt}: ") + ".*" + re.escape(error)):
+        run([sources["qa"], "--labeled", "3", "--unlabeled", "all", "--out", str(out), "--prompt", str(prompt)])
+    assert not out.exists()

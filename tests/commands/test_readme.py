@@ -191,3 +191,51 @@ def test_bench_vote_block_is_the_benchs_saved_output(tmp_path):
     assert target.read_text() == (
         "before\n<!-- generated:bench-vote -->\n```\n" + printed + "```\n<!-- /generated:bench-vote -->\nafter\n"
     )
+
+
+def test_the_real_model_blocks_come_from_the_eval_samples_and_the_run(tmp_path, monkeypatch):
+    from trapo.commands.report import passrates
+
+    evaluated = tmp_path / "eval"
+    evaluated.mkdir()
+    (evaluated / "run.json").write_text(
+        json.dumps({"model": "/m/SmolLM2", "temperature": 0.7, "max_tokens": 48, "n": {"test": 4}})
+    )
+    questions = {"Q1": (1, "tiny", 4), "Q2": (1, "tiny", 0), "Q3": (2, "small", 1)}  # question -> steps, range, right
+    with open(evaluated / "samples.jsonl", "w") as f:
+        for q, (_, _, right) in questions.items():
+            responses = [{"correct": i < right, "truncated": i == 3} for i in range(4)]
+            f.write(json.dumps({"benchmark": "test", "question": q, "responses": responses}) + "\n")
+    problems = tmp_path / "wp"
+    problems.mkdir()
+    (problems / "problems.jsonl").write_text(
+        "".join(json.dumps({"question": q, "steps": s, "range": r}) + "\n" for q, (s, r, _) in questions.items())
+    )
+    monkeypatch.setattr(readme, "WORD_PROBLEMS", problems)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(
+        json.dumps(
+            {"steps": 2, "heldout_accuracy_before": 0.25, "heldout_accuracy_after": 0.5, "heldout_temperature": 0.0}
+        )
+    )
+    steps = [
+        {"step": i, "loss": 0.1, "timing": {"rollout": 10.0 * i, "update": 4.0, "step": 10.0 * i + 4}} for i in (1, 2)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    page = tmp_path / "real-model.md"
+    page.write_text(
+        "".join(f"<!-- generated:{b} -->\n<!-- /generated:{b} -->\n" for b in ("real-passrates", "train-real"))
+    )
+    assert readme.main(["--real-base", str(evaluated), "--real-run", str(run), "--file", str(page)]) == 0
+    text = page.read_text()
+    # all: 3 questions, mean (1 + 0 + 0.25) / 3, one all wrong, one all right, 3 of 12 truncated; right 0..4: 1 0 1 0 1
+    assert "| **test** | 3 | 0.417 | 0.33 | 0.33 | 0.25 | 1 | 0 | 0 | 0 | 1 |" not in text  # Q3 has 1 right
+    assert "| **test** | 3 | 0.417 | 0.33 | 0.33 | 0.25 | 1 | 1 | 0 | 0 | 1 |" in text
+    assert "| test: 1 step, tiny | 2 | 0.500 | 0.50 | 0.50 | 0.25 | 1 | 0 | 0 | 0 | 1 |" in text
+    assert "| test: 2 steps, small | 1 | 0.250 | 0.00 | 0.00 | 0.25 | 0 | 1 | 0 | 0 | 0 |" in text
+    assert "SmolLM2, 4 samples per question at temperature 0.7, at most 48 tokens" in text
+    assert (tmp_path / "real-model" / "base-passrates.png").stat().st_size > 0
+    assert passrates.read(evaluated / "samples.jsonl")[0]["steps"] is None  # without problems.jsonl: no cells
+    assert "held-out accuracy (greedy): 0.250 before -> 0.500 after" in text
+    assert "2 steps in 0.6 min of training; per step: rollout 15.0 s, grading 0.0 s, update 4.0 s" in text

@@ -24,6 +24,13 @@ figure no code printed. Each block lives in one file (`BLOCKS`):
 - `bench-lora` in docs/benchmarks.md: what bench/bench_lora.py printed (outputs/bench/lora.txt).
 - `bench-peers` in docs/benchmarks.md: what bench/peers/run.py printed (`make bench-peers` saves it as
   outputs/bench/peers.txt and writes the block itself), and `peers-ratios` in README.md: its ratio lines.
+- `real-prompts` in docs/real-model.md: what bench/bench_real_prompts.py printed (outputs/bench/real-prompts.txt,
+  `make real-figures`);
+- `real-step` in docs/real-model.md: what bench/bench_real_step.py printed (outputs/bench/real-step.txt);
+- `real-passrates` in docs/real-model.md: the base model's per-question pass rates on the word problems, from
+  the `trapo eval --n 8` run that `make real-figures` makes (`--real-base DIR`), and its plot;
+- `train-real` in docs/real-model.md: the summary `make train-real` printed, with its steps' timings
+  (`--real-run RUN_DIR`).
 - `bench-vote` in docs/benchmarks.md: what bench/bench_vote.py printed (it saves outputs/bench/vote.txt
   and writes the block itself).
 
@@ -56,11 +63,18 @@ BLOCKS = {
     "bench-peers": DOCS / "benchmarks.md",
     "bench-vote": DOCS / "benchmarks.md",
     "peers-ratios": README,
+    "real-passrates": DOCS / "real-model.md",
+    "real-prompts": DOCS / "real-model.md",
+    "real-step": DOCS / "real-model.md",
+    "train-real": DOCS / "real-model.md",
 }
+WORD_PROBLEMS = ROOT / "outputs" / "word-problems" / "seed-0"  # make word-problems' splits (problems.jsonl)
 BENCH_ROLLOUT = ("rollout-vllm.txt", "rollout-hf.txt")  # bench_rollout.py's output, per backend
 BENCH_LORA = "lora.txt"  # bench_lora.py's output
 BENCH_PEERS = "peers.txt"  # bench/peers/run.py's output
 BENCH_VOTE = "vote.txt"  # bench_vote.py's output
+BENCH_REAL_PROMPTS = "real-prompts.txt"  # bench_real_prompts.py's output (make real-figures)
+BENCH_REAL_STEP = "real-step.txt"  # bench_real_step.py's output (make real-figures)
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -207,6 +221,39 @@ def peers_ratios_block(folder: Path) -> str:
     return "```\n" + "\n".join([lines[0], *(line for line in lines if " / " in line)]) + "\n```"
 
 
+def real_passrates_block(eval_dir: Path, target: Path) -> str:
+    """The per-question pass-rate table of a `trapo eval --n K` run by the word problems' cells, and its plot
+    (written beside `target`, in its folder's real-model/)."""
+    from trapo.commands.report import passrates
+
+    settings = json.loads((eval_dir / "run.json").read_text())
+    rows = passrates.read(eval_dir / "samples.jsonl", WORD_PROBLEMS / "problems.jsonl")
+    png = passrates.plot(rows, target.parent / "real-model" / "base-passrates.png")
+    n = max(settings["n"].values())
+    return (
+        f"{Path(settings['model']).name}, {n} samples per question at temperature {settings['temperature']:g}, "
+        f"at most {settings['max_tokens']} tokens (`trapo eval`, vLLM):\n\n"
+        + passrates.table(rows)
+        + f"\n\n![per-question pass rates]({png.relative_to(target.parent).as_posix()})"
+    )
+
+
+def train_real_block(run_dir: Path) -> str:
+    """What `make train-real` printed at its end (summary.json), with the steps' mean timings (metrics.jsonl)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "timing" in s and "loss" in s]
+    phases = ("rollout", "grading", "update", "weight_push", "step")
+    mean = {p: sum(s["timing"].get(p, 0.0) for s in steps) / len(steps) for p in phases}
+    total = sum(s["timing"]["step"] for s in steps)
+    timing = ", ".join(f"{p} {mean[p]:.1f} s" for p in phases)
+    return (
+        "```\n"
+        + summary_text(summary)
+        + f"\n{len(steps)} steps in {total / 60:.1f} min of training; per step: {timing}\n```"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -219,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reproduce", type=Path, help="the results directory of `make reproduce-toy`")
     parser.add_argument("--plan", action="store_true", help="the memory-plan block (trapo.commands.doctor --plan)")
     parser.add_argument("--bench", type=Path, help="the folder `make bench` saved its benches' outputs in (each found)")
+    parser.add_argument(
+        "--real-base", type=Path, help="the `trapo eval --n 8` run of the base model (make real-figures)"
+    )
+    parser.add_argument("--real-run", type=Path, help="the run directory of `make train-real`")
     parser.add_argument(
         "--file", "--readme", dest="file", type=Path, help="write the blocks into this file instead of their own"
     )
@@ -235,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             ("bench-peers", args.bench and (args.bench / BENCH_PEERS).is_file()),
             ("peers-ratios", args.bench and (args.bench / BENCH_PEERS).is_file()),
             ("bench-vote", args.bench and (args.bench / BENCH_VOTE).is_file()),
+            ("real-prompts", args.bench and (args.bench / BENCH_REAL_PROMPTS).is_file()),
+            ("real-step", args.bench and (args.bench / BENCH_REAL_STEP).is_file()),
+            ("real-passrates", args.real_base),
+            ("train-real", args.real_run),
         )
         if on
     ]
@@ -269,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                 body = peers_ratios_block(args.bench)
             elif name == "bench-vote":
                 body = bench_vote_block(args.bench)
+            elif name in ("real-prompts", "real-step"):
+                file = BENCH_REAL_PROMPTS if name == "real-prompts" else BENCH_REAL_STEP
+                body = "```\n" + (args.bench / file).read_text().rstrip() + "\n```"
+            elif name == "real-passrates":
+                body = real_passrates_block(args.real_base, target)
+            elif name == "train-real":
+                body = train_real_block(args.real_run)
             else:
                 body = plan_block()
             text = texts[target] if target in texts else target.read_text()

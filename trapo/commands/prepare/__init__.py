@@ -2,7 +2,7 @@
 
     python -m trapo prepare SOURCE... --labeled N --unlabeled M --out FILE
         [--unlabeled-from SOURCE...] [--split random|slices] [--seed S] [--exclude DIR...]
-        [--tokenizer DIR|ID --max-prompt-tokens T] [--template think|cot|chat] [--no-progress]
+        [--tokenizer DIR|ID --max-prompt-tokens T] [--template think|cot|chat | --prompt FILE] [--no-progress]
     python -m trapo prepare --paper SOURCES_DIR      # every file the shipped paper configs name (make data)
 
 A SOURCE is a parquet or JSONL file, a folder of them (a dataset downloaded with
@@ -34,7 +34,9 @@ Split: `random` (default) shuffles the kept rows with `--seed` and takes N label
 file so). With `--unlabeled-from`, the unlabeled rows come from those files instead (the paper's OOD
 setting), cleaned the same way and never a question already labeled.
 
-Output: a verl-layout parquet the trainer reads (`prompt` = the template's messages,
+Output: a verl-layout parquet the trainer reads (`prompt` = the template's messages, or with `--prompt FILE`
+the messages of that JSON file, a list of {"role", "content"} whose last user turn holds `{question}` once:
+a system turn and worked examples, read by `data.prompt_template: dataset`;
 `reward_model.ground_truth`, `extra_info.labeled`, `extra_info.index` 0..N+M-1, `extra_info.question`
 bare, `data_source`, `ability`), written atomically, and FILE.manifest.json beside it (sources with
 sha256 and, from the hub, `org/name@commit`; options; counts). The same inputs and options give the
@@ -85,13 +87,44 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def table(labeled: list[Row], unlabeled: list[Row], template: str) -> pa.Table:
+def read_prompt(path: Path) -> list[tuple[str, str]]:
+    """A `--prompt` file's messages: a JSON list of {"role", "content"}, the last a user turn with `{question}`
+    (where each question goes) exactly once; anything else is an error naming the file and the fix."""
+    try:
+        messages = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"--prompt {path}: cannot read it as JSON ({err})") from None
+    fix = 'a JSON list of {"role": "system"|"user"|"assistant", "content": "..."}'
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"--prompt {path}: expected {fix}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise DataError(f"--prompt {path}: message {i} is not {fix}")
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"--prompt {path}: message {i} has no string 'content'")
+        out.append((m["role"], m["content"]))
+    if out[-1][0] != "user" or out[-1][1].count("{question}") != 1:
+        raise DataError(f"--prompt {path}: the last message must be a user turn holding {{question}} exactly once")
+    if any("{question}" in c for _, c in out[:-1]):
+        raise DataError(f"--prompt {path}: only the last message may hold {{question}}")
+    return out
+
+
+def prompt_messages(question: str, template: str, prompt: list[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    """The stored messages of one question: `--prompt`'s with the question in, else the template's."""
+    if prompt is None:
+        return template_messages(question, template)
+    return [(r, c.replace("{question}", question)) for r, c in prompt]
+
+
+def table(labeled: list[Row], unlabeled: list[Row], template: str, prompt=None) -> pa.Table:
     rows = []
     for i, (row, is_labeled) in enumerate([(r, True) for r in labeled] + [(r, False) for r in unlabeled]):
         rows.append(
             {
                 "data_source": row.data_source,
-                "prompt": [{"role": r, "content": c} for r, c in template_messages(row.question, template)],
+                "prompt": [{"role": r, "content": c} for r, c in prompt_messages(row.question, template, prompt)],
                 "ability": row.ability,
                 "reward_model": {"ground_truth": row.answer, "style": "rule"},
                 "extra_info": {"index": i, "labeled": is_labeled, "question": row.question, "source": row.where},
@@ -146,6 +179,7 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
     hub_of = {str(f): label for s, (_, label) in resolved.items() if label for f in files[s]}
     layouts = {str(f): detect_layout(f) for f in main_files + pool_files}  # every layout error before any work
     contamination, excluded = Contamination.from_dirs(args.exclude)
+    prompt = read_prompt(Path(args.prompt)) if getattr(args, "prompt", None) else None
     too_long = lambda row: False  # noqa: E731
     tokenizer_source = None
     if args.tokenizer:
@@ -155,8 +189,9 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source.local_dir)
 
         def too_long(row: Row) -> bool:
-            q = Question(row.where, row.question, row.answer, True, None, row.where)
-            return len(prompt_ids(q, args.template, tokenizer)) > args.max_prompt_tokens
+            messages = tuple(prompt_messages(row.question, args.template, prompt))
+            q = Question(row.where, row.question, row.answer, True, messages, row.where)
+            return len(prompt_ids(q, "dataset", tokenizer)) > args.max_prompt_tokens
 
     out.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(out.parent, os.W_OK):
@@ -197,7 +232,7 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             have += f"; the --unlabeled-from pool has {len(rest)} after cleaning"
         raise DataError(f"asked for {args.labeled} labeled + {args.unlabeled} unlabeled rows, but {have}")
 
-    write_atomic(out, lambda tmp: pq.write_table(table(labeled, unlabeled, args.template), tmp))
+    write_atomic(out, lambda tmp: pq.write_table(table(labeled, unlabeled, args.template, prompt), tmp))
     counts.update(kept=len(kept), labeled=len(labeled), unlabeled=len(unlabeled))
     manifest = {
         "output": out.name,
@@ -208,7 +243,8 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             "unlabeled": args.unlabeled,
             "split": args.split,
             "seed": args.seed,
-            "template": args.template,
+            "template": args.template if prompt is None else None,
+            "prompt": {"path": args.prompt, "sha256": sha256(Path(args.prompt))} if prompt else None,
             "tokenizer": tokenizer_source.label if tokenizer_source else None,  # a hub id with its commit
             "max_prompt_tokens": args.max_prompt_tokens if args.tokenizer else None,
             "ngram": NGRAM,
@@ -271,6 +307,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="model dir or hub id whose tokenizer measures prompts")
     p.add_argument("--max-prompt-tokens", type=int, help="drop prompts longer than this (needs --tokenizer)")
     p.add_argument("--template", choices=TEMPLATES, default="think", help="the stored prompt (default: think)")
+    p.add_argument("--prompt", metavar="FILE", help="the stored messages: a JSON chat with {question} (not --template)")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes for the gold check")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (also off when not a terminal)")
     p.add_argument("--paper", metavar="SOURCES_DIR", help="write every training file of the shipped paper configs")
