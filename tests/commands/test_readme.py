@@ -214,6 +214,8 @@ def test_the_real_model_blocks_come_from_the_eval_samples_and_the_run(tmp_path, 
     monkeypatch.setattr(readme, "WORD_PROBLEMS", problems)
     run = tmp_path / "run"
     run.mkdir()
+    shipped = (readme.ROOT / "configs" / "real_smollm2.yaml").read_text()
+    (run / "config.yaml").write_text(shipped.replace("lr: 2.0e-5", "lr: 4.0e-5"))
     (run / "summary.json").write_text(
         json.dumps(
             {"steps": 2, "heldout_accuracy_before": 0.25, "heldout_accuracy_after": 0.5, "heldout_temperature": 0.0}
@@ -223,6 +225,10 @@ def test_the_real_model_blocks_come_from_the_eval_samples_and_the_run(tmp_path, 
         {"step": i, "loss": 0.1, "timing": {"rollout": 10.0 * i, "update": 4.0, "step": 10.0 * i + 4}} for i in (1, 2)
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    # 20 unlabeled questions, TCS 0..19, the vote right on the odd ones and on question 19; the top 2 selected
+    right = [i % 2 == 1 for i in range(20)]
+    row = {"epoch": 2, "tcs": list(range(20)), "pseudo_correct": right, "selected": [i >= 18 for i in range(20)]}
+    (run / "selection.jsonl").write_text(json.dumps(row) + "\n")
     page = tmp_path / "real-model.md"
     page.write_text(
         "".join(f"<!-- generated:{b} -->\n<!-- /generated:{b} -->\n" for b in ("real-passrates", "train-real"))
@@ -238,4 +244,8 @@ def test_the_real_model_blocks_come_from_the_eval_samples_and_the_run(tmp_path, 
     assert (tmp_path / "real-model" / "base-passrates.png").stat().st_size > 0
     assert passrates.read(evaluated / "samples.jsonl")[0]["steps"] is None  # without problems.jsonl: no cells
     assert "held-out accuracy (greedy): 0.250 before -> 0.500 after" in text
+    assert "configs/real_smollm2.yaml with train.lr=4e-05:" in text
+    # top 10% (TCS 18, 19): right on 19 only; bottom (0, 1): on 1 only; selected 18, 19; rejected 0..17: 9 of 18
+    line = "majority vote right, over 1 epoch ends: top 10% by TCS 0.50 of 2, bottom 10% 0.50 of 2; selected 0.50"
+    assert line + " of 2, rejected 0.50 of 18" in text
     assert "2 steps in 0.6 min of training; per step: rollout 15.0 s, grading 0.0 s, update 4.0 s" in text

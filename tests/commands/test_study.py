@@ -41,6 +41,7 @@ def test_the_five_studies_ship_for_the_toy_and_the_gpu_config():
     # beside them the toy's curriculum study (issue 44), with its own report, and the label-efficient methods
     # (issue 65) at both scales
     extra = {("toy", "curriculum"), ("toy", "label_efficient"), ("gpu", "label_efficient")}
+    extra |= {("real", "comparison")}  # issue 71: the paper's comparison on a real model, on CPU
     assert names == {(scale, name) for scale in ("toy", "gpu") for name in five} | extra
 
 
@@ -167,7 +168,9 @@ def test_every_field_of_a_study_file_is_checked_when_it_is_read(tmp_path):
         ("knbo: not a study field; did you mean 'knob'?", fields(knbo="selection.top_p")),
         ("claims: missing; every study has name, title, scale, base", lambda s: s.pop("claims")),
         ("name: got 'a/b'; expected a plain name", fields(name="a/b")),
-        ("scale: got 'tpy'; expected toy or gpu", fields(scale="tpy")),
+        ("scale: got 'tpy'; did you mean 'toy'?", fields(scale="tpy")),
+        ("splits: a cpu study, and only a cpu study, names its split files", fields(scale="cpu")),
+        ("splits: a cpu study, and only a cpu study", fields(splits={"test": "t.parquet"})),
         ("base: no config file configs/toy_trp.yaml", fields(base="configs/toy_trp.yaml")),
         ("seeds: got [0, 0]; expected a list of distinct integer seeds", fields(seeds=[0, 0])),
         ("quick_seeds: got '0,1'; expected a list of distinct integer seeds", fields(quick_seeds="0,1")),
@@ -255,3 +258,24 @@ def test_a_tiny_study_runs_through_a_kill_and_resumes(tmp_path):
     again = run([*args[:-1], str(straight)], timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((straight / "results.json").read_text()) == res
+
+
+def test_a_cpu_study_scores_its_own_split_files_and_refuses_missing_ones(tmp_path):
+    """configs/studies/real/comparison.yaml: the base config's model and data, the study's split files as
+    eval.files, validation picking the best step; a split file not yet written stops the study before any run."""
+    path = os.path.join(ROOT, "configs", "studies", "real", "comparison.yaml")
+    study = load_study(path)
+    assert study.scale == "cpu" and sorted(study.splits) == ["test", "test_ood", "validation"]
+    lines = reproduce("--study", path, "--print", "--out", str(tmp_path / "rc")).stdout.splitlines()
+    assert len(lines) == len(study.conditions) * len(study.seeds)
+    argv = shlex.split(lines[0])
+    files = ",".join(study.splits[s] for s in ("validation", "test", "test_ood"))
+    assert argv[1].endswith("trapo_train.py") and f"eval.files=[{files}]" in argv
+    assert {"eval.select_on=validation", "eval.steps=8", "max_steps=24", "train.lr=1e-30"} <= set(argv)
+    bad = tmp_path / "study.yaml"
+    raw = yaml.safe_load(open(path))
+    raw["splits"]["test"] = "outputs/nowhere/test.parquet"
+    bad.write_text(yaml.safe_dump(raw))
+    out = reproduce("--study", str(bad), "--out", str(tmp_path / "rc2"))
+    assert out.returncode == 2 and "splits: outputs/nowhere/test.parquet not found" in out.stderr
+    assert not (tmp_path / "runs").exists()

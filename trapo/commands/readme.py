@@ -238,20 +238,62 @@ def real_passrates_block(eval_dir: Path, target: Path) -> str:
     )
 
 
-def train_real_block(run_dir: Path) -> str:
-    """What `make train-real` printed at its end (summary.json), with the steps' mean timings (metrics.jsonl)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if "timing" in s and "loss" in s]
-    phases = ("rollout", "grading", "update", "weight_push", "step")
-    mean = {p: sum(s["timing"].get(p, 0.0) for s in steps) / len(steps) for p in phases}
-    total = sum(s["timing"]["step"] for s in steps)
-    timing = ", ".join(f"{p} {mean[p]:.1f} s" for p in phases)
+def selection_line(run_dir: Path) -> str:
+    """The paper's Figure 4 read on one run (selection.jsonl, every epoch end that selected, pooled): how
+    often the majority vote was right for the top and the bottom 10% of unlabeled questions by TCS, and for
+    those the gate selected and rejected; "" without a selection."""
+    from trapo.commands.reproduce.analysis import decile_accuracy
+
+    path = run_dir / "selection.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    top, bottom, chosen, rejected = [], [], [], []
+    for row in rows:
+        if (dec := decile_accuracy(row)) is not None:
+            top, bottom = top + dec[0], bottom + dec[1]
+        for right, selected in zip(row["pseudo_correct"], row["selected"]):
+            if right is not None:
+                (chosen if selected else rejected).append(right)
+    if not rows:
+        return ""
+
+    def share(xs: list) -> str:
+        return f"{sum(xs) / len(xs):.2f} of {len(xs)}" if xs else "-"
+
     return (
-        "```\n"
-        + summary_text(summary)
-        + f"\n{len(steps)} steps in {total / 60:.1f} min of training; per step: {timing}\n```"
+        f"majority vote right, over {len(rows)} epoch ends: top 10% by TCS {share(top)}, bottom 10% "
+        f"{share(bottom)}; selected {share(chosen)}, rejected {share(rejected)}\n"
     )
+
+
+def train_real_block(run_dirs: list[Path]) -> str:
+    """Per `make train-real` run: its settings that differ from the shipped config (config.yaml), the summary it
+    printed at its end (summary.json) and its steps' mean timings (metrics.jsonl)."""
+    import yaml
+
+    from trapo.config import flatten
+
+    shipped = flatten(yaml.safe_load((ROOT / "configs" / "real_smollm2.yaml").read_text()))
+    parts = []
+    for run_dir in run_dirs:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        ran = flatten(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        changed = [
+            f"{k}={ran[k]}"
+            for k in sorted(shipped)
+            if k not in ("run_name", "resume_from") and ran.get(k) != shipped[k]
+        ]
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [s for s in steps if "timing" in s and "loss" in s]
+        phases = ("rollout", "grading", "update", "weight_push", "step")
+        mean = {p: sum(s["timing"].get(p, 0.0) for s in steps) / len(steps) for p in phases}
+        total = sum(s["timing"]["step"] for s in steps)
+        timing = ", ".join(f"{p} {mean[p]:.1f} s" for p in phases)
+        title = "configs/real_smollm2.yaml" + (f" with {' '.join(changed)}" if changed else " as shipped")
+        parts.append(
+            f"{title}:\n\n```\n{summary_text(summary)}\n{selection_line(run_dir)}"
+            f"{len(steps)} steps in {total / 60:.1f} min of training; per step: {timing}\n```"
+        )
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--real-base", type=Path, help="the `trapo eval --n 8` run of the base model (make real-figures)"
     )
-    parser.add_argument("--real-run", type=Path, help="the run directory of `make train-real`")
+    parser.add_argument("--real-run", type=Path, nargs="+", help="run directories of `make train-real`")
     parser.add_argument(
         "--file", "--readme", dest="file", type=Path, help="write the blocks into this file instead of their own"
     )

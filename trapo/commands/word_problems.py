@@ -204,6 +204,7 @@ def build(out: Path, seed: int, sizes: dict[str, int], labeled: int, log=print) 
     record = out / "word_problems.json"
     if record.is_file():
         if json.loads(record.read_text()).get("options") == options:
+            log(f"{out}: ready")
             return out
         raise prepare.DataError(f"{out}: holds word problems made with other options; remove it or choose --out")
     if not 0 < labeled < sizes["train"]:

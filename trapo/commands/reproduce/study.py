@@ -6,13 +6,16 @@ seeds, the step budget and the claims with their direction; one runner runs it a
 A study file (configs/studies/):
     name, title           the study's name (its output folder) and a line for the results
     scale                 toy: every run on the reproduction's base model and splits (trapo/commands/toy.py,
-                          seed 0), one process each; gpu: the paper's config as it is, through `deepspeed`
+                          seed 0), one process each; cpu: the base config's own model and training data, here,
+                          scored on `splits` (docs/real-model.md); gpu: the paper's config as it is, through
+                          `deepspeed`
+    splits                cpu scale: the validation, test and test_ood files
     base                  the config every run starts from
     knob                  the key the conditions vary (the results' x axis), or null
     common                overrides every condition gets
     conditions            name -> overrides
     seeds, quick_seeds    paired seeds: every condition runs every seed
-    steps, eval_every     the step budget and the validation cadence (toy scale)
+    steps, eval_every     the step budget and the validation cadence (toy and cpu scales)
     claims                name, better, worse (condition names), split, means (what it says at this scale)
 
 Every field is checked when the file is read (study_file.py), before any run or launch: one line naming the file,
@@ -63,6 +66,7 @@ class Study:
     eval_every: int = 0
     report: str | None = None  # long_runs (long_runs.py) or efficiency (efficiency.py): a report's claims and page
     toy_assets: str = "trap"  # toy scale: the reproduction's trap model and splits, or the base config's own toy
+    splits: dict[str, str] | None = None  # cpu scale: the validation, test and test_ood files
     path: str = ""
 
     def seeds_for(self, quick: bool) -> list[int]:
@@ -81,8 +85,9 @@ def load_study(path: str | Path) -> Study:
         raise ConfigError(f"study {path}: cannot read it ({err})") from None
     check_fields(raw, path, ROOT)
     study = Study(**raw, path=str(path))
-    if study.scale == "toy" and not (study.steps > 0 and study.eval_every > 0 and study.steps % study.eval_every == 0):
-        raise ConfigError(f"study {path}: steps: a toy study needs steps, a multiple of eval_every > 0")
+    here = study.scale in ("toy", "cpu")
+    if here and not (study.steps > 0 and study.eval_every > 0 and study.steps % study.eval_every == 0):
+        raise ConfigError(f"study {path}: steps: a {study.scale} study needs steps, a multiple of eval_every > 0")
     for name, overrides in study.conditions.items():
         try:
             load_config(str(ROOT / study.base), [*study.common, *overrides])
@@ -154,6 +159,15 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
                 ]
                 if tiny:  # the test suite's study: a few questions per batch
                     args += ["train.rollout_batch_size=16", "train.update_batch_size=16"]
+                cmd = [sys.executable, str(ROOT / "trapo_train.py")]
+            elif study.scale == "cpu":
+                files = ",".join(str(study.splits[s]) for s in SPLITS)
+                args += [f"max_steps={study.steps}", "progress_bar=false", f"eval.files=[{files}]"]
+                args += [
+                    "eval.select_on=validation",
+                    f"eval.steps={study.eval_every}",
+                    f"save_steps={study.eval_every}",
+                ]
                 cmd = [sys.executable, str(ROOT / "trapo_train.py")]
             elif own:
                 args += [f"max_steps={study.steps}", "progress_bar=false", f"toy.dir={out.parent / 'base-assets'}"]
@@ -238,11 +252,18 @@ def run_study(study: Study, out: Path, seeds: list[int], jobs: int, tiny: bool, 
 
     from trapo.commands.reproduce.runs import read_run
 
-    if study.scale != "toy":
+    if study.scale == "gpu":
         raise ConfigError(f"study {study.path}: a gpu study runs on a cluster; print its launches with --print")
-    from trapo.commands.toy import build_assets
+    if study.scale == "cpu":
+        missing = [f for f in study.splits.values() if not (ROOT / f).is_file()]
+        if missing:
+            raise ConfigError(
+                f"study {study.path}: splits: {missing[0]} not found; write it first (make word-problems)"
+            )
+    else:
+        from trapo.commands.toy import build_assets
 
-    build_assets(toy_config(out, tiny, study), log=log)
+        build_assets(toy_config(out, tiny, study), log=log)
     runs = launches(study, out, seeds, tiny)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {(n, s): pool.submit(run_one, d, argv, study.steps, log) for n, s, d, argv in runs}
@@ -274,7 +295,11 @@ def main(args) -> int:
             print(shlex.join(argv))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    res = run_study(chosen, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
+    try:
+        res = run_study(chosen, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
+    except ConfigError as err:  # a gpu study asked to run here, a cpu study's split file not written yet
+        print(f"reproduce: {err}", file=sys.stderr)
+        return 2
     if res:
         print(markdown(res))
     if study.report is not None:  # every finished run of the study, these seeds and conditions or earlier ones

@@ -19,7 +19,10 @@ from trapo.config import ConfigError, check_key
 
 SPLITS = ("validation", "test", "test_ood")
 REQUIRED = ("name", "title", "scale", "base", "conditions", "seeds", "claims")
-OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every", "report", "toy_assets")
+OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every", "report", "toy_assets", "splits")
+# Where a study runs: toy (the toy's model and splits, here), cpu (the base config's own model, here, scored on
+# the study's `splits` files), gpu (the paper's configs, launched on a cluster: --print).
+SCALES = ("toy", "cpu", "gpu")
 CLAIM_KEYS = ("name", "better", "worse", "split", "means", "metric")
 # A claim's metric (absent: test accuracy at the best validation step); the others are read by the long-run
 # report (long_runs.py): truncated and entropy over the last steps (lower is better), held-out accuracy after
@@ -72,8 +75,17 @@ def check_fields(raw: Any, path: Path, root: Path) -> None:
             raise bad(key, f"got {raw[key]!r}; expected a non-empty string")
     if "/" in raw["name"] or raw["name"] in (".", ".."):
         raise bad("name", f"got {raw['name']!r}; expected a plain name (it names the study's output folder)")
-    if raw["scale"] not in ("toy", "gpu"):
-        raise bad("scale", f"got {raw['scale']!r}; expected toy or gpu")
+    if raw["scale"] not in SCALES:
+        raise bad("scale", f"got {raw['scale']!r}; {_hint(raw['scale'], SCALES)}")
+    splits = raw.get("splits")
+    if (raw["scale"] == "cpu") != (splits is not None):
+        raise bad("splits", "a cpu study, and only a cpu study, names its split files (validation, test, test_ood)")
+    if splits is not None and (
+        not isinstance(splits, dict)
+        or sorted(splits) != sorted(SPLITS)
+        or not all(isinstance(v, str) for v in splits.values())
+    ):
+        raise bad("splits", f"got {splits!r}; expected a file for each of {', '.join(SPLITS)}")
     if not (root / raw["base"]).is_file():
         raise bad("base", f"no config file {raw['base']} (a path from the repository root, e.g. configs/toy_trap.yaml)")
     for key in ("steps", "eval_every"):
