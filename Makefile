@@ -168,8 +168,10 @@ $(PEERS)/.installed: bench/peers/requirements.txt
 	$(PEERS)/bin/python -m pip install -q -r bench/peers/requirements.txt
 	touch $@
 
-bench-peers: $(STAMP) $(PEERS)/.installed
-	$(PY) bench/peers/run.py --peers-python $(PEERS)/bin/python
+# JOB=real: the real-model job (SmolLM2-135M-Instruct and the word problems of make train-real) instead of the toy's.
+JOB ?= toy
+bench-peers: $(STAMP) $(PEERS)/.installed $(if $(filter real,$(JOB)),get-model word-problems)
+	$(PY) bench/peers/run.py --peers-python $(PEERS)/bin/python --job $(JOB)
 
 bench: $(STAMP)
 	$(PY) bench/bench_selection.py

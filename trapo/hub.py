@@ -87,9 +87,11 @@ def fetch(
     if Path(name).exists():
         raise HubError(f"{what} {name}: a file, not a directory; name the directory that holds it")
     if not is_hub_id(name):
+        # models/ is where `trapo get-model` writes the models it converts (configs/real_smollm2.yaml's)
+        hint = "; get it first: `trapo get-model` (make get-model)" if Path(name).parent.name == "models" else ""
         raise HubError(
             f"{what} {name}: no such directory, and not a Hugging Face hub id (`org/name`); "
-            "fix the path, or name a hub repository"
+            f"fix the path, or name a hub repository{hint}"
         )
     repo_type, patterns = KINDS[kind]
     local_only = cached_only or offline()

@@ -1,4 +1,5 @@
-"""Our side of bench/peers: the trainer on the toy job, one process, with the backend asked for.
+"""Our side of bench/peers: the trainer on the toy job (or with --real, configs/real_smollm2.yaml's model and
+labeled word problems), one process, with the backend asked for.
 
 Run by bench/peers/run.py with the project's Python; prints one JSON line: seconds to the first step and,
 per step, the rollout (generation), the step's total and so the rest (grading, the update)."""
@@ -27,7 +28,9 @@ from trapo.training.trainer import Trainer  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--toy", required=True, help="toy.dir: the toy's asset folder")
+    ap.add_argument("--toy", help="toy.dir: the toy's asset folder (the toy job)")
+    ap.add_argument("--real", action="store_true", help="the real job: configs/real_smollm2.yaml's model and data")
+    ap.add_argument("--temperature", type=float, default=1.0, help="TRL's (its GRPOConfig here)")
     ap.add_argument("--backend", choices=("hf", "vllm"), required=True)
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--steps", type=int, required=True)
@@ -38,7 +41,8 @@ def main() -> None:
     atexit.register(shutil.rmtree, output_dir, True)  # the run's checkpoints and logs are scratch
     overrides = [
         f"output_dir={output_dir}",
-        f"toy.dir={args.toy}",
+        *([] if args.real else [f"toy.dir={args.toy}"]),
+        f"rollout.temperature={args.temperature}",
         "mode=supervised",  # labeled questions only: what TRL's GRPOTrainer trains on
         f"rollout.backend={args.backend}",
         f"rollout.n={args.n}",
@@ -50,7 +54,7 @@ def main() -> None:
         "data.test_files=[]",
         "progress_bar=false",
     ]
-    cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
+    cfg = load_config(os.path.join(ROOT, "configs", "real_smollm2.yaml" if args.real else "toy.yaml"), overrides)
     toy.prepare(cfg)
     trainer = Trainer(cfg)
     startup = time.perf_counter() - STARTED

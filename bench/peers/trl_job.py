@@ -33,6 +33,7 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--toy", help="the toy's asset folder (model/, train.jsonl)")
     ap.add_argument("--model", help="a model folder with its tokenizer (default: the toy's model/)")
     ap.add_argument("--train", help="a training file of question/answer rows (default: the toy's train.jsonl)")
+    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--all-rows", action="store_true", help="every row, labeled or not (default: labeled only)")
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--steps", type=int, required=True)
@@ -59,14 +60,20 @@ def main(argv=None) -> None:
     train = args.train or os.path.join(args.toy, "train.jsonl")
     rows = [json.loads(line) for line in open(train)]
     # labeled rows only as mode=supervised; --all-rows as the shape step's naive_semi, which trains them all
-    rows = [{"prompt": r["question"], "answer": r["answer"]} for r in rows if args.all_rows or r["labeled"]]
+    # a row's "messages" (the real job: the stored chat, worked examples and all) is TRL's conversational prompt
+    rows = [
+        {"prompt": r.get("messages", r["question"]), "answer": r["answer"]}
+        for r in rows
+        if args.all_rows or r["labeled"]
+    ]
     model_dir = args.model or os.path.join(args.toy, "model")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # bf16: the checkpoint's dtype, as TRL loads it by default (dtype="auto"): weights and AdamW states in bf16
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if args.bf16 else torch.float32)
 
     def correct(completions, answer, **_):  # the same check as ours: Math-Verify against the answer
-        return [float(verify(parse(a), parse(c))) for c, a in zip(completions, answer)]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: messages
+        return [float(verify(parse(a), parse(t))) for t, a in zip(texts, answer)]
 
     answers = args.questions * args.n
     micro = args.micro_batch or answers
@@ -78,7 +85,7 @@ def main(argv=None) -> None:
         num_generations=args.n,
         max_completion_length=args.tokens,
         generation_kwargs={"min_new_tokens": args.tokens},  # forced lengths, as rollout.min_tokens on ours
-        temperature=1.0,
+        temperature=args.temperature,
         top_p=1.0,
         loss_type="dr_grpo",
         scale_rewards="none",

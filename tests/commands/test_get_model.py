@@ -176,3 +176,11 @@ def test_a_gguf_that_cannot_be_converted_leaves_nothing(tmp_path):
     with pytest.raises(get_model.GetModelError, match="transformers cannot convert it .*GGUF magic"):
         get_model.get(None, out, gguf=bad, log=lambda line: None)
     assert list(tmp_path.iterdir()) == [bad]
+
+
+def test_a_missing_model_under_models_names_the_command_that_writes_it(tmp_path):
+    with pytest.raises(hub.HubError, match=r"no such directory.*get it first: `trapo get-model`"):
+        hub.fetch(str(tmp_path / "models" / "SmolLM2-135M-Instruct"))
+    with pytest.raises(hub.HubError) as err:
+        hub.fetch(str(tmp_path / "elsewhere" / "m"))
+    assert "get-model" not in str(err.value)

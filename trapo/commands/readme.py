@@ -31,6 +31,8 @@ figure no code printed. Each block lives in one file (`BLOCKS`):
   the `trapo eval --n 8` run that `make real-figures` makes (`--real-base DIR`), and its plot;
 - `train-real` in docs/real-model.md: the summary `make train-real` printed, with its steps' timings
   (`--real-run RUN_DIR`).
+- `bench-peers-real` in docs/benchmarks.md: what bench/peers/run.py --job real printed (outputs/bench/peers-real.txt,
+  `make bench-peers JOB=real` writes the block itself).
 - `bench-vote` in docs/benchmarks.md: what bench/bench_vote.py printed (it saves outputs/bench/vote.txt
   and writes the block itself).
 
@@ -61,6 +63,7 @@ BLOCKS = {
     "bench-rollout": DOCS / "benchmarks.md",
     "bench-lora": DOCS / "benchmarks.md",
     "bench-peers": DOCS / "benchmarks.md",
+    "bench-peers-real": DOCS / "benchmarks.md",
     "bench-vote": DOCS / "benchmarks.md",
     "peers-ratios": README,
     "real-passrates": DOCS / "real-model.md",
@@ -72,6 +75,7 @@ WORD_PROBLEMS = ROOT / "outputs" / "word-problems" / "seed-0"  # make word-probl
 BENCH_ROLLOUT = ("rollout-vllm.txt", "rollout-hf.txt")  # bench_rollout.py's output, per backend
 BENCH_LORA = "lora.txt"  # bench_lora.py's output
 BENCH_PEERS = "peers.txt"  # bench/peers/run.py's output
+BENCH_PEERS_REAL = "peers-real.txt"  # bench/peers/run.py --job real's output
 BENCH_VOTE = "vote.txt"  # bench_vote.py's output
 BENCH_REAL_PROMPTS = "real-prompts.txt"  # bench_real_prompts.py's output (make real-figures)
 BENCH_REAL_STEP = "real-step.txt"  # bench_real_step.py's output (make real-figures)
@@ -210,6 +214,11 @@ def bench_peers_block(folder: Path) -> str:
     return "```\n" + (folder / BENCH_PEERS).read_text().rstrip() + "\n```"
 
 
+def bench_peers_real_block(folder: Path) -> str:
+    """bench/peers/run.py --job real's table, fenced."""
+    return "```\n" + (folder / BENCH_PEERS_REAL).read_text().rstrip() + "\n```"
+
+
 def bench_vote_block(folder: Path) -> str:
     """bench_vote.py's lines, fenced."""
     return "```\n" + (folder / BENCH_VOTE).read_text().rstrip() + "\n```"
@@ -236,6 +245,13 @@ def real_passrates_block(eval_dir: Path, target: Path) -> str:
         + passrates.table(rows)
         + f"\n\n![per-question pass rates]({png.relative_to(target.parent).as_posix()})"
     )
+
+
+def _differs(a, b) -> bool:
+    """Two config values differ (paths compared normalised: ./models/x is models/x)."""
+    if isinstance(a, str) and isinstance(b, str) and "/" in a + b:
+        return os.path.normpath(a) != os.path.normpath(b)
+    return a != b
 
 
 def selection_line(run_dir: Path) -> str:
@@ -280,7 +296,7 @@ def train_real_block(run_dirs: list[Path]) -> str:
         changed = [
             f"{k}={ran[k]}"
             for k in sorted(shipped)
-            if k not in ("run_name", "resume_from") and ran.get(k) != shipped[k]
+            if k not in ("run_name", "resume_from") and _differs(ran.get(k), shipped[k])
         ]
         steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [s for s in steps if "timing" in s and "loss" in s]
@@ -326,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             ("bench-rollout", args.bench and all((args.bench / n).is_file() for n in BENCH_ROLLOUT)),
             ("bench-lora", args.bench and (args.bench / BENCH_LORA).is_file()),
             ("bench-peers", args.bench and (args.bench / BENCH_PEERS).is_file()),
+            ("bench-peers-real", args.bench and (args.bench / BENCH_PEERS_REAL).is_file()),
             ("peers-ratios", args.bench and (args.bench / BENCH_PEERS).is_file()),
             ("bench-vote", args.bench and (args.bench / BENCH_VOTE).is_file()),
             ("real-prompts", args.bench and (args.bench / BENCH_REAL_PROMPTS).is_file()),
@@ -362,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                 body = bench_lora_block(args.bench)
             elif name == "bench-peers":
                 body = bench_peers_block(args.bench)
+            elif name == "bench-peers-real":
+                body = bench_peers_real_block(args.bench)
             elif name == "peers-ratios":
                 body = peers_ratios_block(args.bench)
             elif name == "bench-vote":

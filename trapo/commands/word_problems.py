@@ -7,9 +7,9 @@ a start ("Mia has 14 shells." or "Mia buys 3 bags of shells with 6 shells in eac
 a multiplication), then steps that add, take away or multiply, and a question, which may end in a fair
 share (a division with no remainder). Every number and every intermediate value is a whole number >= 0.
 
-`problems(seed, n, steps, lo, hi)` draws `n` distinct problems whose operands lie in [lo, hi];
-the same arguments give the same problems. `Problem.steps` is the number of operations, the task's
-difficulty knob; `range` names the operands' range.
+`problems(seed, n, steps, range_name)` draws `n` distinct problems whose operands lie in RANGES[range_name]
+(box counts, multipliers and shares stay below 10); the same arguments give the same problems.
+`Problem.steps` is the number of operations, the task's difficulty knob; `range` names the operands' range.
 
 The command writes the splits through `trapo prepare` (its cleaning, decontamination against the shipped
 benchmarks, and manifest), as the paper's runs' files are written: `train.parquet` (`--labeled` of its
@@ -56,7 +56,11 @@ BOX_STARTS = [
     "{who} has {a} {box}, and each holds {b} {things}.",
     "{who} fills {a} {box} with {b} {things} each.",
 ]
-ADDS = ["{who} buys {n} more.", "{friend} gives {who} {n} more {things}.", "Then {who} finds {n} more {things}."]
+ADDS = [
+    "{who} buys {n} more {things}.",
+    "{friend} gives {who} {n} more {things}.",
+    "Then {who} finds {n} more {things}.",
+]
 TAKES = ["{who} gives {n} {things} to {friend}.", "{who} loses {n} of them.", "Then {who} uses {n} {things}."]
 TIMES = ["{who} then gets {n} times as many {things} as before.", "The number of {things} grows {n} times over."]
 QUESTIONS = [
@@ -121,9 +125,9 @@ def _story(rng: random.Random, steps: int, lo: int, hi: int) -> tuple[str, int] 
     return " ".join(s[0].upper() + s[1:] for s in sentences), value
 
 
-def problems(seed: int, n: int, steps: int, range_name: str, exclude: set[str] = frozenset()) -> list[Problem]:
-    """`n` distinct problems of `steps` operations with operands in RANGES[range_name], none whose question is
-    in `exclude` (another split's); deterministic in its arguments."""
+def problems(seed: int, n: int, steps: int, range_name: str) -> list[Problem]:
+    """`n` distinct problems of `steps` operations with operands in RANGES[range_name]; deterministic in its
+    arguments."""
     lo, hi = RANGES[range_name]
     rng = random.Random(f"word-problems-{seed}-{steps}-{range_name}")
     out: dict[str, Problem] = {}
@@ -131,7 +135,7 @@ def problems(seed: int, n: int, steps: int, range_name: str, exclude: set[str] =
         if len(out) == n:
             return list(out.values())
         drawn = _story(rng, steps, lo, hi)
-        if drawn is not None and drawn[0] not in exclude and drawn[0] not in out:
+        if drawn is not None and drawn[0] not in out:
             out[drawn[0]] = Problem(drawn[0], drawn[1], steps, range_name)
     raise ValueError(f"only {len(out)} distinct {steps}-step problems in range {range_name} of {n} asked")
 
@@ -191,6 +195,8 @@ def splits(seed: int, sizes: dict[str, int]) -> dict[str, list[Problem]]:
 
 # ----------------------------------------------------------------------------- the command
 
+# 2: "buys N more" names its objects (after a box start it could have meant N more boxes)
+FORMAT = 2
 SIZES = {"train": 64, "validation": 32, "test": 64, "test_ood": 64}
 LABELED = 16  # a quarter of the training questions
 
@@ -200,7 +206,7 @@ def build(out: Path, seed: int, sizes: dict[str, int], labeled: int, log=print) 
     is there); returns `out`."""
     from trapo.commands import prepare
 
-    options = {"seed": seed, "sizes": sizes, "labeled": labeled, "prompt": PROMPT}
+    options = {"format": FORMAT, "seed": seed, "sizes": sizes, "labeled": labeled, "prompt": PROMPT}
     record = out / "word_problems.json"
     if record.is_file():
         if json.loads(record.read_text()).get("options") == options:
