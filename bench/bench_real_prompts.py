@@ -108,6 +108,7 @@ def main() -> None:
     lines += [f"  {name}: {what}" for name, (_, what) in PROMPTS.items()]
     print("\n".join(lines))
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -27,7 +27,6 @@ SETTINGS = {
     "vllm, 1 thread": (1, ["rollout.backend=vllm"]),
     "hf, 2 threads": (2, ["rollout.backend=hf"]),
     "hf, 2 threads, LoRA r16": (2, ["rollout.backend=hf", "model.lora.rank=16", "model.lora.alpha=32"]),
-    "vllm, 1 thread, LoRA r16": (1, ["rollout.backend=vllm", "model.lora.rank=16", "model.lora.alpha=32"]),
 }
 
 
@@ -74,6 +73,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     print("\n".join(lines))
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -352,10 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if on
     ]
-    if args.bench and not any(name.startswith("bench-") for name in wanted):
+    if args.bench and not any(name.startswith(("bench-", "real-prompts", "real-step")) for name in wanted):
         print(
             f"trapo readme: {args.bench}: no benchmark output ({', '.join(BENCH_ROLLOUT)}, {BENCH_LORA}, "
-            f"{BENCH_PEERS}, {BENCH_VOTE})",
+            f"{BENCH_PEERS}, {BENCH_VOTE}, {BENCH_REAL_PROMPTS}, {BENCH_REAL_STEP})",
             file=sys.stderr,
         )
         return 2
