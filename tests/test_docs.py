@@ -275,7 +275,7 @@ def test_commands_named_in_the_docs_exist():
 
     named = set()
     for path in markdown_files():
-        named |= set(re.findall(r"python -m trapo (\w+)", path.read_text()))
+        named |= set(re.findall(r"python -m trapo (\w[\w-]*)", path.read_text()))
     assert named <= set(COMMANDS) | set(MAINTAINER), sorted(named - set(COMMANDS) - set(MAINTAINER))
     old_style = [str(p.relative_to(ROOT)) for p in markdown_files() if re.search(r"python -m trapo\.", p.read_text())]
     assert old_style == [], "commands are `python -m trapo <command>` now"
