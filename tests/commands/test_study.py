@@ -274,8 +274,8 @@ def test_a_cpu_study_scores_its_own_split_files_and_refuses_missing_ones(tmp_pat
     assert {"eval.select_on=validation", "eval.steps=8", "max_steps=24", "train.lr=1e-30"} <= set(argv)
     bad = tmp_path / "study.yaml"
     raw = yaml.safe_load(open(path))
-    raw["splits"]["test"] = "outputs/nowhere/test.parquet"
+    raw["splits"]["validation"] = "outputs/nowhere/validation.parquet"  # the first split checked, on any clone
     bad.write_text(yaml.safe_dump(raw))
     out = reproduce("--study", str(bad), "--out", str(tmp_path / "rc2"))
-    assert out.returncode == 2 and "splits: outputs/nowhere/test.parquet not found" in out.stderr
+    assert out.returncode == 2 and "splits: outputs/nowhere/validation.parquet not found" in out.stderr
     assert not (tmp_path / "runs").exists()
