@@ -255,7 +255,7 @@ def run_study(study: Study, out: Path, seeds: list[int], jobs: int, tiny: bool, 
     if study.scale == "gpu":
         raise ConfigError(f"study {study.path}: a gpu study runs on a cluster; print its launches with --print")
     if study.scale == "cpu":
-        missing = [f for f in study.splits.values() if not (ROOT / f).is_file()]
+        missing = [study.splits[s] for s in SPLITS if not (ROOT / study.splits[s]).is_file()]
         if missing:
             raise ConfigError(
                 f"study {study.path}: splits: {missing[0]} not found; write it first (make word-problems)"
