@@ -67,6 +67,8 @@ BUILTIN = {
         Arch("Qwen2.5-Math-7B", 3584, 28, 28, 4, 128, 18944, 152064, qkv_bias=True),
         Arch("DeepSeek-R1-Distill-Qwen-1.5B", 1536, 28, 12, 2, 128, 8960, 151936, qkv_bias=True),
         Arch("Llama-3.1-8B-Instruct", 4096, 32, 32, 8, 128, 14336, 128256),
+        # configs/real_smollm2.yaml's, before `trapo get-model` has written its directory (tied, as SmolLM2 is)
+        Arch("SmolLM2-135M-Instruct", 576, 30, 9, 3, 64, 1536, 49152, tied=True),
     )
 }
 
