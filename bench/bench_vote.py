@@ -386,7 +386,7 @@ def main() -> None:
         from trapo.commands import readme
 
         path = readme.BLOCKS["bench-vote"]
-        path.write_text(readme.replace_block(path.read_text(), "bench-vote", readme.bench_vote_block(out)))
+        path.write_text(readme.replace_block(path.read_text(), "bench-vote", readme.fenced_block("bench-vote", out)))
         print(f"bench_vote: wrote the bench-vote block of {path.relative_to(ROOT)}")
     met = towers_met and max(worst, collapse_worst) <= MIXED_TARGET and collapse_most <= COLLAPSE_TIMEOUTS
     sys.exit(0 if met else 1)

@@ -170,10 +170,10 @@ def main() -> None:
     if not args.no_docs:
         from trapo.commands import readme
 
-        blocks = [("bench-peers", readme.bench_peers_block), ("peers-ratios", readme.peers_ratios_block)]
-        for name, block in [("bench-peers-real", readme.bench_peers_real_block)] if real else blocks:
+        for name in ["bench-peers-real"] if real else ["bench-peers", "peers-ratios"]:
+            body = readme.peers_ratios_block(out) if name == "peers-ratios" else readme.fenced_block(name, out)
             path = readme.BLOCKS[name]
-            path.write_text(readme.replace_block(path.read_text(), name, block(out)))
+            path.write_text(readme.replace_block(path.read_text(), name, body))
             print(f"bench-peers: wrote the {name} block of {path.relative_to(ROOT)}")
 
 

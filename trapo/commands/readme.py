@@ -79,6 +79,14 @@ BENCH_PEERS_REAL = "peers-real.txt"  # bench/peers/run.py --job real's output
 BENCH_VOTE = "vote.txt"  # bench_vote.py's output
 BENCH_REAL_PROMPTS = "real-prompts.txt"  # bench_real_prompts.py's output (make real-figures)
 BENCH_REAL_STEP = "real-step.txt"  # bench_real_step.py's output (make real-figures)
+# The blocks that show a bench's saved output whole (fenced_block), and its file in the --bench folder.
+FENCED = {
+    "bench-peers": BENCH_PEERS,
+    "bench-peers-real": BENCH_PEERS_REAL,
+    "bench-vote": BENCH_VOTE,
+    "real-prompts": BENCH_REAL_PROMPTS,
+    "real-step": BENCH_REAL_STEP,
+}
 
 
 def replace_block(text: str, name: str, body: str) -> str:
@@ -209,19 +217,9 @@ def bench_lora_block(folder: Path) -> str:
     return _bench_lines([folder / BENCH_LORA], mine)
 
 
-def bench_peers_block(folder: Path) -> str:
-    """bench/peers/run.py's table, fenced."""
-    return "```\n" + (folder / BENCH_PEERS).read_text().rstrip() + "\n```"
-
-
-def bench_peers_real_block(folder: Path) -> str:
-    """bench/peers/run.py --job real's table, fenced."""
-    return "```\n" + (folder / BENCH_PEERS_REAL).read_text().rstrip() + "\n```"
-
-
-def bench_vote_block(folder: Path) -> str:
-    """bench_vote.py's lines, fenced."""
-    return "```\n" + (folder / BENCH_VOTE).read_text().rstrip() + "\n```"
+def fenced_block(name: str, folder: Path) -> str:
+    """A bench's saved output shown whole, fenced: the block `name` of FENCED, from its file in `folder`."""
+    return "```\n" + (folder / FENCED[name]).read_text().rstrip() + "\n```"
 
 
 def peers_ratios_block(folder: Path) -> str:
@@ -341,23 +339,16 @@ def main(argv: list[str] | None = None) -> int:
             ("memory-plan", args.plan),
             ("bench-rollout", args.bench and all((args.bench / n).is_file() for n in BENCH_ROLLOUT)),
             ("bench-lora", args.bench and (args.bench / BENCH_LORA).is_file()),
-            ("bench-peers", args.bench and (args.bench / BENCH_PEERS).is_file()),
-            ("bench-peers-real", args.bench and (args.bench / BENCH_PEERS_REAL).is_file()),
+            *((name, args.bench and (args.bench / file).is_file()) for name, file in FENCED.items()),
             ("peers-ratios", args.bench and (args.bench / BENCH_PEERS).is_file()),
-            ("bench-vote", args.bench and (args.bench / BENCH_VOTE).is_file()),
-            ("real-prompts", args.bench and (args.bench / BENCH_REAL_PROMPTS).is_file()),
-            ("real-step", args.bench and (args.bench / BENCH_REAL_STEP).is_file()),
             ("real-passrates", args.real_base),
             ("train-real", args.real_run),
         )
         if on
     ]
-    if args.bench and not any(name.startswith(("bench-", "real-prompts", "real-step")) for name in wanted):
-        print(
-            f"trapo readme: {args.bench}: no benchmark output ({', '.join(BENCH_ROLLOUT)}, {BENCH_LORA}, "
-            f"{BENCH_PEERS}, {BENCH_VOTE}, {BENCH_REAL_PROMPTS}, {BENCH_REAL_STEP})",
-            file=sys.stderr,
-        )
+    if args.bench and not any(name in ("bench-rollout", "bench-lora", *FENCED) for name in wanted):
+        files = [*BENCH_ROLLOUT, BENCH_LORA, *FENCED.values()]
+        print(f"trapo readme: {args.bench}: no benchmark output ({', '.join(files)})", file=sys.stderr)
         return 2
     if not wanted:
         for name, path in BLOCKS.items():
@@ -377,17 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                 body = bench_block(args.bench)
             elif name == "bench-lora":
                 body = bench_lora_block(args.bench)
-            elif name == "bench-peers":
-                body = bench_peers_block(args.bench)
-            elif name == "bench-peers-real":
-                body = bench_peers_real_block(args.bench)
+            elif name in FENCED:
+                body = fenced_block(name, args.bench)
             elif name == "peers-ratios":
                 body = peers_ratios_block(args.bench)
-            elif name == "bench-vote":
-                body = bench_vote_block(args.bench)
-            elif name in ("real-prompts", "real-step"):
-                file = BENCH_REAL_PROMPTS if name == "real-prompts" else BENCH_REAL_STEP
-                body = "```\n" + (args.bench / file).read_text().rstrip() + "\n```"
             elif name == "real-passrates":
                 body = real_passrates_block(args.real_base, target)
             elif name == "train-real":

@@ -235,7 +235,7 @@ def build(out: Path, seed: int, sizes: dict[str, int], labeled: int, log=print) 
                 argv = [str(source), *counts_args, "--out", str(scratch / f"{name}.parquet"), "--seed", str(seed)]
                 argv += ["--prompt", str(scratch / "prompt.json"), "--workers", "1", "--no-progress"]
                 args = prepare.parser().parse_args(argv)
-                args.argv = [a.replace(str(scratch), str(out)) for a in argv]
+                args.argv = argv  # its scratch paths become `out` below, in every manifest
                 manifest = prepare.prepare(args, log=lambda line: None)
                 if manifest["counts"]["kept"] != len(rows):
                     dropped = {k: v for k, v in manifest["counts"].items() if k not in ("read", "kept")}

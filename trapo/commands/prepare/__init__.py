@@ -47,7 +47,6 @@ the terminal is no tty.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -79,12 +78,7 @@ def take(rows: list[Row], n: int | None, split: str, rng: random.Random) -> tupl
 # ----------------------------------------------------------------------------- writing
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+sha256 = hub.file_sha256  # a file's sha256, for the manifest
 
 
 def read_prompt(path: Path) -> list[tuple[str, str]]:

@@ -144,30 +144,20 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
         for seed in seeds:
             run_dir = out.parent / "runs" / f"{run_key(study, overrides)}-seed{seed}"
             args = [f"run_name={run_dir.name}", f"output_dir={run_dir.parent}", f"seed={seed}", "resume_from=latest"]
-            if root is not None:
-                splits = ",".join(str(root / f"{s}.jsonl") for s in SPLITS)
+            if root is not None or study.scale == "cpu":  # a run here, scored on the three splits
+                scored = {s: root / f"{s}.jsonl" for s in SPLITS} if root is not None else study.splits
+                args += [f"max_steps={study.steps}", "progress_bar=false"]
+                if root is not None:  # the trap toy's model and training file, not the base config's
+                    args += ["toy.enabled=false", f"model.path={root / 'model'}"]
+                    args += [f"data.train_files=[{root / 'train.jsonl'}]"]
                 args += [
-                    f"max_steps={study.steps}",
-                    "progress_bar=false",
-                    "toy.enabled=false",
-                    f"model.path={root / 'model'}",
-                    f"data.train_files=[{root / 'train.jsonl'}]",
-                    f"eval.files=[{splits}]",
+                    f"eval.files=[{','.join(str(scored[s]) for s in SPLITS)}]",
                     "eval.select_on=validation",
                     f"eval.steps={study.eval_every}",
                     f"save_steps={study.eval_every}",
                 ]
-                if tiny:  # the test suite's study: a few questions per batch
+                if tiny and root is not None:  # the test suite's study: a few questions per batch
                     args += ["train.rollout_batch_size=16", "train.update_batch_size=16"]
-                cmd = [sys.executable, str(ROOT / "trapo_train.py")]
-            elif study.scale == "cpu":
-                files = ",".join(str(study.splits[s]) for s in SPLITS)
-                args += [f"max_steps={study.steps}", "progress_bar=false", f"eval.files=[{files}]"]
-                args += [
-                    "eval.select_on=validation",
-                    f"eval.steps={study.eval_every}",
-                    f"save_steps={study.eval_every}",
-                ]
                 cmd = [sys.executable, str(ROOT / "trapo_train.py")]
             elif own:
                 args += [f"max_steps={study.steps}", "progress_bar=false", f"toy.dir={out.parent / 'base-assets'}"]
