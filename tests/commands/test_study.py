@@ -69,8 +69,11 @@ def test_print_lists_one_launch_per_condition_and_seed(path, tmp_path):
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and len(lines) == len(study.conditions) * len(study.seeds), out.stderr
     launcher = "deepspeed" if study.scale == "gpu" else sys.executable
-    assert all(line.startswith(launcher) and "resume_from=latest" in line for line in lines)
-    assert len({line.split("run_name=")[1].split()[0] for line in lines}) == len(lines)
+    assert all(line.startswith(launcher) for line in lines)
+    trained = [line for line in lines if " -m trapo eval " not in line]  # an untrained condition is evaluated
+    assert len(trained) == (len(study.conditions) - len(study.untrained)) * len(study.seeds)
+    assert all("resume_from=latest" in line for line in trained)
+    assert len({line.split("run_name=")[1].split()[0] for line in trained}) == len(trained)
 
 
 def test_the_centre_of_the_three_sweeps_is_one_set_of_runs(tmp_path):
@@ -177,6 +180,10 @@ def test_every_field_of_a_study_file_is_checked_when_it_is_read(tmp_path):
         ("steps: got '32'; expected a whole number of steps", fields(steps="32")),
         ("steps: a toy study needs steps, a multiple of eval_every > 0", fields(steps=30)),
         ("common: got 'mode=trapo'; expected a list of overrides", fields(common="mode=trapo")),
+        ("untrained: got 'p0.1'; expected a list of condition names, e.g. [base]", fields(untrained="p0.1")),
+        ("untrained: 'p0.11' is not a condition of this study; did you mean 'p0.1'?", fields(untrained=["p0.11"])),
+        ("untrained: only a study whose runs are scored on split files", fields(scale="gpu", untrained=["p0.1"])),
+        ("scope: got ['x']; expected text", fields(scope=["x"])),
         # the conditions
         ("conditions: got []; expected a mapping of condition names to lists of overrides", fields(conditions=[])),
         (
@@ -268,10 +275,22 @@ def test_a_cpu_study_scores_its_own_split_files_and_refuses_missing_ones(tmp_pat
     assert study.scale == "cpu" and sorted(study.splits) == ["test", "test_ood", "validation"]
     lines = reproduce("--study", path, "--print", "--out", str(tmp_path / "rc")).stdout.splitlines()
     assert len(lines) == len(study.conditions) * len(study.seeds)
-    argv = shlex.split(lines[0])
     files = ",".join(study.splits[s] for s in ("validation", "test", "test_ood"))
+    argv = shlex.split(lines[len(study.seeds)])  # supervised, seed 0
     assert argv[1].endswith("trapo_train.py") and f"eval.files=[{files}]" in argv
-    assert {"eval.select_on=validation", "eval.steps=8", "max_steps=24", "train.lr=1e-30"} <= set(argv)
+    assert {"eval.select_on=validation", "eval.steps=5", "max_steps=20", "mode=supervised"} <= set(argv)
+    # the base model is evaluated only, as the runs' validation scores them: greedy, the config's lengths
+    base = shlex.split(lines[1])  # base, seed 1
+    assert base[1:4] == ["-m", "trapo", "eval"] and base[base.index("--benchmarks") + 1] == files
+    flags = {k: base[base.index(k) + 1] for k in ("--model", "--n", "--temperature", "--max-tokens", "--seed")}
+    assert flags == {
+        "--model": "./models/SmolLM2-135M-Instruct",
+        "--n": "1",
+        "--temperature": "0.0",
+        "--max-tokens": "48",
+        "--seed": "1",
+    }
+    assert base[base.index("--template") + 1] == "dataset" and base[base.index("--backend") + 1] == "vllm"
     bad = tmp_path / "study.yaml"
     raw = yaml.safe_load(open(path))
     raw["splits"]["validation"] = "outputs/nowhere/validation.parquet"  # the first split checked, on any clone
@@ -279,3 +298,35 @@ def test_a_cpu_study_scores_its_own_split_files_and_refuses_missing_ones(tmp_pat
     out = reproduce("--study", str(bad), "--out", str(tmp_path / "rc2"))
     assert out.returncode == 2 and "splits: outputs/nowhere/validation.parquet not found" in out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.toy_run
+def test_an_untrained_condition_scores_as_a_run_that_cannot_move_its_weights(tmp_path):
+    """A study's `untrained` condition (`trapo eval` of the base model) against a run of the same model whose
+    updates are below float32's resolution (learning rate 1e-30): greedy, the same validation, ID and OOD
+    scores, so the base model's row is what the runs' own validation would have said at no training cost."""
+    study = {
+        "name": "untrained",
+        "title": "untrained",
+        "scale": "toy",
+        "base": "configs/toy_trap.yaml",
+        "common": ["mode=trapo", "eval.temperature=0", "rollout.backend=hf"],
+        "untrained": ["base"],
+        "seeds": [0],
+        "steps": 2,
+        "eval_every": 2,
+        "conditions": {"base": [], "frozen": ["train.lr=1e-30"]},
+        "claims": [{"name": "same", "better": "frozen", "worse": "base", "split": "test", "means": "equal"}],
+    }
+    path = tmp_path / "untrained.yaml"
+    path.write_text(yaml.safe_dump(study))
+    out = tmp_path / "studies" / "untrained"
+    done = run([sys.executable, "-m", "trapo", "reproduce", "--study", str(path), "--tiny", "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    base, frozen = res["conditions"]["base"], res["conditions"]["frozen"]
+    for split in ("validation", "test", "test_ood"):
+        assert base[split]["per_seed"] == frozen[split]["per_seed"], split
+    assert res["claims"][0]["interval"]["mean"] == 0.0
+    evaluated = [d for d in (tmp_path / "studies" / "runs").iterdir() if (d / "results.json").is_file()]
+    assert len(evaluated) == 1 and not (evaluated[0] / "checkpoints").exists()  # evaluated, never trained

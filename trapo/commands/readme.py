@@ -256,26 +256,20 @@ def selection_line(run_dir: Path) -> str:
     """The paper's Figure 4 read on one run (selection.jsonl, every epoch end that selected, pooled): how
     often the majority vote was right for the top and the bottom 10% of unlabeled questions by TCS, and for
     those the gate selected and rejected; "" without a selection."""
-    from trapo.commands.reproduce.analysis import decile_accuracy
+    from trapo.commands.reproduce.analysis import selection_precision
 
     path = run_dir / "selection.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    top, bottom, chosen, rejected = [], [], [], []
-    for row in rows:
-        if (dec := decile_accuracy(row)) is not None:
-            top, bottom = top + dec[0], bottom + dec[1]
-        for right, selected in zip(row["pseudo_correct"], row["selected"]):
-            if right is not None:
-                (chosen if selected else rejected).append(right)
     if not rows:
         return ""
+    picked = selection_precision(rows)
 
     def share(xs: list) -> str:
         return f"{sum(xs) / len(xs):.2f} of {len(xs)}" if xs else "-"
 
     return (
-        f"majority vote right, over {len(rows)} epoch ends: top 10% by TCS {share(top)}, bottom 10% "
-        f"{share(bottom)}; selected {share(chosen)}, rejected {share(rejected)}\n"
+        f"majority vote right, over {len(rows)} epoch ends: top 10% by TCS {share(picked['top10'])}, bottom 10% "
+        f"{share(picked['bottom10'])}; selected {share(picked['selected'])}, rejected {share(picked['rejected'])}\n"
     )
 
 

@@ -1,11 +1,13 @@
-"""The report of a study with `report: comparison` (configs/studies/toy/label_efficient.yaml): methods side by
-side under one protocol, with what the runs that bought labels (labels.*) bought.
+"""The report of a study with `report: comparison` (configs/studies/toy/label_efficient.yaml,
+configs/studies/real/comparison.yaml): methods side by side under one protocol, with what the runs that bought
+labels (labels.*) bought and how precise the runs that selected pseudo-labels were.
 
-Per run: the evaluation curve, and labels.jsonl when it bought labels. Read-outs: validation, ID and OOD test
-accuracy at the best validation step (as every study); labels bought, and the share of them whose pseudo-label
-(the majority vote at the epoch end that bought them) was wrong: where a label corrected the reward. Claims are
-read as every study's: per seed better - worse, 95% paired t interval, held / not held / inconclusive. Writes
-<name>.json, <name>.md and <name>.png into the docs directory.
+Per run: the evaluation curve (an untrained condition's: its one evaluation), labels.jsonl when it bought labels,
+selection.jsonl when it selected. Read-outs: validation, ID and OOD test accuracy at the best validation step (as
+every study); labels bought, and the share of them whose pseudo-label (the majority vote at the epoch end that
+bought them) was wrong: where a label corrected the reward; the selection's precision (the paper's Figure 4).
+Claims are read as every study's: per seed better - worse, 95% paired t interval, held / not held /
+inconclusive. Writes <name>.json, <name>.md and <name>.png into the docs directory.
 """
 
 from __future__ import annotations
@@ -14,18 +16,20 @@ import json
 import statistics
 from pathlib import Path
 
-from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
-from trapo.commands.reproduce.study_file import SPLITS
+from trapo.commands.reproduce.analysis import paired_interval, read_out, selection_precision, verdict
+from trapo.commands.reproduce.runs import read_run
 from trapo.commands.reproduce.study_report import plan_lines, result
+
+# The selection's read-outs (analysis.selection_precision): the majority vote's accuracy in each group.
+SELECTION = ("top10", "bottom10", "selected", "rejected")
 
 
 def run_values(run_dir: Path) -> dict:
-    """One run's evaluation curve and its purchases (labels.jsonl rows; none without labels.*)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curve = [{"step": r["step"], **{k: r["eval"][k] for k in SPLITS}} for r in rows if "eval" in r]
+    """One run's evaluation curve, its purchases (labels.jsonl rows; none without labels.*) and its selection
+    rows (selection.jsonl; none in a run that selected nothing)."""
     log = run_dir / "labels.jsonl"
     bought = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-    return {"curve": curve, "bought": bought}
+    return {**read_run(run_dir), "bought": bought}
 
 
 def _summary(values: dict, steps: int) -> dict:
@@ -52,6 +56,12 @@ def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dic
             got = [per_run[(name, s)].get(k) for s in ran]
             got = [x for x in got if x is not None]
             conditions[name][k] = {"per_seed": got, "mean": statistics.mean(got) if got else None}
+    selection = {}
+    for name in study.conditions:  # pooled over seeds and epoch ends: a seed's few questions are too few alone
+        rows = [row for s in seeds if (name, s) in values for row in values[(name, s)]["selection"]]
+        if rows:
+            picked = selection_precision(rows)
+            selection[name] = {"epoch_ends": len(rows), **{k: _share(picked[k]) for k in SELECTION}}
     claims = []
     for claim in study.claims:
         both = [s for s in seeds if (claim["better"], s) in values and (claim["worse"], s) in values]
@@ -65,7 +75,12 @@ def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dic
         claims.append(
             {**claim, "seeds": both, "differences": diffs, "interval": interval, "verdict": verdict(interval)}
         )
-    return result(study, seeds, conditions, claims)
+    return {**result(study, seeds, conditions, claims), "selection": selection, "scope": study.scope}
+
+
+def _share(right: list[bool]) -> dict:
+    """How often the majority vote was right among `right`, and of how many pseudo-labels."""
+    return {"right": sum(right) / len(right) if right else None, "of": len(right)}
 
 
 def _pct(x: float | None) -> str:
@@ -106,7 +121,6 @@ def page(res: dict) -> str:
     """<name>.md: the plan as the study file fixed it, the measured tables, the claims, the plot."""
     lines = [
         *plan_lines(res),
-        "- Every condition has 64 gold labels: up front, or 48 up front and 16 bought during training.",
         "",
         "| condition | best validation | its step | ID test there | OOD test there | labels bought "
         "| bought where the vote was wrong |",
@@ -132,22 +146,40 @@ def page(res: dict) -> str:
         "",
         f"Held: {', '.join(held)}." if held else "No claim held.",
         "",
-        "## What the toy can and cannot separate",
+        "## What this scale can and cannot separate",
         "",
         _separable(res),
         "",
         *_purchases(res),
-        "The toy's answers are one- or two-digit numbers, so an answer cluster is one string and EMPO's cluster "
-        "share is the vote's share; the trap makes the majority confidently wrong on borrow questions, which is "
-        "what TraPO's trajectories and SCRL's selective labels are built to notice. What it cannot show: answers "
-        "whose equivalence needs Math-Verify, long reasoning where token entropy means more than on a few tokens, "
-        "and CARE's probes (the score here counts its two unknowns from the run's labeled groups instead, "
-        "docs/configuration.md).",
-        "",
+        *([" ".join(res["scope"].split()), ""] if res.get("scope") else []),
+        *_selection(res),
         f"![validation accuracy over steps; paired differences of the claims]({res['study']}.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def _selection(res: dict) -> list[str]:
+    """The paper's Figure 4 on the study's model: how often the majority vote was right for the unlabeled
+    questions ranked top and bottom 10% by TCS, and for those the gate selected and rejected."""
+    if not res.get("selection"):
+        return []
+
+    def cell(x: dict) -> str:
+        return "-" if x["right"] is None else f"{_pct(x['right'])} of {x['of']}"
+
+    lines = [
+        "## The selection's precision (the paper's Figure 4)",
+        "",
+        "How often the majority vote (the pseudo-label) was right, pooled over the seeds and every epoch end that "
+        "selected; the golds of the unlabeled questions are read only for this.",
+        "",
+        "| condition | epoch ends | top 10% by TCS | bottom 10% by TCS | selected | rejected |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, sel in res["selection"].items():
+        lines.append(f"| {name} | {sel['epoch_ends']} | " + " | ".join(cell(sel[k]) for k in SELECTION) + " |")
+    return [*lines, ""]
 
 
 def plot(res: dict, values: dict[tuple[str, int], dict], seeds: list[int], dest: Path) -> None:
@@ -164,7 +196,10 @@ def plot(res: dict, values: dict[tuple[str, int], dict], seeds: list[int], dest:
         points = min(len(r["curve"]) for r in runs)
         steps = [runs[0]["curve"][i]["step"] for i in range(points)]
         ys = [100 * statistics.mean(r["curve"][i]["validation"] for r in runs) for i in range(points)]
-        axes[0].plot(steps, ys, marker="o", markersize=3, label=name)
+        if steps == [0]:  # an untrained condition's one evaluation: a level across the axis
+            axes[0].axhline(ys[0], ls="--", lw=1, color="grey", label=name)
+        else:
+            axes[0].plot(steps, ys, marker="o", markersize=3, label=name)
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("validation accuracy, %")
     axes[0].legend(fontsize=7, ncol=2)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trapo.commands.reproduce.forking import run_python
 from trapo.commands.reproduce.plan import CONFIG, EVAL_EVERY, LABELED_RATIO, METHODS, ROOT
+from trapo.commands.reproduce.study_file import SPLITS
 
 # ---------------------------------------------------------------- runs
 
@@ -116,14 +117,19 @@ def base_eval(out: Path, root: Path, cfg: dict, log) -> dict:
     return {name: r["score"] for name, r in res.items()}
 
 
+def read_curve(run_dir: Path) -> list[dict]:
+    """A run's evaluation curve, rows {"step", "validation", "test", "test_ood"} in step order; an untrained
+    model's evaluation (`trapo eval`'s results.json, a study's `untrained` condition) is one row at step 0."""
+    if not (run_dir / "metrics.jsonl").is_file() and (run_dir / "results.json").is_file():
+        scores = json.loads((run_dir / "results.json").read_text())["results"]
+        return [{"step": 0, **{k: scores[k]["score"] for k in SPLITS}}]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{"step": m["step"], **{k: m["eval"][k] for k in SPLITS}} for m in rows if "eval" in m]
+
+
 def read_run(run_dir: Path) -> dict:
     """A run's evaluation curve and selection rows."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curve = [
-        {"step": m["step"], **{k: m["eval"][k] for k in ("validation", "test", "test_ood")}}
-        for m in rows
-        if "eval" in m
-    ]
+    curve = read_curve(run_dir)
     sel = run_dir / "selection.jsonl"
     selection = [json.loads(x) for x in sel.read_text().splitlines()] if sel.is_file() else []
     return {"curve": curve, "selection": selection}

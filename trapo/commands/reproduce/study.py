@@ -10,6 +10,9 @@ A study file (configs/studies/):
                           scored on `splits` (docs/real-model.md); gpu: the paper's config as it is, through
                           `deepspeed`
     splits                cpu scale: the validation, test and test_ood files
+    untrained             conditions that are a model evaluated, not trained (the base model): scored once per
+                          seed on the splits under the runs' validation protocol (`trapo eval`)
+    scope                 what the study's scale can and cannot show (its report's page says it)
     base                  the config every run starts from
     knob                  the key the conditions vary (the results' x axis), or null
     common                overrides every condition gets
@@ -67,6 +70,8 @@ class Study:
     report: str | None = None  # long_runs (long_runs.py) or efficiency (efficiency.py): a report's claims and page
     toy_assets: str = "trap"  # toy scale: the reproduction's trap model and splits, or the base config's own toy
     splits: dict[str, str] | None = None  # cpu scale: the validation, test and test_ood files
+    untrained: list[str] = field(default_factory=list)  # conditions evaluated only (`evaluation_argv`)
+    scope: str = ""  # what this scale can and cannot show, for the report's page
     path: str = ""
 
     def seeds_for(self, quick: bool) -> list[int]:
@@ -140,12 +145,16 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
     runs = []
     root = toy_root(out, tiny) if study.scale == "toy" and study.toy_assets == "trap" else None
     own = study.scale == "toy" and study.toy_assets == "base"  # the base config's own toy, built beside the runs
+    scored = {s: root / f"{s}.jsonl" for s in SPLITS} if root is not None else study.splits
     for name, overrides in study.conditions.items():
         for seed in seeds:
             run_dir = out.parent / "runs" / f"{run_key(study, overrides)}-seed{seed}"
+            if name in study.untrained:  # the model as it is, scored as the runs' validation scores theirs
+                model = root / "model" if root is not None else None
+                runs.append((name, seed, run_dir, evaluation_argv(study, overrides, model, scored, seed, run_dir)))
+                continue
             args = [f"run_name={run_dir.name}", f"output_dir={run_dir.parent}", f"seed={seed}", "resume_from=latest"]
             if root is not None or study.scale == "cpu":  # a run here, scored on the three splits
-                scored = {s: root / f"{s}.jsonl" for s in SPLITS} if root is not None else study.splits
                 args += [f"max_steps={study.steps}", "progress_bar=false"]
                 if root is not None:  # the trap toy's model and training file, not the base config's
                     args += ["toy.enabled=false", f"model.path={root / 'model'}"]
@@ -174,16 +183,40 @@ def launches(study: Study, out: Path, seeds: list[int], tiny: bool = False) -> l
     return runs
 
 
+def evaluation_argv(study: Study, overrides: list[str], model: Path | None, files: dict, seed: int, out: Path):
+    """`trapo eval` of a condition's model (its config's model.path, or `model`) on the split `files`, with the
+    settings the trainer's validation uses (eval.n at eval.temperature, seeded per question by the run's seed,
+    the config's template, lengths, verifier, backend and hf batches), its samples and results.json into `out`."""
+    cfg = load_config(str(ROOT / study.base), [*study.common, *overrides])
+    e, r = cfg.eval, cfg.rollout
+    args = ["-m", "trapo", "eval", "--model", str(model or cfg.model.path), "--benchmarks"]
+    args += [",".join(str(files[s]) for s in SPLITS), "--n", str(e.n), "--temperature", str(e.temperature)]
+    args += ["--max-tokens", str(e.max_tokens or r.max_tokens), "--template", cfg.data.prompt_template]
+    args += ["--max-prompt-tokens", str(cfg.data.max_prompt_tokens), "--seed", str(seed), "--backend", r.backend]
+    args += ["--hf-max-batch", str(r.hf_max_batch), "--hf-decoding", r.hf_decoding]  # the hf engine's batches
+    args += ["--verifier", cfg.reward.verifier, "--out", str(out), "--no-progress"]
+    return [sys.executable, *args]
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """A training run that ended with this step budget, or an untrained condition's finished evaluation."""
+    if (run_dir / "results.json").is_file():
+        return True
+    if not (run_dir / "summary.json").is_file():
+        return False
+    return yaml.safe_load((run_dir / "config.yaml").read_text()).get("max_steps") == steps
+
+
 def run_one(run_dir: Path, argv: list[str], steps: int, log) -> Path:
-    """One run: kept when finished with this budget, resumed when killed after a checkpoint, else (re)started."""
-    if (run_dir / "summary.json").is_file():
-        done = yaml.safe_load((run_dir / "config.yaml").read_text())
-        if done.get("max_steps") == steps:
-            return run_dir
-    if run_dir.exists() and not list((run_dir / "checkpoints").glob("step-*")):
+    """One run: kept when finished with this budget, resumed when killed after a checkpoint, else (re)started
+    (an evaluation: resumed from its samples)."""
+    if finished(run_dir, steps):
+        return run_dir
+    evaluation = argv[1:3] == ["-m", "trapo"]
+    if not evaluation and run_dir.exists() and not list((run_dir / "checkpoints").glob("step-*")):
         shutil.rmtree(run_dir)  # it stopped before its first checkpoint: nothing to resume
     started = time.perf_counter()
-    proc = run_python(argv[1:], cwd=ROOT)  # a toy study's launch, `python trapo_train.py ...` (`launches`)
+    proc = run_python(argv[1:], cwd=ROOT)  # a study's launch here, `python trapo_train.py ...` (`launches`)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir.name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     log(f"{run_dir.name}: {time.perf_counter() - started:.0f} s")
@@ -301,9 +334,7 @@ def main(args) -> int:
             from trapo.commands.reproduce.efficiency import write_report
 
         runs = launches(study, out, sorted(set(study.seeds) | set(seeds)), args.tiny)
-        print(
-            write_report(study, {(n, s): d for n, s, d, _ in runs if (d / "summary.json").is_file()}, args.docs or out)
-        )
+        print(write_report(study, {(n, s): d for n, s, d, _ in runs if finished(d, study.steps)}, args.docs or out))
     return 0
 
 

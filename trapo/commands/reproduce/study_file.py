@@ -5,7 +5,8 @@ IndexError after every run had finished).
 What is checked: the fields themselves (unknown ones get a did-you-mean, missing ones are named), each field's
 type, `base` exists, `knob` is a setting of the config schema (trapo.config's did-you-mean) that every
 condition sets to a number, the conditions are named lists of overrides, the seeds are distinct integers, and
-every claim has its keys (name, better, worse, split, means), names two conditions and one of SPLITS. The
+every claim has its keys (name, better, worse, split, means), names two conditions and one of SPLITS, the
+untrained conditions are conditions of a study whose runs are scored on split files. The
 overrides' keys and values are then checked by loading every condition's config (study.load_study).
 """
 
@@ -19,7 +20,18 @@ from trapo.config import ConfigError, check_key
 
 SPLITS = ("validation", "test", "test_ood")
 REQUIRED = ("name", "title", "scale", "base", "conditions", "seeds", "claims")
-OPTIONAL = ("knob", "common", "quick_seeds", "steps", "eval_every", "report", "toy_assets", "splits")
+OPTIONAL = (
+    "knob",
+    "common",
+    "quick_seeds",
+    "steps",
+    "eval_every",
+    "report",
+    "toy_assets",
+    "splits",
+    "untrained",
+    "scope",
+)
 # Where a study runs: toy (the toy's model and splits, here), cpu (the base config's own model, here, scored on
 # the study's `splits` files), gpu (the paper's configs, launched on a cluster: --print).
 SCALES = ("toy", "cpu", "gpu")
@@ -112,12 +124,30 @@ def check_fields(raw: Any, path: Path, root: Path) -> None:
             raise bad("conditions", f"the name {name!r} is not a string; quote it ('{name}':)")
         if not _overrides(overrides):
             raise bad(f"conditions.{name}", f"got {overrides!r}; expected a list of overrides (key=value), [] for none")
+    untrained = raw.get("untrained", [])
+    if not isinstance(untrained, list) or not all(isinstance(n, str) for n in untrained):
+        raise bad("untrained", f"got {untrained!r}; expected a list of condition names, e.g. [base]")
+    for name in untrained:
+        if name not in conditions:
+            raise bad("untrained", f"{name!r} is not a condition of this study; {_hint(name, list(conditions))}")
+    if untrained and not scored_on_splits(raw["scale"], raw.get("toy_assets", "trap")):
+        raise bad(
+            "untrained", "only a study whose runs are scored on split files (scale cpu, or toy) evaluates a model"
+        )
+    if not isinstance(raw.get("scope", ""), str):
+        raise bad("scope", f"got {raw['scope']!r}; expected text (what this scale can and cannot show)")
     knob = raw.get("knob")
     if knob is not None and not isinstance(knob, str):
         raise bad("knob", f"got {knob!r}; expected a dotted config key or null")
     if knob is not None:
         check_key(knob, f"study {path}: knob")
     check_claims(raw["claims"], conditions, path, report=raw.get("report"))
+
+
+def scored_on_splits(scale: str, toy_assets: str) -> bool:
+    """Whether a study's runs are scored here on validation, test and OOD split files (the trap toy's, or a cpu
+    study's own): the studies whose conditions may be a model evaluated untrained."""
+    return scale == "cpu" or (scale == "toy" and toy_assets == "trap")
 
 
 def knob_setting(overrides: list[str], knob: str) -> str | None:
