@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-.PHONY: setup train train-real get-model word-problems real-figures test-real test test-fast bytecode eval data doctor report readme-figures reproduce-toy studies-toy lint bench bench-peers clean-venv gpu-kit gpu-check gpu-bench
+.PHONY: setup train train-real get-model word-problems real-figures real-study test-real test test-fast bytecode eval data doctor report readme-figures reproduce-toy studies-toy lint bench bench-peers clean-venv gpu-kit gpu-check gpu-bench
 
 setup: $(STAMP)
 
@@ -59,6 +59,12 @@ real-figures: get-model word-problems
 		--n 8 --temperature 0.7 --max-tokens 48 --out outputs/real-base-passrates --no-progress
 	$(PY) -m trapo readme --bench outputs/bench --real-base outputs/real-base-passrates \
 		$(if $(REAL_RUNS),--real-run $(REAL_RUNS))
+
+# The paper's comparison on the real model (configs/studies/real/comparison.yaml, about 6 hours on 2 cores): finished
+# runs are kept, so it runs in pieces; SEEDS=0 or CONDITIONS=base,trapo runs a part. Writes docs/real-model/.
+real-study: get-model word-problems
+	$(PY) -m trapo reproduce --study configs/studies/real/comparison.yaml --jobs 1 --docs docs/real-model \
+		$(if $(SEEDS),--seeds $(SEEDS)) $(if $(CONDITIONS),--conditions $(CONDITIONS))
 
 # The real-model smoke test (CI runs it after make test): the model got and converted, two training steps with
 # each backend on a few questions, an evaluation of 8 questions.

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -129,6 +131,29 @@ def test_torchdynamo_disable_is_unset_on_gpu_and_kept_on_cpu(monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     runtime.configure(gpu=False)
     assert os.environ["TORCHDYNAMO_DISABLE"] == "1" and len(runtime.NOTICES) == 1
+
+
+def test_update_threads_hold_for_the_update_and_are_restored_where_vllm_disabled_set_num_threads(monkeypatch):
+    """train.update_threads (runtime.intra_op_threads): vLLM's CPU worker replaces torch.set_num_threads with a
+    no-op in its process; the update's threads are still set for the block and the rollout's restored after,
+    also when the block raises. A bad value is a config error naming the key."""
+    import torch
+
+    from trapo import runtime
+    from trapo.config import ConfigError, load_config
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # as vLLM's CPU worker leaves it
+    with runtime.intra_op_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), runtime.intra_op_threads(before + 1):
+        raise RuntimeError("the update failed")
+    assert torch.get_num_threads() == before
+    with runtime.intra_op_threads(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(ConfigError, match="train.update_threads"):
+        load_config(None, ["train.update_threads=0"])
 
 
 def test_trapo_device_overrides_the_gpu_probe(monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,3 +85,20 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, dtype_name(name))
+
+
+@contextmanager
+def intra_op_threads(n: int | None):
+    """torch's intra-op CPU threads set to `n` for the block, then restored (None: left as they are). Through
+    torch._C: vLLM's CPU worker replaces torch.set_num_threads with a no-op in the process that runs it."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)

@@ -51,6 +51,7 @@ def main() -> None:
         f"train.rollout_batch_size={args.questions}",
         f"train.update_batch_size={args.questions}",  # one update per step
         "loss.entropy_coef=0.0",  # TRL computes no entropy bonus
+        "train.update_threads=null",  # every side on the process's one thread (OMP_NUM_THREADS=1), as TRL's
         "data.test_files=[]",
         "progress_bar=false",
     ]

@@ -1,6 +1,8 @@
 """The generated blocks of README.md and docs/ are rewritten from outputs, never typed in."""
 
 import json
+import re
+import shutil
 
 import pytest
 
@@ -215,7 +217,8 @@ def test_the_real_model_blocks_come_from_the_eval_samples_and_the_run(tmp_path, 
     run = tmp_path / "run"
     run.mkdir()
     shipped = (readme.ROOT / "configs" / "real_smollm2.yaml").read_text()
-    (run / "config.yaml").write_text(shipped.replace("lr: 2.0e-5", "lr: 4.0e-5"))
+    (run / "config.yaml").write_text(re.sub(r"\n  lr: [^\n]*", "\n  lr: 4.0e-5", shipped))
+    (run / "starts.jsonl").write_text(json.dumps({"time": "2026-12-07T10:00:00+00:00", "step": 0}) + "\n")
     (run / "summary.json").write_text(
         json.dumps(
             {"steps": 2, "heldout_accuracy_before": 0.25, "heldout_accuracy_after": 0.5, "heldout_temperature": 0.0}
@@ -233,8 +236,14 @@ def test_the_real_model_blocks_come_from_the_eval_samples_and_the_run(tmp_path, 
     page.write_text(
         "".join(f"<!-- generated:{b} -->\n<!-- /generated:{b} -->\n" for b in ("real-passrates", "train-real"))
     )
-    assert readme.main(["--real-base", str(evaluated), "--real-run", str(run), "--file", str(page)]) == 0
+    earlier = tmp_path / "earlier"  # a run as shipped, started first: its block comes first
+    shutil.copytree(run, earlier)
+    (earlier / "config.yaml").write_text(shipped)
+    (earlier / "starts.jsonl").write_text(json.dumps({"time": "2026-12-07T09:00:00+00:00", "step": 0}) + "\n")
+    argv = ["--real-base", str(evaluated), "--real-run", str(run), str(earlier), "--file", str(page)]
+    assert readme.main(argv) == 0
     text = page.read_text()
+    assert text.index("configs/real_smollm2.yaml as shipped:") < text.index("configs/real_smollm2.yaml with train.lr")
     # all: 3 questions, mean (1 + 0 + 0.25) / 3, one all wrong, one all right, 3 of 12 truncated; right 0..4: 1 0 1 0 1
     assert "| **test** | 3 | 0.417 | 0.33 | 0.33 | 0.25 | 1 | 0 | 0 | 0 | 1 |" not in text  # Q3 has 1 right
     assert "| **test** | 3 | 0.417 | 0.33 | 0.33 | 0.25 | 1 | 1 | 0 | 0 | 1 |" in text

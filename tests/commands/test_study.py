@@ -310,7 +310,7 @@ def test_an_untrained_condition_scores_as_a_run_that_cannot_move_its_weights(tmp
         "title": "untrained",
         "scale": "toy",
         "base": "configs/toy_trap.yaml",
-        "common": ["mode=trapo", "eval.temperature=0", "rollout.backend=hf"],
+        "common": ["mode=trapo", "eval.n=1", "eval.temperature=0", "rollout.backend=hf"],
         "untrained": ["base"],
         "seeds": [0],
         "steps": 2,

@@ -274,19 +274,23 @@ def selection_line(run_dir: Path) -> str:
 
 
 def train_real_block(run_dirs: list[Path]) -> str:
-    """Per `make train-real` run: its settings that differ from the shipped config (config.yaml), the summary it
-    printed at its end (summary.json) and its steps' mean timings (metrics.jsonl)."""
+    """Per `make train-real` run, in the order they started (starts.jsonl): its settings that differ from the
+    shipped config (config.yaml), the summary it printed at its end (summary.json) and its steps' mean timings
+    (metrics.jsonl)."""
     import yaml
 
     from trapo.config import flatten
 
+    def started(run_dir: Path) -> str:
+        return json.loads((run_dir / "starts.jsonl").read_text().splitlines()[0])["time"]
+
     shipped = flatten(yaml.safe_load((ROOT / "configs" / "real_smollm2.yaml").read_text()))
     parts = []
-    for run_dir in run_dirs:
+    for run_dir in sorted(run_dirs, key=started):
         summary = json.loads((run_dir / "summary.json").read_text())
         ran = flatten(yaml.safe_load((run_dir / "config.yaml").read_text()))
         changed = [
-            f"{k}={ran[k]}"
+            f"{k}={ran.get(k)}"  # a key newer than the run: None
             for k in sorted(shipped)
             if k not in ("run_name", "resume_from") and _differs(ran.get(k), shipped[k])
         ]

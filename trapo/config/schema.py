@@ -194,6 +194,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     micro_batch_tokens: int = 16384  # tokens (padded ones too without packing) per forward/backward on one rank
+    # torch's intra-op CPU threads while the policy updates (its forward and backward passes); None: the process's
+    # (OMP_NUM_THREADS, 1 on CPU by default). On a small CPU a colocated vLLM engine generates fastest on one
+    # thread while the update gains from every core (docs/real-model.md).
+    update_threads: int | None = None
     # Response tokens per chunk of the LM head (trapo.algorithm.logits.lm_head_token_stats).
     loss_chunk_tokens: int = 256
     # GPU: move the bf16 partitions and gradient buffers to host memory while vLLM generates, so that

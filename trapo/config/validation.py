@@ -98,6 +98,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     need(len(t.adam_betas) == 2, "train.adam_betas", f"must be [beta1, beta2], got {t.adam_betas}")
     need(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
+    need(t.update_threads is None or t.update_threads >= 1, "train.update_threads", "must be >= 1, or null")
     need(t.loss_chunk_tokens >= 1, "train.loss_chunk_tokens", "must be >= 1")
     lo = cfg.loss
     need(lo.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {lo.rollout_is_cap}")

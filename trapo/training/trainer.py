@@ -147,7 +147,7 @@ class Trainer:
         self._dump_rollouts(rounds, plan)  # logging.rollouts_every: what was generated and how it was scored
 
         # 4. advantages and the update(s) on the kept groups
-        with timer.time("update"):
+        with timer.time("update"), runtime.intra_op_threads(self.cfg.train.update_threads):
             coef = state.entropy_control and state.entropy_control.coef  # None: the LossSpec's fixed coefficient
             update = self._update(rounds, plan, n_updates, entropy_coef=coef)
 

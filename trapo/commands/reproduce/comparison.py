@@ -78,6 +78,11 @@ def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dic
     return {**result(study, seeds, conditions, claims), "selection": selection, "scope": study.scope}
 
 
+def _claims_run(res: dict) -> bool:
+    """Whether any claim has both its conditions run for some seed."""
+    return any(c["interval"] is not None for c in res["claims"])
+
+
 def _share(right: list[bool]) -> dict:
     """How often the majority vote was right among `right`, and of how many pseudo-labels."""
     return {"right": sum(right) / len(right) if right else None, "of": len(right)}
@@ -144,7 +149,7 @@ def page(res: dict) -> str:
     held = [c["name"] for c in res["claims"] if c["verdict"] == "held"]
     lines += [
         "",
-        f"Held: {', '.join(held)}." if held else "No claim held.",
+        f"Held: {', '.join(held)}." if held else "No claim held." if _claims_run(res) else "No claim has its runs yet.",
         "",
         "## What this scale can and cannot separate",
         "",

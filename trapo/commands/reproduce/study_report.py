@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import datetime
 
+# What a study's seed sets, per scale: a toy study draws its labeled split from the seed, a cpu study's training
+# file marks its labeled questions (trapo prepare), a gpu study's config says.
+SEEDED = {
+    "toy": "the labeled split and the RL randomness",
+    "cpu": "the RL randomness (the training file marks the labeled questions)",
+    "gpu": "the RL randomness and, where the config draws one, the labeled split",
+}
+
 
 def result(study, seeds: list[int], conditions: dict, claims: list[dict]) -> dict:
     """A report's result: the study's plan (file, base, seeds, budget, settings), the conditions' read-outs and
@@ -12,6 +20,7 @@ def result(study, seeds: list[int], conditions: dict, claims: list[dict]) -> dic
     return {
         "study": study.name,
         "title": study.title,
+        "scale": study.scale,
         "base": study.base,
         "file": study.path,
         "seeds": seeds,
@@ -35,7 +44,7 @@ def plan_lines(res: dict) -> list[str]:
         "the conditions, seeds, budget and claims were fixed in that file before any run (its comments say why "
         "each setting).",
         "",
-        f"- Seeds {', '.join(map(str, res['seeds']))}, paired: a seed sets the labeled split and the RL randomness. "
+        f"- Seeds {', '.join(map(str, res['seeds']))}, paired: a seed sets {SEEDED[res.get('scale', 'toy')]}. "
         f"{res['steps']} steps each, validation, ID and OOD test every {res['eval_every']} steps, on {res['base']} "
         f"with `{' '.join(res['common'])}`.",
         "- Conditions: "
