@@ -78,9 +78,6 @@ def take(rows: list[Row], n: int | None, split: str, rng: random.Random) -> tupl
 # ----------------------------------------------------------------------------- writing
 
 
-sha256 = hub.file_sha256  # a file's sha256, for the manifest
-
-
 def read_prompt(path: Path) -> list[tuple[str, str]]:
     """A `--prompt` file's messages: a JSON list of {"role", "content"}, the last a user turn with `{question}`
     (where each question goes) exactly once; anything else is an error naming the file and the fix."""
@@ -129,7 +126,7 @@ def table(labeled: list[Row], unlabeled: list[Row], template: str, prompt=None) 
 
 def source_record(f: Path, layouts: dict, hub_of: dict) -> dict:
     """A source file in the manifest: path, sha256, layout, and the hub dataset and commit it came from."""
-    record = {"path": str(f), "sha256": sha256(f), "layout": layouts[str(f)]}
+    record = {"path": str(f), "sha256": hub.file_sha256(f), "layout": layouts[str(f)]}
     return {**record, "hub": hub_of[str(f)]} if str(f) in hub_of else record
 
 
@@ -230,7 +227,7 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
     counts.update(kept=len(kept), labeled=len(labeled), unlabeled=len(unlabeled))
     manifest = {
         "output": out.name,
-        "output_sha256": sha256(out),
+        "output_sha256": hub.file_sha256(out),
         "command": "python -m trapo prepare " + " ".join(args.argv),
         "options": {
             "labeled": args.labeled,
@@ -238,14 +235,14 @@ def prepare(args: argparse.Namespace, log=print) -> dict:
             "split": args.split,
             "seed": args.seed,
             "template": args.template if prompt is None else None,
-            "prompt": {"path": args.prompt, "sha256": sha256(Path(args.prompt))} if prompt else None,
+            "prompt": {"path": args.prompt, "sha256": hub.file_sha256(Path(args.prompt))} if prompt else None,
             "tokenizer": tokenizer_source.label if tokenizer_source else None,  # a hub id with its commit
             "max_prompt_tokens": args.max_prompt_tokens if args.tokenizer else None,
             "ngram": NGRAM,
         },
         "sources": [source_record(f, layouts, hub_of) for f in main_files],
         "unlabeled_from": [source_record(f, layouts, hub_of) for f in pool_files],
-        "exclude": [{"path": str(f), "sha256": sha256(f)} for f in excluded],
+        "exclude": [{"path": str(f), "sha256": hub.file_sha256(f)} for f in excluded],
         "counts": dict(sorted(counts.items())),
     }
     write_atomic(

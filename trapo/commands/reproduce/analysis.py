@@ -105,15 +105,15 @@ def selected_accuracy(row: dict) -> list[bool]:
 
 def selection_precision(rows: list[dict]) -> dict[str, list[bool]]:
     """Pseudo-label correctness pooled over selection.jsonl rows: the top and bottom 10% by TCS
-    (`decile_accuracy`), and the questions the gate selected and rejected (golds unknown left out)."""
+    (`decile_accuracy`), and the questions the gate selected (`selected_accuracy`) and rejected (golds unknown
+    left out)."""
     out: dict[str, list[bool]] = {"top10": [], "bottom10": [], "selected": [], "rejected": []}
     for row in rows:
         if (dec := decile_accuracy(row)) is not None:
             out["top10"] += dec[0]
             out["bottom10"] += dec[1]
-        for right, selected in zip(row["pseudo_correct"], row["selected"]):
-            if right is not None:
-                out["selected" if selected else "rejected"].append(right)
+        out["selected"] += selected_accuracy(row)
+        out["rejected"] += [c for c, s in zip(row["pseudo_correct"], row["selected"]) if not s and c is not None]
     return out
 
 
