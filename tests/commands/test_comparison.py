@@ -45,7 +45,7 @@ def test_claims_read_the_test_accuracy_at_the_best_validation_step_and_purchases
         dirs[("labels_care", seed)] = write_run(tmp_path / f"c{seed}", {4: (0.5, 0.6, 0.3)}, care)
         rand = [([20, 21], [True, True]), ([22, 23], [False, None])]
         dirs[("labels_random", seed)] = write_run(tmp_path / f"r{seed}", {4: (0.5, 0.55 + shift, 0.3)}, rand)
-    text = comparison.write_report(study(), dirs, tmp_path / "docs")
+    text = comparison.write_report(study(), {k: comparison.run_values(d) for k, d in dirs.items()}, tmp_path / "docs")
     res = json.loads((tmp_path / "docs" / "label_efficient.json").read_text())
     claims = {c["name"]: c for c in res["claims"]}
     assert [round(d, 9) for d in claims["trapo_beats_ttrl"]["differences"]] == [0.1] * 3
@@ -100,7 +100,7 @@ def test_an_untrained_condition_and_the_selection_precision_of_the_real_model_st
         row = {**rows[seed], "pseudo_correct": [None if c is None else bool(c) for c in rows[seed]["pseudo_correct"]]}
         (trapo / "selection.jsonl").write_text(json.dumps(row) + "\n")
         dirs[("trapo", seed)] = trapo
-    text = comparison.write_report(real, dirs, tmp_path / "docs")
+    text = comparison.write_report(real, {k: comparison.run_values(d) for k, d in dirs.items()}, tmp_path / "docs")
     res = json.loads((tmp_path / "docs" / "real_comparison.json").read_text())
     assert res["conditions"]["base"]["best_step"]["per_seed"] == [0, 0]
     assert [round(d, 9) for d in res["claims"][0]["differences"]] == [0.05, 0.15]  # trapo_beats_base, ID test

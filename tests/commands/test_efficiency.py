@@ -49,7 +49,7 @@ def test_tokens_to_reach_the_baselines_best_and_the_other_read_outs(tmp_path):
             [0.5, 0.3, 0.3, 0.3],
             {2: (0.5 + shift, 0.4), 4: (0.45, 0.2)},
         )
-    text = efficiency.write_report(study(), dirs, tmp_path / "docs")
+    text = efficiency.write_report(study(), {k: efficiency.run_values(d) for k, d in dirs.items()}, tmp_path / "docs")
     res = json.loads((tmp_path / "docs" / "curriculum.json").read_text())
     claims = {c["name"]: c for c in res["claims"]}
     tokens = claims["fewer_tokens_to_baseline_best"]
@@ -73,7 +73,7 @@ def test_a_seed_that_never_reaches_the_target_keeps_the_claim_from_being_held(tm
         dirs[("trajectory", seed)] = write_run(
             tmp_path / f"t{seed}", [50 + seed] * 4, [0.4] * 4, {2: (0.6 if reached else 0.5, 0.3), 4: (0.5, 0.3)}
         )
-    text = efficiency.write_report(study(), dirs, tmp_path / "docs")
+    text = efficiency.write_report(study(), {k: efficiency.run_values(d) for k, d in dirs.items()}, tmp_path / "docs")
     res = json.loads((tmp_path / "docs" / "curriculum.json").read_text())
     tokens = res["claims"][0]
     assert tokens["missed"] == [2] and tokens["seeds"] == [0, 1] and tokens["differences"] == [300, 298]

@@ -82,7 +82,7 @@ def test_the_report_reads_each_run_and_each_claim_by_hand(tmp_path):
     text = page(res)
     assert "| default | 0, 1, 2 | 1.000 |" in text and "| 12, 12, 12 | 11, 11, 11 |" in text
     docs = tmp_path / "docs"
-    assert write_report(study, dirs, docs) == (docs / "long-runs.md").read_text()
+    assert write_report(study, {k: run_values(d) for k, d in dirs.items()}, docs) == (docs / "long-runs.md").read_text()
     assert (docs / "long-runs.png").stat().st_size > 0 and json.loads((docs / "long-runs.json").read_text())["runs"]
 
 

@@ -75,7 +75,10 @@ def analyse(study, values: dict[tuple[str, int], dict], seeds: list[int]) -> dic
         claims.append(
             {**claim, "seeds": both, "differences": diffs, "interval": interval, "verdict": verdict(interval)}
         )
-    return {**result(study, seeds, conditions, claims), "selection": selection, "scope": study.scope}
+    seconds = [v["seconds"] for v in values.values() if v.get("seconds") is not None]  # training runs' wall times
+    compute = {"runs": len(seconds), "seconds": sum(seconds)} if seconds else None
+    res = result(study, seeds, conditions, claims)
+    return {**res, "selection": selection, "scope": study.scope, "compute": compute}
 
 
 def _claims_run(res: dict) -> bool:
@@ -103,6 +106,19 @@ def _separable(res: dict) -> str:
         f"{100 * max(finite):.1f} points either side of their mean difference (median "
         f"{100 * statistics.median(finite):.1f}): a difference smaller than that is not separated here."
     )
+
+
+def _compute(res: dict) -> list[str]:
+    """What the finished training runs cost, from their own files (records.span), on the machines that ran them."""
+    c = res.get("compute")
+    if not c:
+        return []
+    return [
+        f"The {c['runs']} training runs finished took {c['seconds'] / 60 / c['runs']:.0f} min each on average, "
+        f"{c['seconds'] / 3600:.1f} h in all (wall time, first start to summary; an untrained model's evaluation "
+        "not counted).",
+        "",
+    ]
 
 
 def _purchases(res: dict) -> list[str]:
@@ -155,6 +171,7 @@ def page(res: dict) -> str:
         "",
         _separable(res),
         "",
+        *_compute(res),
         *_purchases(res),
         *([" ".join(res["scope"].split()), ""] if res.get("scope") else []),
         *_selection(res),
@@ -223,10 +240,10 @@ def plot(res: dict, values: dict[tuple[str, int], dict], seeds: list[int], dest:
     plt.close(fig)
 
 
-def write_report(study, dirs: dict[tuple[str, int], Path], docs: Path) -> str:
-    """The report of the finished runs `dirs` ((condition, seed) -> run directory) into `docs`; returns the page."""
-    seeds = sorted({s for _, s in dirs})
-    values = {key: run_values(d) for key, d in dirs.items()}
+def write_report(study, values: dict[tuple[str, int], dict], docs: Path) -> str:
+    """The report of the finished runs' `values` ((condition, seed) -> `run_values` of its directory, or its
+    record: records.py) into `docs`; returns the page."""
+    seeds = sorted({s for _, s in values})
     res = analyse(study, values, seeds)
     docs.mkdir(parents=True, exist_ok=True)
     (docs / f"{study.name}.json").write_text(json.dumps(res, indent=1))

@@ -201,10 +201,10 @@ def plot(values: dict[tuple[str, int], dict], seeds: list[int], dest: Path) -> N
     plt.close(fig)
 
 
-def write_report(study, dirs: dict[tuple[str, int], Path], docs: Path) -> str:
-    """The report of the finished runs `dirs` ((condition, seed) -> run directory) into `docs`; returns the page."""
-    seeds = sorted({s for _, s in dirs})
-    values = {key: run_values(d) for key, d in dirs.items()}
+def write_report(study, values: dict[tuple[str, int], dict], docs: Path) -> str:
+    """The report of the finished runs' `values` ((condition, seed) -> `run_values` of its directory, or its
+    record: records.py) into `docs`; returns the page."""
+    seeds = sorted({s for _, s in values})
     res = analyse(study, values, seeds)
     docs.mkdir(parents=True, exist_ok=True)
     runs = {f"{n}-seed{s}": v for (n, s), v in values.items()}

@@ -17,12 +17,12 @@ committed results.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 import textwrap
 from pathlib import Path
 
+from trapo.commands.reproduce import records
 from trapo.commands.reproduce.analysis import t_quantile
 from trapo.commands.reproduce.study import launches, load_study, run_study
 from trapo.commands.reproduce.study_file import knob_setting
@@ -43,11 +43,7 @@ def knob_values(study) -> dict[str, float] | None:
 def run_times(run_dirs: list[Path]) -> dict:
     """The runs' wall times from their own files: each from its first start (starts.jsonl) to its
     summary.json; and the span from the earliest start to the latest end (runs side by side)."""
-    spans = []
-    for d in run_dirs:
-        first = json.loads((d / "starts.jsonl").read_text().splitlines()[0])["time"]
-        start = datetime.datetime.fromisoformat(first).timestamp()
-        spans.append((start, (d / "summary.json").stat().st_mtime))
+    spans = [records.span(d) for d in run_dirs]
     return {
         "runs": len(spans),
         "run_seconds_mean": sum(end - start for start, end in spans) / len(spans),

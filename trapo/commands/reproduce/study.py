@@ -27,7 +27,9 @@ the field and the fix (a misspelled knob gets the config schema's did-you-mean).
 Each run is `trapo_train.py` with `resume_from=latest`: a finished run (summary.json, same budget) is kept, a
 killed one resumes from its newest checkpoint (one that stopped before its first checkpoint starts over).
 Runs live in one store beside the studies (`<out>/../runs/<key>-seed<s>`), keyed by the run's whole override
-set: a condition two studies share (the centre of the three one-knob sweeps) runs once.
+set: a condition two studies share (the centre of the three one-knob sweeps) runs once. A study with a report
+records each finished run beside its page (`<docs>/runs/`, records.py): committed with the page, the records let
+the study go on in another clone or on another machine, which runs only what no record covers.
 `--print` lists the exact launch commands instead, one per condition and seed, for a cluster's scheduler.
 Claims are read as in `make reproduce-toy`: per seed, the test accuracy at the best validation step of
 `better` minus `worse`; 95% paired interval over the seeds; held / not held / inconclusive.
@@ -46,6 +48,7 @@ from pathlib import Path
 
 import yaml
 
+from trapo.commands.reproduce import records
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
 from trapo.commands.reproduce.forking import run_python
 from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT, TINY_TOY
@@ -269,8 +272,9 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_study(study: Study, out: Path, seeds: list[int], jobs: int, tiny: bool, log) -> dict:
-    """Every condition and seed (finished runs kept, killed ones resumed), then the analysis into `out`."""
+def run_study(study: Study, out: Path, seeds: list[int], jobs: int, tiny: bool, log, docs: Path | None = None) -> dict:
+    """Every condition and seed (finished runs kept, killed ones resumed, a study with a report: recorded ones
+    under `docs` not run again), then the analysis into `out` (a study with a report: its report does it)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from trapo.commands.reproduce.runs import read_run
@@ -287,11 +291,11 @@ def run_study(study: Study, out: Path, seeds: list[int], jobs: int, tiny: bool, 
         from trapo.commands.toy import build_assets
 
         build_assets(toy_config(out, tiny, study), log=log)
-    runs = launches(study, out, seeds, tiny)
+    runs = unrecorded(study, launches(study, out, seeds, tiny), docs)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {(n, s): pool.submit(run_one, d, argv, study.steps, log) for n, s, d, argv in runs}
         dirs = {key: f.result() for key, f in futures.items()}
-    if study.toy_assets == "base":  # no validation curve: the study's report reads the runs (every claim a metric)
+    if study.report is not None or study.toy_assets == "base":  # the report reads the runs (report_values)
         return {}
     res = analyse(study, {key: read_run(d)["curve"] for key, d in dirs.items()}, seeds)
     (out / "results.json").write_text(json.dumps(res, indent=1))
@@ -319,7 +323,7 @@ def main(args) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     try:
-        res = run_study(chosen, out, seeds, args.jobs, args.tiny, lambda m: print(f"[study] {m}", file=sys.stderr))
+        res = run_study(chosen, out, seeds, args.jobs, args.tiny, _log, args.docs or out)
     except ConfigError as err:  # a gpu study asked to run here, a cpu study's split file not written yet
         print(f"reproduce: {err}", file=sys.stderr)
         return 2
@@ -327,15 +331,54 @@ def main(args) -> int:
         print(markdown(res))
     if study.report is not None:  # every finished run of the study, these seeds and conditions or earlier ones
         if study.report == "long_runs":
-            from trapo.commands.reproduce.long_runs import write_report
+            from trapo.commands.reproduce.long_runs import run_values, write_report
         elif study.report == "comparison":
-            from trapo.commands.reproduce.comparison import write_report
+            from trapo.commands.reproduce.comparison import run_values, write_report
         else:
-            from trapo.commands.reproduce.efficiency import write_report
+            from trapo.commands.reproduce.efficiency import run_values, write_report
 
         runs = launches(study, out, sorted(set(study.seeds) | set(seeds)), args.tiny)
-        print(write_report(study, {(n, s): d for n, s, d, _ in runs if finished(d, study.steps)}, args.docs or out))
+        try:
+            values = report_values(study, runs, args.docs or out, run_values)
+        except ConfigError as err:  # a damaged record
+            print(f"reproduce: {err}", file=sys.stderr)
+            return 2
+        print(write_report(study, values, args.docs or out))
     return 0
+
+
+def _log(message: str) -> None:
+    print(f"[study] {message}", file=sys.stderr)
+
+
+def _recorded(study: Study, run: tuple, docs: Path) -> dict | None:
+    """The record under `docs` of a launch (condition, seed, run directory, argv), when it is of this launch."""
+    _, _, run_dir, argv = run
+    return records.read(records.path(docs, run_dir), records.portable(argv, run_dir), study.steps)
+
+
+def unrecorded(study: Study, runs: list[tuple], docs: Path | None) -> list[tuple]:
+    """The launches to run: a study with a report leaves out those recorded under `docs` and not here (finished
+    on another machine); one finished here stays (run_one keeps it, report_values re-records it)."""
+    if study.report is None or docs is None:
+        return runs
+    return [r for r in runs if finished(r[2], study.steps) or _recorded(study, r, docs) is None]
+
+
+def report_values(study: Study, runs: list[tuple], docs: Path, run_values) -> dict[tuple[str, int], dict]:
+    """(condition, seed) -> the report's values of each run that finished: read from its directory (and recorded
+    under `docs`) when it finished here, else from its record (finished on another machine); plus its wall time
+    (`seconds`, None for an evaluation)."""
+    values = {}
+    for name, seed, run_dir, argv in runs:
+        launch = records.portable(argv, run_dir)
+        if finished(run_dir, study.steps):
+            got = run_values(run_dir)
+            records.write(records.path(docs, run_dir), name, seed, study.steps, launch, got, run_dir)
+        record = _recorded(study, (name, seed, run_dir, argv), docs)
+        if record is not None:
+            values[(name, seed)] = {**record["values"], "seconds": record["seconds"]}
+    return values
 
 
 def subset(study: Study, names: str | None) -> Study:
