@@ -2,6 +2,8 @@
 with the static steps called, captured through a stand-in for CUDA graphs, and traced by torch.compile, each
 equal to eager decoding with the same seeds."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,7 +12,16 @@ from trapo.config import ConfigError
 from trapo.engine import static_decoding
 from trapo.engine.hf_rollout import HfEngine
 from trapo.engine.rollout import request_seed
-from trapo.engine.static_decoding import BUCKETS, SPAN, Captured, Compiled, bucket, resolve, span_for
+from trapo.engine.static_decoding import (
+    BUCKETS,
+    SPAN,
+    Captured,
+    Compiled,
+    bucket,
+    resolve,
+    span_for,
+    static_supported,
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +84,35 @@ def test_auto_captures_on_cuda_only_for_full_attention_models_and_explicit_choic
         resolve("static", "cpu", sliding)
 
 
+def test_models_a_capture_cannot_take_decode_eagerly_under_auto_and_are_refused_by_static(toy):
+    """Rotary updates that read the positions on the host (transformers' dynamic and longrope types), a
+    sliding window without layer types (Mistral's), chunked attention: auto says why and decodes eagerly."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    dynamic = LlamaForCausalLM(
+        LlamaConfig(**shape, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    )
+    assert static_decoding.rope_types(dynamic) == {"dynamic"}
+    longrope = LlamaForCausalLM(LlamaConfig(**shape))
+    assert static_supported(longrope) is None and static_decoding.rope_types(longrope) == {"default"}
+    longrope.model.rotary_emb.rope_type = "longrope"  # as Phi-3's long-context configs build it
+    mistral = MistralForCausalLM(MistralConfig(**shape, sliding_window=16))
+    chunked = LlamaForCausalLM(LlamaConfig(**shape))
+    chunked.config.attention_chunk_size = 8  # Llama 4's chunked attention
+    for model, says in (
+        (dynamic, "rope type dynamic reads the positions on the host"),
+        (longrope, "rope type longrope reads the positions on the host"),
+        (mistral, "sliding_window=16"),
+        (chunked, "attention_chunk_size=8"),
+    ):
+        decoding, why = resolve("auto", "cuda:0", model)
+        assert decoding == "eager" and why == f"auto: {static_supported(model)}" and says in why
+        with pytest.raises(ConfigError, match="use eager"):
+            resolve("cuda_graph", "cuda:0", model)
+    assert static_supported(MistralForCausalLM(MistralConfig(**shape, sliding_window=None))) is None
+
+
 def test_static_steps_past_several_spans_equal_eager_decoding(toy):
     """No stop token: every row runs 2.5 spans of the cache; then many stop tokens: rows leave the batch at
     different steps and the live ones move to the buffers' front, bucket by bucket."""
@@ -133,21 +173,97 @@ def test_captured_steps_replay_the_buffers_and_are_captured_once_per_shape(toy):
     assert len(captured) == len(shapes)
 
 
-def test_a_refused_capture_falls_back_to_uncaptured_steps_under_auto_and_fails_otherwise(toy):
-    model, tokenizer, prompts = toy
+class StandInCuda:
+    """torch.cuda's streams and graphs as cuda_graph_capture uses them, on CPU: which stream is current, what
+    the capture began and ended; `fail` raises at "begin" (capture_begin), "during" (the step's first kernel
+    launched while capturing, as an op CUDA refuses inside a capture does) or "end" (capture_end)."""
 
-    def refuse(step, pool):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def __init__(self, fail: str | None = None):
+        self.fail, self.calls, self.capturing = fail, [], False
+        self.current = self.default = self.Stream()
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def current_stream(self):
+        return self.current
+
+    def set_stream(self, stream):
+        self.current = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def synchronize(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def CUDAGraph(self):  # noqa: N802 - torch.cuda's name
+        cuda = self
+
+        class Graph:
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                cuda.calls.append("begin")
+                if cuda.fail == "begin":
+                    raise RuntimeError("CUDA error: operation not permitted (capture_begin)")
+                cuda.capturing = True
+
+            def capture_end(self):
+                cuda.calls.append("end")
+                cuda.capturing = False
+                if cuda.fail in ("end", "during"):
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+            def replay(self):
+                pass
+
+            def pool(self):
+                return None
+
+        return Graph()
+
+
+@pytest.mark.parametrize("fail", ["begin", "during", "end"])
+def test_a_failed_capture_restores_the_stream_and_auto_decodes_eagerly_while_cuda_graph_raises(toy, fail):
+    model, tokenizer, prompts = toy
+    cuda = StandInCuda(fail)
+
+    def step_under(step):
+        def run():
+            if cuda.capturing and cuda.fail == "during":
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return step()
+
+        return run
+
+    def capture(step, pool):
+        return static_decoding.cuda_graph_capture(step_under(step), pool, cuda=cuda)
+
+    with pytest.raises(RuntimeError, match="not permitted|previous error"):
+        static_decoding.Captured(capture=capture)((1, SPAN), lambda: torch.zeros(2))
+    assert cuda.current is cuda.default and not cuda.capturing  # the caller's stream, the capture ended
+    assert cuda.calls == (["begin"] if fail == "begin" else ["begin", "end"])
 
     eager = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=64, decoding="eager")
     ref = generated(eager, prompts, n=2, temperature=1.0, max_tokens=6)
     engine = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=64, decoding="static")
-    engine._runner = Captured(capture=refuse, fall_back=True)
-    assert_same(generated(engine, prompts, n=2, temperature=1.0, max_tokens=6), ref)
-    assert engine._runner.failed == "RuntimeError: operation not permitted when stream is capturing"
-    engine._runner = Captured(capture=refuse)
-    with pytest.raises(RuntimeError, match="not permitted"):
+    engine.decoding, engine._runner = "cuda_graph", Captured(capture=capture)  # rollout.hf_decoding=cuda_graph
+    with pytest.raises(RuntimeError):
         generated(engine, prompts, n=2, temperature=1.0, max_tokens=6)
+    assert cuda.current is cuda.default
+    engine.requested, engine._runner = "auto", Captured(capture=capture)  # as auto chose it on a GPU
+    assert generated(engine, prompts, n=2, temperature=1.0, max_tokens=6) == ref  # the batch again, eagerly
+    assert engine.decoding == "eager" and engine._runner is None and "RuntimeError" in engine.decoding_why
+    assert cuda.current is cuda.default
+    assert generated(engine, prompts, n=2, temperature=1.0, max_tokens=6) == ref  # later batches eager too
 
 
 def test_static_steps_that_fail_under_auto_leave_the_engine_decoding_eagerly_with_eagers_samples(toy):
@@ -204,3 +320,22 @@ def test_static_decoding_attends_with_grouped_heads_as_sdpa_does():
         q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask, scale=0.25
     )
     assert torch.allclose(ours, ref.transpose(1, 2), atol=1e-6)
+
+
+def test_the_compiled_path_drops_its_graphs_each_turn_and_says_steps_run_without_them(toy, capsys):
+    """Inductor counts each step it runs without the CUDA graphs reduce-overhead asked for
+    (log_cudagraph_skip_and_bump_counter); the turn's end says so once, instead of torch's log alone."""
+    from torch._dynamo.utils import counters
+
+    from trapo import console
+
+    console._warned.discard("compile-skips")
+    runner = Compiled(toy[0], backend="eager")
+    runner.reset()  # a turn without skips: nothing said
+    assert "without CUDA graphs" not in capsys.readouterr().err
+    counters["inductor"]["cudagraph_skips"] += 3  # as inductor bumps it when it skips a step's graphs
+    runner.reset()
+    assert "torch.compile ran 3 decode steps without CUDA graphs" in capsys.readouterr().err
+    counters["inductor"]["cudagraph_skips"] += 1
+    runner.reset()
+    assert "without CUDA graphs" not in capsys.readouterr().err  # said once

@@ -136,8 +136,8 @@ class RolloutConfig:
     # hf backend: how a decode step runs (trapo/engine/static_decoding.py). "eager": transformers' forward,
     # a kernel launch at a time; "static": a KV cache sized once and fixed-shape steps; "cuda_graph": those
     # steps captured once per shape and replayed (CUDA only); "compile": through torch.compile's
-    # reduce-overhead mode (CUDA only). "auto": cuda_graph on a GPU (a refused capture falls back to static,
-    # failing static steps to eager, each said once), eager on CPU.
+    # reduce-overhead mode (CUDA only). "auto": cuda_graph on a GPU for a model the static path takes (a
+    # refused capture or a failing static step falls back to eager, said once), eager on CPU.
     hf_decoding: HfDecoding = "auto"
     n: int = 8  # G, rollouts per question
     temperature: float = 1.0

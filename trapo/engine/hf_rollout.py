@@ -246,7 +246,7 @@ class HfEngine:
         self._end_static_turn()
         self.requested = decoding  # auto: a static path that fails falls back to eager (_generate_or_fall_back)
         self.decoding, self.decoding_why = static_decoding.resolve(decoding, self.device(), self.model)
-        self._runner = static_decoding.step_runner(self.decoding, self.model, chosen_by_auto=decoding == "auto")
+        self._runner = static_decoding.step_runner(self.decoding, self.model)
 
     def _end_static_turn(self) -> None:
         """The static path's buffers and captured steps go with the turn: the update needs the memory, and a

@@ -18,11 +18,12 @@ replayed (CUDA graphs) instead of launching a few hundred small kernels from Pyt
 - `step_runner`: how a step runs. `static` calls it (the CPU path, and the reference the others must equal),
   `cuda_graph` captures it with torch.cuda.CUDAGraph per (rows, span), `compile` hands it to
   torch.compile(mode="reduce-overhead"), which captures its own graphs. Under `auto` a capture the
-  device refuses is said once and the steps go on uncaptured.
+  device refuses is said once and the engine decodes eagerly from then on (its label says eager).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -55,13 +56,42 @@ def span_for(filled: int, length: int) -> int:
     return min(length, -(-filled // grain) * grain)
 
 
+# transformers' rotary updates that read max(position_ids) + 1 on the host and branch on it
+# (modeling_rope_utils.dynamic_rope_update: any type with "dynamic" in its name, and "longrope"): inside a
+# captured step that is a sync the capture refuses, or a graph frozen at one branch.
+HOST_ROPE = ("dynamic", "longrope")
+
+
+def rope_types(model) -> set[str]:
+    """The rotary types `model` runs: its rotary modules' `rope_type` (a name, or one per layer type), which
+    transformers' rotary update reads."""
+    types: set[str] = set()
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        if isinstance(kind, dict):
+            types.update(v for v in kind.values() if isinstance(v, str))
+        elif isinstance(kind, str):
+            types.add(kind)
+    return types
+
+
 def static_supported(model) -> str | None:
-    """None if `model` can decode statically, else why not: every layer must attend to all earlier positions
-    (a sliding window's cache keeps only its window). The step's mask is 4D, which transformers' mask functions
-    (create_causal_mask, in the Llama and Qwen families) return as they got it."""
-    types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    """None if `model` can decode statically, else why not. Every layer must attend to all earlier positions
+    (full causal attention: a sliding window's or a chunk's cache keeps only part of them, and the static step's
+    attention reads the whole span), and its rotary embedding must not read positions on the host (HOST_ROPE).
+    The step's mask is 4D, which transformers' mask functions (create_causal_mask, in the Llama and Qwen
+    families) return as they got it."""
+    config = model.config
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:
         return f"layer types {sorted(types)}: only full attention decodes statically"
+    if not getattr(config, "layer_types", None) and getattr(config, "sliding_window", None) is not None:
+        return f"sliding_window={config.sliding_window}: only full attention decodes statically"
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return f"attention_chunk_size={config.attention_chunk_size}: only full attention decodes statically"
+    host = sorted(t for t in rope_types(model) if any(h in t for h in HOST_ROPE))
+    if host:
+        return f"rope type {', '.join(host)} reads the positions on the host each step, which a capture cannot"
     return None
 
 
@@ -208,47 +238,54 @@ class Called:
         pass
 
 
-def cuda_graph_capture(step, pool):
+def cuda_graph_capture(step, pool, cuda=torch.cuda):
     """(replay, output, pool): `step` captured in a CUDA graph allocating from `pool` (None: a new one), after
     a warm-up run on a side stream (cuBLAS's workspace and lazy initializations happen outside the capture).
-    The warm-up writes what the replay will write (the same inputs), so it changes nothing."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    The warm-up writes what the replay will write (the same inputs), so it changes nothing.
+
+    The capture runs on a stream of its own, and the caller's stream is current again however it ends:
+    torch.cuda.graph's exit ends the capture before it restores the stream, so a capture_end that raises (or
+    a capture_begin that does) would leave the process on the capture stream. A step that fails mid-capture
+    ends the capture before its error goes on. `cuda` is the seam a CPU test stands in for."""
+    caller = cuda.current_stream()
+    side = cuda.Stream()
+    side.wait_stream(caller)
+    with cuda.stream(side):
         step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads' work is theirs
-        output = step()
+    caller.wait_stream(side)
+    cuda.synchronize()  # as torch.cuda.graph does: nothing in flight, the allocator's free blocks returned
+    cuda.empty_cache()
+    graph, capturing = cuda.CUDAGraph(), cuda.Stream()
+    capturing.wait_stream(caller)
+    cuda.set_stream(capturing)
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads' work is theirs
+        try:
+            output = step()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error is the one to see
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    finally:
+        cuda.set_stream(caller)
+    caller.wait_stream(capturing)
     return graph.replay, output, graph.pool()
 
 
 class Captured:
     """Each (rows, span) step captured on first use, replayed after: its output is the same tensor every
-    replay, read before the next. Every graph allocates from one pool (steps never overlap).
-    `capture(step, pool) -> (replay, output, pool)` is the seam a CPU test stands in for."""
+    replay, read before the next. Every graph allocates from one pool (steps never overlap). A capture that
+    fails raises: under `auto` the engine then decodes the batch and every later one eagerly
+    (hf_rollout.HfEngine._generate_or_fall_back), never with uncaptured static steps, which are slower on a GPU
+    than eager ones. `capture(step, pool) -> (replay, output, pool)` is the seam a CPU test stands in for."""
 
-    def __init__(self, capture=cuda_graph_capture, fall_back: bool = False):
+    def __init__(self, capture=cuda_graph_capture):
         self.capture, self.graphs, self.pool = capture, {}, None
-        self.fall_back, self.failed = fall_back, None  # auto: a failed capture runs the steps uncaptured
 
     def __call__(self, key, step):
-        if self.failed:
-            return step()
         if key not in self.graphs:
-            try:
-                replay, output, self.pool = self.capture(step, self.pool)
-            except Exception as error:  # noqa: BLE001 - a capture the device refuses, under auto
-                if not self.fall_back:
-                    raise
-                self.failed = f"{type(error).__name__}: {error}"
-                console.warn_once(
-                    "cuda-graph",
-                    f"hf decoding: the step could not be captured ({self.failed}); "
-                    "decoding goes on with static uncaptured steps (rollout.hf_decoding=static)",
-                )
-                self.reset()
-                return step()
+            replay, output, self.pool = self.capture(step, self.pool)
             self.graphs[key] = replay, output
         replay, output = self.graphs[key]
         replay()
@@ -261,7 +298,13 @@ class Captured:
 
 class Compiled:
     """The step through torch.compile(mode="reduce-overhead"): inductor's kernels, replayed as CUDA graphs it
-    captures per shape (a recompile per (rows, span), hence the raised limit)."""
+    records per shape (a recompile per (rows, span), hence the raised limit).
+
+    Inductor checks a recorded graph's inputs by address, and ZeRO-3 gathers the weights at new addresses each
+    turn: left alone it would record every shape again each turn, counting each toward its re-record limit, and
+    past it run the steps without graphs, logged only by torch. So the turn's end drops the recorded graphs on
+    purpose (`reset`): each turn records each shape once, as the captured path captures, and the compiled
+    kernels stay. A step inductor still runs without graphs is said once (its counter, `graph_skips`)."""
 
     def __init__(self, model, backend="inductor", fullgraph: bool = False):
         # another backend with fullgraph: traced as inductor would be, run without it (a CPU test's check
@@ -269,21 +312,40 @@ class Compiled:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(BUCKETS))
         mode = "reduce-overhead" if backend == "inductor" else None
         self.forward = torch.compile(model.forward, mode=mode, backend=backend, fullgraph=fullgraph)
+        self.skips = graph_skips()
 
     def __call__(self, key, step):
         return step(self.forward)
 
     def reset(self) -> None:
-        """Nothing dropped: the compiled code stays; its graphs are recorded again for new buffers' addresses."""
+        """The turn's recorded graphs dropped (their memory freed for the update); a skip since the last turn
+        said once."""
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+        if graph_skips() > self.skips:
+            console.warn_once(
+                "compile-skips",
+                f"hf decoding: torch.compile ran {graph_skips() - self.skips} decode steps without CUDA graphs "
+                "(torch's cudagraphs log says why); rollout.hf_decoding=cuda_graph captures them itself",
+            )
+        self.skips = graph_skips()
 
 
-def step_runner(decoding: str, model, chosen_by_auto: bool = False):
+def graph_skips() -> int:
+    """Inductor's count of calls it ran without the CUDA graphs reduce-overhead asked for."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def step_runner(decoding: str, model):
     """How the static steps run for a resolved `decoding` (None: eager decoding, no static steps)."""
     if decoding == "eager":
         return None
     if decoding == "compile":
         return Compiled(model)
-    return Captured(fall_back=chosen_by_auto) if decoding == "cuda_graph" else Called()
+    return Captured() if decoding == "cuda_graph" else Called()
 
 
 class StaticSteps:

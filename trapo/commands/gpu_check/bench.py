@@ -104,6 +104,8 @@ def decode_rows(check: Check, decodings: dict, dry_run: bool) -> None:
             f"{r['tokens_per_s']:,.0f} tokens/s{against}; first call {r['first_call_s']:.1f} s; "
             f"log-prob gap to a plain forward {r['logprob_gap']:.2e}"
         )
+        if r.get("graph_skips"):  # torch.compile's path: steps inductor ran without the graphs it was asked for
+            figure += f"; {r['graph_skips']} steps ran without CUDA graphs"
         check.add(title, True, figure, json.dumps(r))
 
 

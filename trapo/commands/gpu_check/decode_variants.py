@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from trapo.engine.static_decoding import graph_skips
+
 CHECKED_ROWS = 16  # rows whose log-probs are checked against a plain forward
 
 
@@ -47,6 +49,7 @@ def measure(engine, prompts: list[list[int]], answers: int, tokens: int, decodin
 
     try:
         for decoding in decodings:
+            skips = graph_skips()
             try:
                 engine.set_decoding(decoding)  # named, not auto: a failing path is its row, never a fallback
                 with engine.turn():
@@ -61,6 +64,7 @@ def measure(engine, prompts: list[list[int]], answers: int, tokens: int, decodin
                     "first_call_s": round(first, 2),
                     "timed_s": round(timed, 2),
                     "logprob_gap": gap,
+                    "graph_skips": graph_skips() - skips,  # steps inductor ran without their CUDA graphs
                 }
             except Exception as error:  # noqa: BLE001 - one path's failure is that path's row, the others still run
                 results[decoding] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
