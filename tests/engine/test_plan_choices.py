@@ -72,6 +72,9 @@ def test_explicit_settings_are_obeyed_several_gpus_partition_and_no_gpu_keeps_th
     run = cpu.apply(cfg)
     assert (run.train.loss_chunk_tokens, run.train.param_persistence, run.rollout.hf_max_batch) == (256, False, 256)
     assert run.model.gradient_checkpointing is True  # the config's own true
+    unread = choose(cfg, 1, 80 * GiB, None)  # a GPU, and a model whose shapes the plan cannot read
+    why = "auto: the memory plan cannot read the model's architecture"
+    assert (unread.persistence, unread.loss_chunk, unread.hf_rows) == ((False, why), (256, why), (256, why))
 
 
 def test_doctor_plan_names_each_choice():

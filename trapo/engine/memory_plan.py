@@ -172,28 +172,23 @@ def choose(cfg: Config, world: int, gpu_bytes: int | None, arch: Arch | None, ds
     if gpu_bytes and arch is None:
         unplanned = "auto: the memory plan cannot read the model's architecture"
     try:
-        if unplanned:
-            raise _Unplanned(unplanned)
-        sizes = _Sizes(world, gpu_bytes, arch, ds_config)
-        if rows is not None and r.hf_max_batch == "auto":  # the rollout's own: neither choice below changes it
+        sizes = None if unplanned else _Sizes(world, gpu_bytes, arch, ds_config)
+        if sizes and rows is not None and r.hf_max_batch == "auto":  # the rollout's own: the choices below keep it
             separate = "auto: rollout.placement separate, whose rollout GPUs this plan does not size"
             rows = (CPU_ROWS, separate) if r.placement == "separate" else _hf_rows(sizes, planned)
             planned = replace(planned, rollout=replace(planned.rollout, hf_max_batch=rows[0]))
-        if t.param_persistence == "auto":
+        if sizes and t.param_persistence == "auto":
             persistence = _persistence(sizes, planned)
             planned = replace(planned, train=replace(planned.train, param_persistence=persistence[0]))
-        if t.loss_chunk_tokens == "auto":
+        if sizes and t.loss_chunk_tokens == "auto":
             chunk = _loss_chunk(sizes, planned)
-    except (_Unplanned, ConfigError) as err:  # the defaults that ran before any plan chose, for each auto left
-        why = str(err) if isinstance(err, _Unplanned) else f"auto: the memory plan cannot size the run ({err})"
-        persistence = (False, why) if t.param_persistence == "auto" else persistence
-        chunk = (CPU_CHUNK, why) if t.loss_chunk_tokens == "auto" else chunk
-        rows = (CPU_ROWS, why) if rows is not None and r.hf_max_batch == "auto" else rows
+    except ConfigError as err:
+        unplanned = f"auto: the memory plan cannot size the run ({err})"
+    if unplanned:  # each auto setting at the value it had before any plan chose
+        persistence = (False, unplanned) if t.param_persistence == "auto" else persistence
+        chunk = (CPU_CHUNK, unplanned) if t.loss_chunk_tokens == "auto" else chunk
+        rows = (CPU_ROWS, unplanned) if rows is not None and r.hf_max_batch == "auto" else rows
     return Choices(checkpointing, persistence, chunk, rows)
-
-
-class _Unplanned(Exception):
-    """No plan to decide by: no GPU, or an architecture the plan cannot read."""
 
 
 @dataclass(frozen=True)
