@@ -131,7 +131,8 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
         n = 16 + int(torch.randint(48, 113, (1,), generator=gen))
         ids = torch.randint(3, 300, (n,), generator=gen).tolist()
         seqs.append(TrainSequence(ids, 16, advantage=(-0.5, 0.5)[i % 2], weight=1.0, labeled=True))
-    policy = open_policy(planned(cfg, model_dir, WORLD), model_dir, WORLD, 0)
+    cfg = planned(cfg, model_dir, WORLD)  # the auto settings as the trainer decides them here
+    policy = open_policy(cfg, model_dir, WORLD, 0)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in policy.model.parameters() if p.requires_grad)
     built = psutil.Process().memory_info().rss
     batch = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})

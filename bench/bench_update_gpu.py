@@ -125,7 +125,8 @@ def main() -> None:
         f"rollout.max_tokens={args.length}",
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
-    policy = open_policy(planned(cfg, model_dir, 1), model_dir, 1, 0)
+    cfg = planned(cfg, model_dir, 1)  # the auto settings as the trainer decides them here
+    policy = open_policy(cfg, model_dir, 1, 0)
     params = sum(getattr(q, "ds_numel", q.numel()) for q in policy.model.parameters())
     g = torch.Generator().manual_seed(0)
     prompt = args.length // 4
