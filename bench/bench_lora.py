@@ -104,7 +104,7 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
-    from trapo.training.settings import open_policy
+    from trapo.training.settings import open_policy, planned
 
     dist.init_distributed()
     overrides = ["loss.entropy_coef=0.0", "train.micro_batch_tokens=1024", f"model.dtype={dtype}", *SETUPS[setup]]
@@ -131,6 +131,7 @@ def update_worker(rank: int, port: int, model_dir: str, setup: str, dtype: str, 
         n = 16 + int(torch.randint(48, 113, (1,), generator=gen))
         ids = torch.randint(3, 300, (n,), generator=gen).tolist()
         seqs.append(TrainSequence(ids, 16, advantage=(-0.5, 0.5)[i % 2], weight=1.0, labeled=True))
+    cfg = planned(cfg, model_dir, WORLD)  # the auto settings as the trainer decides them here
     policy = open_policy(cfg, model_dir, WORLD, 0)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in policy.model.parameters() if p.requires_grad)
     built = psutil.Process().memory_info().rss

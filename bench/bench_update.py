@@ -74,7 +74,7 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
     from trapo.engine.attention import ATTENTION
     from trapo.engine.batch import TrainSequence
     from trapo.engine.packing import update_efficiency
-    from trapo.training.settings import loss_spec, open_policy
+    from trapo.training.settings import loss_spec, open_policy, planned
 
     dist.init_distributed()
     torch.manual_seed(rank)
@@ -84,6 +84,7 @@ def worker(rank: int, port: int, model_dir: str, queue) -> None:
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), ["loss.entropy_coef=0.0"])
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=BUDGET))
+    cfg = planned(cfg, model_dir, WORLD)  # the auto settings as the trainer decides them here
     policy = open_policy(cfg, model_dir, WORLD, 0)
     batch = dist.all_sum({"sequences": len(seqs), "tokens": sum(len(s.ids) - s.prompt_len for s in seqs)})
     times: dict[str, list[float]] = {name: [] for name in PATHS}

@@ -107,7 +107,7 @@ def main() -> None:
     from trapo.config import load_config
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
-    from trapo.training.settings import open_policy
+    from trapo.training.settings import open_policy, planned
 
     dist.init_distributed()
     shape = TINY if args.cpu_smoke else R1_DISTILL_1P5B
@@ -119,12 +119,13 @@ def main() -> None:
         "model.dtype=bfloat16",
         f"model.gradient_checkpointing={'false' if args.no_checkpointing else 'true'}",
         f"model.fused_kernels={'true' if args.fused_kernels else 'false'}",
-        *([f"train.deepspeed_config={persistent_config(model_dir)}"] if args.persistent_params else []),
+        f"train.param_persistence={'true' if args.persistent_params else 'false'}",  # each row says which
         "loss.entropy_coef=0.01",
         f"train.micro_batch_tokens={args.tokens}",
         f"rollout.max_tokens={args.length}",
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), overrides)
+    cfg = planned(cfg, model_dir, 1)  # the auto settings as the trainer decides them here
     policy = open_policy(cfg, model_dir, 1, 0)
     params = sum(getattr(q, "ds_numel", q.numel()) for q in policy.model.parameters())
     g = torch.Generator().manual_seed(0)
@@ -167,18 +168,6 @@ def main() -> None:
     plan_line(cfg, model_dir, rows[0][3], gpu)
     if not args.only_ours:
         packing_vs_padding(policy, cfg, shape, args, gpu)
-
-
-def persistent_config(folder: str) -> str:
-    """configs/deepspeed_zero3.json with every parameter persistent, written into `folder`."""
-    import json
-    from pathlib import Path
-
-    ds = json.loads(Path(ROOT, "configs", "deepspeed_zero3.json").read_text())
-    ds["zero_optimization"].update(stage3_param_persistence_threshold=10**12, stage3_model_persistence_threshold=10**12)
-    path = Path(folder) / "deepspeed_zero3_persistent.json"
-    path.write_text(json.dumps(ds))
-    return str(path)
 
 
 def plan_line(cfg, model_dir: str, measured_gib: float, gpu: bool) -> None:

@@ -76,25 +76,31 @@ def test_gpu_bench_dry_run_runs_every_variant_and_plans_one_call(tmp_path):
         "profile",
         "profile",
         *["decode"] * 3,  # eager, static, cuda_graph
-        "update, gradient checkpointing (tiny shape, dry run)",
         "update, no gradient checkpointing (tiny shape, dry run)",
+        "update, gradient checkpointing, parameters persistent (tiny shape, dry run)",
+        "decode",  # the captured path's GPU tests, skipped on CPU
+        "update, gradient checkpointing (tiny shape, dry run)",
         "TRL step (tiny shape, dry run)",
         "update, gradient checkpointing, fused kernels (tiny shape, dry run)",
-        "update, gradient checkpointing, parameters persistent (tiny shape, dry run)",
         "update, gradient checkpointing, micro-batches of 32,768 tokens (tiny shape, dry run)",
         "decode",  # compile
     ]
     assert "profile: a decode stretch" in out.stdout and "tokens/s" in rows[3]
     decode = [line.split("]", 1)[1].strip() for line in rows if "] decode:" in line]
-    assert [line.split(" (")[0] for line in decode] == [
-        f"decode: {p}" for p in ("eager", "static", "cuda_graph", "compile")
+    assert [line.split(" (")[0].split(":")[1].strip() for line in decode] == [
+        "eager",
+        "static",
+        "cuda_graph",
+        "captured path's GPU tests",
+        "compile",
     ]
     assert "x eager; first call" in decode[1] and "log-prob gap to a plain forward" in decode[1]
-    assert all("refused on CPU, as it must be" in line for line in decode[2:])
-    assert "not run: GPU_BENCH_TRL=1 runs it" in rows[-5]  # TRL lives outside the suite's environment
+    assert all("refused on CPU, as it must be" in line for line in (decode[2], decode[4]))
+    assert "skipped" in decode[3]
+    assert "not run: GPU_BENCH_TRL=1 runs it" in rows[-4]  # TRL lives outside the suite's environment
     *_, summary, planned = out.stdout.strip().splitlines()
     match = re.fullmatch(
-        r"one call: kit, step_profiled, update_checkpointing, update_no_checkpointing planned in (\d+) s "
+        r"one call: kit, step_profiled, update_no_checkpointing, update_persistent, decode_captured planned in (\d+) s "
         r"\(limit 480\)",
         planned,
     )
@@ -201,10 +207,12 @@ def test_trl_estimate_one_generation_round_no_recompute_and_the_model_read():
     assert plan.BENCH_ESTIMATES["trl_step"] == plan.trl_step_s(r1)
     built = plan.trl_step_s(r1, build_model=True) - plan.trl_step_s(r1)  # alone: it builds the model first
     assert built == pytest.approx(plan.PROCESS_S + plan.PARAM_S * r1.params + read)
-    # the default call holds our step and the two checkpointing rows; TRL beside our step fits a second call
+    # the default call holds our step, the update without checkpointing and with persistent parameters, and the
+    # captured path's GPU tests; TRL beside our step fits a second call
     names, total = plan.within_budget(list(plan.BENCH_ESTIMATES), plan.BUDGET_S, plan.BENCH_ESTIMATES)
-    assert names == ["kit", "step_profiled", "update_checkpointing", "update_no_checkpointing"]
-    assert total <= plan.BUDGET_S < total + plan.BENCH_ESTIMATES["trl_step"]
+    assert names == ["kit", "step_profiled", "update_no_checkpointing", "update_persistent", "decode_captured"]
+    assert total <= plan.BUDGET_S < total + plan.BENCH_ESTIMATES["update_checkpointing"]
+    assert [fn.__name__ for fn in bench.ORDER] == list(plan.BENCH_ESTIMATES)[1:]  # the plan's order is the run's
     second = plan.BENCH_ESTIMATES["kit"] + plan.BENCH_ESTIMATES["step_profiled"] + plan.trl_step_s(r1, True)
     assert second <= plan.BUDGET_S
 

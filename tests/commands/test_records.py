@@ -64,7 +64,7 @@ def test_a_run_recorded_on_one_clone_reports_on_another_and_is_not_run_again(tmp
     res = comparison.analyse(study, got, [0])
     assert res["conditions"]["trapo"]["test"]["per_seed"] == [0.4]  # the best validation step's, from the record
     assert res["compute"] == {"runs": 1, "seconds": 1800.0}
-    assert "The 1 training runs finished took 30 min each on average, 0.5 h in all" in comparison.page(res)
+    assert "The training runs finished (1) took 30 min each on average, 0.5 h in all" in comparison.page(res)
 
     # a changed study (another cadence: another launch) does not take the old record
     cadence = dataclasses.replace(study, eval_every=10)

@@ -62,6 +62,8 @@ def main() -> None:
         disk_full(int(args.pop(0)), args.pop(0), args)
     elif scenario == "packed_vs_padded":
         packed_vs_padded(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
+    elif scenario == "persistent_vs_gathered":
+        packed_vs_padded(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args), switch="param_persistence")
     elif scenario == "weight_push":
         weight_push(load_config(os.path.join(ROOT, "configs", "toy.yaml"), args))
     elif scenario == "nan_from":
@@ -153,9 +155,11 @@ def disk_full(fail_step: int, fill_dir: str, args: list[str]) -> None:
     sys.exit(trapo_train.main(args))
 
 
-def packed_vs_padded(cfg) -> None:
-    """Log-probs, entropies, loss and full gradients of one update batch, packed and padded, from two
-    DeepSpeed ZeRO-3 policies built from the same weights; prints the largest differences."""
+def packed_vs_padded(cfg, switch: str = "packing") -> None:
+    """Log-probs, entropies, loss and full gradients of one update batch, packed and padded (`switch`: the
+    train key that is off and on, train.packing; or train.param_persistence: every ZeRO-3 parameter kept
+    gathered, or gathered and released per module), from two DeepSpeed ZeRO-3 policies built from the same
+    weights; prints the largest differences and the share of parameters DeepSpeed keeps persistent."""
     import dataclasses
     import random
 
@@ -165,7 +169,7 @@ def packed_vs_padded(cfg) -> None:
     from trapo.commands.toy import build_assets
     from trapo.engine import dist
     from trapo.engine.batch import TrainSequence
-    from trapo.training.settings import open_policy
+    from trapo.training.settings import open_policy, planned
 
     dist.init_distributed()
     model_dir = str(build_assets(cfg.toy, log=lambda m: None) / "model")
@@ -180,9 +184,14 @@ def packed_vs_padded(cfg) -> None:
             )
         )
     results = {}
+    persistent = {}
     for packed in (False, True):
-        run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, packing=packed, micro_batch_tokens=256))
-        policy = open_policy(run_cfg, model_dir, 1, 0)
+        train = dataclasses.replace(cfg.train, packing=packed if switch == "packing" else cfg.train.packing)
+        train = dataclasses.replace(train, micro_batch_tokens=256, **({switch: packed} if switch != "packing" else {}))
+        run_cfg = dataclasses.replace(cfg, train=train)
+        policy = open_policy(planned(run_cfg, model_dir, 1, say=lambda m: None), model_dir, 1, 0)
+        params = list(policy.engine.module.parameters())
+        persistent[packed] = sum(bool(getattr(p, "ds_persist", False)) for p in params) / len(params)
         logprobs, entropies, losses = [None] * len(seqs), [None] * len(seqs), 0.0
         for group, batch in policy._microbatches(seqs):
             stats = policy._token_stats(batch, entropy=True)
@@ -215,6 +224,7 @@ def packed_vs_padded(cfg) -> None:
                 "loss_value": l0,
                 "grad": max(float((g0[n] - g1[n]).abs().max()) for n in g0),
                 "grad_scale": max(float(g0[n].abs().max()) for n in g0),
+                "persistent_share": [persistent[False], persistent[True]],
             }
         )
     )
@@ -252,11 +262,11 @@ def placement(model_dir) -> None:
 
 def checkpointing(model_dir) -> None:
     """For each model.gradient_checkpointing: whether the built policy's model recomputes its layers, and the line
-    open_policy said."""
+    `planned` said."""
     import dataclasses
 
     from trapo.engine import dist
-    from trapo.training.settings import open_policy
+    from trapo.training.settings import open_policy, planned
 
     dist.init_distributed()
     cfg = load_config(os.path.join(ROOT, "configs", "toy.yaml"), [])
@@ -264,7 +274,7 @@ def checkpointing(model_dir) -> None:
     for value in (True, False, "auto"):
         said = []
         run_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=value))
-        policy = open_policy(run_cfg, model_dir, 1, 0, say=said.append)
+        policy = open_policy(planned(run_cfg, model_dir, 1, say=said.append), model_dir, 1, 0)
         result[str(value)] = {"on": policy.model.is_gradient_checkpointing, "said": said}
     print(json.dumps(result))
 

@@ -81,6 +81,41 @@ def test_captured_decode_steps_replay_the_static_steps_exactly_and_follow_eager_
         assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=1e-4)
 
 
+def test_a_capture_that_fails_on_cuda_restores_the_stream_and_auto_decodes_eagerly():
+    """A step that reads a value on the host (refused while capturing, as a host-syncing rotary update would be)
+    under auto: the caller's stream is current again, the engine decodes eagerly with eager's samples and says
+    eager; an explicit cuda_graph raises."""
+    from trapo.commands.toy import _model, _tokenizer
+    from trapo.engine.hf_rollout import HfEngine
+    from trapo.engine.rollout import request_seed
+    from trapo.engine.static_decoding import Captured, cuda_graph_capture
+
+    tokenizer = _tokenizer([f"{a}+{b}={a + b}" for a in range(20) for b in range(20)])
+    model = _model(tokenizer, seed=5).to("cuda").eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "17+15=", "8")]
+    seeds = [request_seed(4, i) for i in range(len(prompts))]
+
+    def syncing(step, pool):  # the step's output read on the host: fine in the warm-up, refused in the capture
+        return cuda_graph_capture(lambda: (out := step(), out.sum().item())[0], pool)
+
+    def generated(engine):
+        out = engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seeds=seeds)
+        return [(r.token_ids, r.logprobs) for g in out for r in g]
+
+    default = torch.cuda.current_stream()
+    eager = generated(HfEngine(model, tokenizer, stop_token_ids=[], max_batch=64, decoding="eager"))
+    explicit = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=64, decoding="cuda_graph")
+    explicit._runner = Captured(capture=syncing)
+    with pytest.raises(RuntimeError):
+        generated(explicit)
+    assert torch.cuda.current_stream() == default
+    auto = HfEngine(model, tokenizer, stop_token_ids=[], max_batch=64, decoding="auto")
+    assert auto.decoding == "cuda_graph"
+    auto._runner = Captured(capture=syncing)
+    assert generated(auto) == eager and auto.decoding == "eager" and auto._runner is None
+    assert torch.cuda.current_stream() == default
+
+
 def test_packed_rows_run_the_varlen_kernel_and_match_per_sequence_attention():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -69,7 +69,7 @@ def format_plan(plan: Plan, title: str) -> str:
     lines = [
         f"memory plan: {title} on {plan.world} x {plan.gpu_bytes / GiB:g} GiB, per GPU",
         f"model {a.name} ({a.params:,} parameters; {a.source}); largest micro-batch {plan.tokens} tokens",
-        checkpointing_line(*plan.checkpointing),
+        *plan.choices.lines(),
     ]
     hf = not any(i.name.startswith("vLLM") for i in plan.phases["rollout"])
     titles = SEPARATE_TITLES if plan.placement == "separate" else HF_TITLES if hf else TITLES

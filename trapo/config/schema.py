@@ -130,9 +130,10 @@ class RolloutConfig:
     # trapo/engine/rollout.py.
     backend: Backend = "auto"
     # hf backend: sequences generated at once per rank (questions' G samples together). Its KV cache is
-    # batch x (prompt + max_tokens) x layers x 2 x kv_heads x head_dim x dtype bytes: lower it when it
-    # does not fit beside the policy.
-    hf_max_batch: int = 256
+    # batch x (prompt + max_tokens) x layers x 2 x kv_heads x head_dim x dtype bytes. auto: on a GPU the most
+    # of the rank's sequences whose cache fits beside the policy (the memory plan's choice, said at start-up);
+    # 256 on CPU.
+    hf_max_batch: int | Literal["auto"] = "auto"
     # hf backend: how a decode step runs (trapo/engine/static_decoding.py). "eager": transformers' forward,
     # a kernel launch at a time; "static": a KV cache sized once and fixed-shape steps; "cuda_graph": those
     # steps captured once per shape and replayed (CUDA only); "compile": through torch.compile's
@@ -198,8 +199,13 @@ class TrainConfig:
     # (OMP_NUM_THREADS, 1 on CPU by default). On a small CPU a colocated vLLM engine generates fastest on one
     # thread while the update gains from every core (docs/real-model.md).
     update_threads: int | None = None
-    # Response tokens per chunk of the LM head (trapo.algorithm.logits.lm_head_token_stats).
-    loss_chunk_tokens: int = 256
+    # Response tokens per chunk of the LM head (trapo.algorithm.logits.lm_head_token_stats). auto: on a GPU the
+    # largest whose fp32 logits fit beside the update (the memory plan's choice, said at start-up); 256 on CPU.
+    loss_chunk_tokens: int | Literal["auto"] = "auto"
+    # ZeRO-3: keep every parameter gathered after its first use instead of gathering and releasing each module
+    # on every pass. auto: on one training GPU where the whole model fits beside the update (the memory plan's
+    # choice, said at start-up); off on CPU and on several GPUs, where ZeRO-3's partitioning is the point.
+    param_persistence: bool | Literal["auto"] = "auto"
     # GPU: move the bf16 partitions and gradient buffers to host memory while vLLM generates, so that
     # its KV cache (sized at engine build) can be mapped again beside what stays; None: on with a GPU and
     # rollout.backend vllm (the hf backend generates with those partitions, so it keeps them).

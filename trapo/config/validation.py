@@ -31,7 +31,11 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(cfg.dist_timeout_minutes > 0, "dist_timeout_minutes", f"must be > 0, got {cfg.dist_timeout_minutes}")
     need(cfg.keep_checkpoints is None or cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1 or null")
     r, t, s = cfg.rollout, cfg.train, cfg.selection
-    need(r.hf_max_batch >= 1, "rollout.hf_max_batch", f"must be >= 1, got {r.hf_max_batch}")
+    need(
+        r.hf_max_batch == "auto" or r.hf_max_batch >= 1,
+        "rollout.hf_max_batch",
+        f"must be >= 1 or auto, got {r.hf_max_batch}",
+    )
     need(
         not (r.backend == "hf" and cfg.train.offload_during_rollout),
         "train.offload_during_rollout",
@@ -99,7 +103,7 @@ def validate(cfg: Config, source: str = "config", origins: dict[str, str] | None
     need(len(t.adam_betas) == 2, "train.adam_betas", f"must be [beta1, beta2], got {t.adam_betas}")
     need(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", "must be >= 1")
     need(t.update_threads is None or t.update_threads >= 1, "train.update_threads", "must be >= 1, or null")
-    need(t.loss_chunk_tokens >= 1, "train.loss_chunk_tokens", "must be >= 1")
+    need(t.loss_chunk_tokens == "auto" or t.loss_chunk_tokens >= 1, "train.loss_chunk_tokens", "must be >= 1 or auto")
     lo = cfg.loss
     need(lo.rollout_is_cap > 0, "loss.rollout_is_cap", f"must be > 0, got {lo.rollout_is_cap}")
     if lo.rollout_is_lower is not None:

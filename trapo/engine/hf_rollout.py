@@ -26,7 +26,7 @@ import torch
 
 from trapo import console
 from trapo.engine import decoding, dist, static_decoding
-from trapo.engine.memory_plan import HF_PREFILL_TOKENS
+from trapo.engine.memory_terms import HF_PREFILL_TOKENS
 from trapo.engine.rollout import Rollout, decode_responses, request_seed
 
 MASK32 = 0xFFFFFFFF

@@ -1,69 +1,10 @@
-"""Memory plan: per-GPU bytes of a run at its three moments, from the config alone (no GPU, no weights).
+"""Memory plan: per-GPU bytes of a run at its three moments, from the config alone (no GPU, no weights), what
+it chooses for the auto settings, and whether the run fits.
 
     plan = memory_plan(cfg, world=8, gpu_bytes=80 * GiB, arch=model_arch(cfg.model.path), ds_config=ds)
 
-Pure arithmetic (the architecture comes from trapo/engine/model_shapes.py). Symbols: P parameters, w world
-size, s = ceil(P / w) one rank's ZeRO-3 partition, b bytes of the model dtype (2, bf16), g bytes of
-DeepSpeed's gradient accumulation dtype (`data_types.grad_accum_dtype`, else the model dtype; 4 with
-configs/deepspeed_zero3.json).
-Where each term comes from in the pinned deepspeed, vLLM and transformers (file:line, dated), and the one
-term a GPU has measured: docs/memory-plan.md, "Where each term comes from".
-
-ZeRO-3 partitions (DeepSpeed's own estimator counts the same 18 B/param / w without offload; its 4 B x
-largest layer is replaced by the gathered-params term below):
-  b*s bf16 params, g*s gradient partitions (one flat buffer), 4*s fp32 master (a copy unless the model is
-  fp32), 8*s Adam moments (torch AdamW creates them at the first step), b*reduce_bucket_size IPG bucket.
-Start-up: vLLM is built after the policy, before any step: the trainer holds b*s + g*s + 4*s + IPG; vLLM
-  requests ceil(util * card) and refuses to start when less is free.
-Rollout (steady state, from step 2): train.offload_during_rollout moves b*s, g*s and the IPG bucket to
-  the host through DeepSpeed, and the 4*s master + 8*s moments through `Policy.offload` (DeepSpeed's
-  offload_states moves those only for its own FusedAdam); without it all of them stay. vLLM takes
-  ceil(util * card) in all. Its KV cache is sized once at build: util * card - weights - profile activation
-  peak - non-torch/CUDA graphs; sleep releases and re-maps it, never grows it.
-  Weights b*P/tp. Profile peak: the larger of a forward of max_num_batched_tokens, N * b * (3 I/tp + 4 H)
-  (gate_up output [N, 2I], its SiluAndMul [N, I], hidden-size buffers), and the sampler over max_num_seqs
-  rows, S * V * 4 * 3 (fp32 logits, processed log-probs, top-p sort buffer); N, S = 16384, 1024 on cards
-  of >= 70 GiB, else 8192, 256. KV bytes per token = 2 (K, V) * layers * kv_heads/tp * head_dim * b;
-  blocks of 16 tokens; sequences held = KV // (bytes per token * 16 * ceil((max_prompt_tokens + max_tokens)
-  / 16)). Needed: each engine generates rollout_batch_size / w * tp questions x n. Fewer held: vLLM queues
-  (slower), a warning.
-Update (vLLM asleep at level 2: weights and KV cache released): the partitions above, plus
-  gathered params b * min(P, stage3_max_live_parameters + largest module) (prefetch stops at max_live;
-    the module running is fetched anyway), and the larger of
-  backward: (layers + 1) * T * H * b checkpointed layer inputs (and the final hidden state), T =
-    max(train.micro_batch_tokens, max_prompt_tokens + max_tokens) (a longer sequence gets a micro-batch of
-    its own, trapo/engine/packing.py), plus the larger of one layer recomputed, T * b * (20 H + 4 kv_dim + 6 I) +
-    T * heads * 4, and the LM head's backward, 4 fp32 [chunk, V] (trapo/algorithm/logits.py) + fp32 and bf16
-    [V, H] weight gradient + [T, H] hidden and its gradient;
-  optimizer step: 4 * min(s, sub_group_size) flattened fp32 gradient.
-  The 20 / 4 / 6 of a recomputed Qwen2/Llama layer (sdpa with enable_gqa): two RMSNorms at 5 [T, H] units
-  each (fp32 upcast and product, bf16 output), q and its RoPE (3), per-sequence sdpa output and its
-  concatenation (2), o_proj output and residual (2), gradients in flight (3); k, v, k after RoPE and its
-  rotate_half (4 [T, kv_dim]); gate, up, silu(gate), product (4 [T, I]) and two gradients.
-hf backend (rollout.backend: hf, no vLLM): nothing at start-up beyond the trainer; during rollouts every
-  state stays (nothing is offloaded) and the policy itself generates: the whole model gathered, b*P, a KV
-  cache of min(hf_max_batch, the rank's sequences) x (max_prompt_tokens + max_tokens) x bytes per token, and
-  the larger of two peaks never live at once: the sampler's fp32 [batch, V] rows (logits, log-softmax, noise,
-  top-p sort: 4 of them), and one prefill forward's activations. Prompts are prefilled R = min(batch,
-  max(1, HF_PREFILL_TOKENS // max_prompt_tokens)) whole rows at a time (trapo/engine/hf_rollout.py
-  `_prefill`), N = R x max_prompt_tokens tokens: N * (b * (3 I + 4 H + 2 head_dim) + max_prompt_tokens) at
-  the MLP's product: silu(gate), up and their product [N, I]; four [N, H], the embeddings (held through the
-  forward), the layer's input (held by the model's loop), the attention's residual sum and the MLP's normed
-  input; RoPE's cos and sin [N, head_dim]; the sdpa mask, N x max_prompt_tokens booleans. Attention holds
-  less where I > 2 H, as in the table's models (about 7 [N, H]: input, normed input, q, k and v repeated to
-  every head, output). The KV cache is counted at its full length, which it reaches after the prefill.
-LoRA (model.lora.rank > 0): P_t = rank x (in + out) per adapted projection and layer trains; s_t = ceil(P_t / w)
-  takes s's place in the gradient, fp32 master and Adam terms (DeepSpeed builds them from the optimizer's
-  parameters only). The frozen base is b*s, kept in rollouts (offload_states would map it onto the
-  trainable buffer, so nothing moves); the LM head has no [V, H] weight gradient; no reference copy (the
-  base with adapters off). ZeRO-2 (LoRA only): the base and adapters whole, b*P + b*P_t (frozen parameters
-  stay whole; only the trainable ones are flattened), gradients and states over w as above, nothing gathered.
-Gradient checkpointing (model.gradient_checkpointing): true counts the checkpointed layer inputs and one layer
-  recomputed above, false every layer's activations, `layers` x one layer's; auto is on only where the update
-  does not fit without it (`checkpointing_needed`, the one place that decides; the plan then counts its choice).
-Not computed, margins: RESERVE (CUDA context, NCCL buffers, allocator fragmentation) in every phase and
-  VLLM_RUNTIME (vLLM's non-torch memory and CUDA graph pool, in its share; kept while asleep).
-Ignored (< 1 MB): parameters under stage3_param_persistence_threshold kept whole on every rank.
+The terms of each phase: memory_terms.py. Where each comes from in the pinned deepspeed, vLLM and transformers
+(file:line, dated), and the one term a GPU has measured: docs/memory-plan.md, "Where each term comes from".
 """
 
 from __future__ import annotations
@@ -72,28 +13,8 @@ import math
 from dataclasses import dataclass, replace
 
 from trapo.config import Config, ConfigError
+from trapo.engine.memory_terms import GiB, Item, Zero, check_stage, peak, phases, zero_settings
 from trapo.engine.model_shapes import Arch
-
-GiB = 2**30
-RESERVE = 2 * GiB
-VLLM_RUNTIME = 1 * GiB
-LAYER_H, LAYER_KV, LAYER_I = 20, 4, 6  # [T, H], [T, kv_dim], [T, I] tensors of one recomputed layer
-HEAD_CHUNKS = 4  # fp32 [chunk, V] tensors alive in the LM head's backward (trapo/algorithm/logits.py)
-BLOCK = 16  # vLLM's KV-cache block, tokens
-# Prompt tokens (padding included) in one prefill forward of the hf backend (HfEngine's default), kept here so
-# the plan imports no torch; 16,384 is what vLLM batches per step on a >= 70 GiB card.
-HF_PREFILL_TOKENS = 16384
-PREFILL_I, PREFILL_H = 3, 4  # [N, I] and [N, H] tensors live at a no-grad forward's peak (the MLP's product)
-_DTYPE_BYTES = {n: 4 for n in ("fp32", "float32", "float", "torch.float32")} | {
-    n: 2 for n in ("bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16")
-}  # DeepSpeed's DtypeEnum names
-
-
-@dataclass
-class Item:
-    name: str
-    bytes: int
-    counted: bool = True  # part of the phase's peak (False: shown for reference, not at the same time)
 
 
 @dataclass
@@ -108,7 +29,11 @@ class Plan:
     warnings: list[str]
     placement: str = "colocated"  # rollout.placement; separate: trapo/engine/memory_plan_separate.py
     rollout_ranks: int = 0  # separate: the GPUs of `world` that hold only an engine
-    checkpointing: tuple[bool, str] = (False, "")  # what the update was planned with, and why (checkpointing_needed)
+    choices: Choices | None = None  # what the plan decided for the auto settings, and why (`choose`)
+
+    @property
+    def checkpointing(self) -> tuple[bool, str]:
+        return self.choices.checkpointing
 
     @property
     def fits(self) -> bool:
@@ -116,43 +41,6 @@ class Plan:
 
     def peak(self, phase: str) -> int:
         return sum(i.bytes for i in self.phases[phase] if i.counted)
-
-
-@dataclass(frozen=True)
-class _Zero:
-    stage: int  # 3; or 2, for LoRA only: the frozen base whole on every rank, nothing gathered
-    grad_bytes: int
-    bucket: int  # reduce_bucket_size, elements (0 without contiguous_gradients)
-    max_live: int
-    sub_group: int
-
-
-def check_stage(stage: int, lora_rank: int) -> None:
-    """ZeRO stage 2 serves LoRA runs only (the policy and the plan both hold to it): full fine-tuning's code
-    paths (offload, resharding) and the plan's formulas for it are ZeRO-3's."""
-    if stage != 3 and not lora_rank:
-        raise ConfigError(
-            "train.deepspeed_config: ZeRO stage 2 is for LoRA runs (model.lora.rank > 0), where the frozen base is "
-            "held whole on every GPU; full fine-tuning runs under ZeRO-3 (configs/deepspeed_zero3.json)"
-        )
-
-
-def _zero(ds_config: dict | None, b: int) -> _Zero:
-    """The ZeRO settings the plan uses, DeepSpeed's defaults where absent (docs/memory-plan.md)."""
-    ds = ds_config or {}
-    z = ds.get("zero_optimization") or {}
-    if z.get("stage", 3) not in (2, 3):
-        raise ConfigError(f"train.deepspeed_config: the plan models ZeRO stages 3 and 2, got {z.get('stage')}")
-    accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
-    if accum is not None and accum not in _DTYPE_BYTES:
-        raise ConfigError(f"train.deepspeed_config: unknown data_types.grad_accum_dtype {accum!r}")
-    return _Zero(
-        int(z.get("stage", 3)),
-        _DTYPE_BYTES[accum] if accum else b,
-        int(z.get("reduce_bucket_size", 5e8)) if z.get("contiguous_gradients", True) else 0,
-        int(z.get("stage3_max_live_parameters", 5e8 * 2)),
-        int(z.get("sub_group_size", 1e9)),
-    )
 
 
 def without_engine(cfg: Config) -> Config:
@@ -167,9 +55,9 @@ def _checkpointed(cfg: Config, on: bool) -> Config:
 
 def _update_peak(cfg: Config, world: int, gpu: int, arch: Arch, ds_config: dict | None) -> int:
     """The update phase's peak bytes per GPU, as `memory_plan` counts it."""
-    z = _zero(ds_config, 4 if cfg.model.dtype == "float32" else 2)
+    z = zero_settings(ds_config, 4 if cfg.model.dtype == "float32" else 2)
     T = max(cfg.train.micro_batch_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
-    return _peak(_phases(cfg, world, gpu, arch, z, cfg.rollout.gpu_memory_utilization, T)[0]["update"])
+    return peak(phases(cfg, world, gpu, arch, z, cfg.rollout.gpu_memory_utilization, T)[0]["update"])
 
 
 def checkpointing_needed(
@@ -191,8 +79,7 @@ def checkpointing_needed(
         return False, "auto: no GPU, so no memory plan to fit"
     if arch is None:
         return True, "auto: the memory plan cannot read the model's architecture"
-    if cfg.rollout.placement == "separate":
-        cfg = without_engine(cfg)
+    cfg = without_engine(_settled(cfg)) if cfg.rollout.placement == "separate" else _settled(cfg)
     gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
     try:
         without = _update_peak(_checkpointed(cfg, False), world, gpu_bytes, arch, ds_config)
@@ -209,137 +96,181 @@ def checkpointing_line(on: bool, why: str) -> str:
     return f"gradient checkpointing: {'on' if on else 'off'} ({why})"
 
 
-def _phases(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, util: float, T: int):
-    a, r, t = arch, cfg.rollout, cfg.train
-    b = 4 if cfg.model.dtype == "float32" else 2  # "auto" is bf16 on a GPU
-    tp, P, s = r.tensor_parallel_size, arch.params, math.ceil(arch.params / world)
-    lora = cfg.model.lora
-    # Trained parameters, one rank's partition: all of them, or with LoRA the adapters (the base frozen)
-    trained = arch.lora_params(lora.rank, lora.target_modules) if lora.rank else P
-    st = math.ceil(trained / world)
-    lp, grad, master, moments, ipg = b * st, z.grad_bytes * st, (4 * st if b != 4 else 0), 8 * st, b * z.bucket
-    whole = z.stage == 2  # ZeRO-2 (LoRA only): parameters whole on every rank; gradients and states partitioned
-    if whole:
-        s, lp = P, b * trained
-    with_ref = cfg.loss.beta > 0 and not lora.rank  # LoRA's reference is the base with its adapters off
-    ref = [Item("reference model partition (loss.beta > 0)", b * s)] if with_ref else []
-    offload = t.offload_during_rollout is not False and not lora.rank  # LoRA: nothing moves (Policy)
-    reserve = Item("reserve: CUDA context, NCCL, fragmentation (assumed)", RESERVE)
-    # vLLM
-    requested = math.ceil(util * gpu)
-    tokens, seqs = (16384, 1024) if gpu >= 70 * GiB else (8192, 256)
-    v_weights = b * math.ceil(P / tp)
-    v_act = max(tokens * b * (3 * math.ceil(a.intermediate / tp) + 4 * a.hidden), seqs * a.vocab * 4 * 3)
-    kv_bytes = requested - v_weights - v_act - VLLM_RUNTIME
-    per_token = 2 * a.layers * math.ceil(a.kv_heads / tp) * a.head_dim * b
-    seq_tokens = cfg.data.max_prompt_tokens + r.max_tokens
-    per_seq = per_token * BLOCK * math.ceil(seq_tokens / BLOCK)
-    kv = dict(
-        kv_cache_bytes=kv_bytes,
-        bytes_per_token=per_token,
-        sequence_tokens=seq_tokens,
-        sequence_bytes=per_seq,
-        sequences_held=max(kv_bytes, 0) // per_seq,
-        sequences_needed=math.ceil(t.rollout_batch_size / world) * tp * r.n,
-        vllm_fixed=v_weights + v_act + VLLM_RUNTIME,
-    )
-    vllm = Item(f"vLLM: rollout.gpu_memory_utilization {util:g} x card", requested)
-    trains = "adapter" if lora.rank else "param"
-    gradients = Item(f"gradient partition ({z.grad_bytes} B/{trains} / {world})", grad)
-    if lora.rank:
-        share = ", whole: ZeRO-2" if whole else f" / {world}"  # the base stays in rollouts: nothing moves
-        ddp = [
-            Item(f"frozen base ({b} B/param{share})", b * s),
-            Item(f"adapters ({trained / 1e6:.1f}M x {b} B{share})", lp),
-            gradients,
-        ]
-    else:
-        ddp = [Item(f"param partition ({b} B/param / {world})", lp), gradients]
-    fp32 = [Item(f"fp32 master weights (4 B/{trains} / {world})", master)]
-    adam = [Item(f"Adam moments (8 B/{trains} / {world})", moments)]
-    bucket = [Item(f"IPG gradient bucket ({z.bucket:,} x {b} B)", ipg)]
-    startup = ddp + fp32 + bucket + ref + [reserve, vllm]
-    trainer = fp32 + adam + ddp + bucket
-    rollout = (
-        ([replace(i, name=i.name + ": offloaded", counted=False) for i in trainer] if offload else trainer)
-        + ref
-        + [reserve, vllm]
-    )
-    rollout += [
-        Item("  of which weights", v_weights, False),
-        Item("  of which profile activations", v_act, False),
-        Item("  of which non-torch, CUDA graphs (assumed)", VLLM_RUNTIME, False),
-        Item("  of which KV cache", kv_bytes, False),
-    ]
-    # update
-    gathered = 0 if whole else b * min(P, z.max_live + a.largest_module)
-    layer = T * b * (LAYER_H * a.hidden + LAYER_KV * a.kv_heads * a.head_dim + LAYER_I * a.intermediate)
-    layer += T * a.heads * 4  # sdpa's fp32 log-sum-exp
-    if cfg.model.gradient_checkpointing:
-        kept, layer_name = (a.layers + 1) * T * a.hidden * b, "backward: one layer recomputed"
-    else:
-        kept, layer, layer_name = 0, a.layers * layer, "backward: every layer's activations (no checkpointing)"
-    head_grad = 0 if lora.rank else a.vocab * a.hidden * (4 + b)  # a frozen head has no weight gradient
-    head = HEAD_CHUNKS * t.loss_chunk_tokens * a.vocab * 4 + head_grad + 2 * T * a.hidden * b
-    backward = gathered + kept + max(layer, head)
-    step = 4 * min(st, z.sub_group)
-    update = ddp + fp32 + adam + bucket + ref + [reserve, Item("vLLM asleep: non-torch, CUDA graphs", VLLM_RUNTIME)]
-    update += [
-        Item(f"backward: gathered params (max_live {z.max_live:,} + largest module)", gathered, backward >= step),
-        Item(f"backward: checkpointed layer inputs ({a.layers} + 1 layers x {T} tokens)", kept, backward >= step),
-        Item(layer_name, layer, backward >= step and layer >= head),
-        Item(
-            f"backward: LM head (chunks of {t.loss_chunk_tokens}{'' if lora.rank else ', [V, H] fp32 grad'})",
-            head,
-            backward >= step and head > layer,
-        ),
-        Item("optimizer step: flattened fp32 gradient", step, step > backward),
-    ]
-    if r.backend == "hf":
-        startup = ddp + fp32 + bucket + ref + [reserve]
-        batch = min(r.hf_max_batch, kv["sequences_needed"])
-        held_rows, held_tokens, static, logits = batch, seq_tokens, "", 0
-        if r.hf_decoding != "eager":  # on a GPU the static path holds a row bucket x whole cache spans
-            from trapo.engine.static_decoding import SPAN, bucket
+# Where no plan decides (CPU, a model the plan cannot read): the LM head's chunk and the hf backend's rows.
+CPU_CHUNK, CPU_ROWS = 256, 256
+# Where it fits, the LM head's chunk is at least this: at 256 the update measured 1.15-1.18x the time of full
+# logits on an H200 (docs/gpus.md), and a chunk of 2048 rows keeps its matrix products large.
+CHUNK_FLOOR = 2048
+SPARE = 0.1  # the hf backend's rows are taken with this share of the card left: the plan's terms are estimates
 
-            held_rows, held_tokens = bucket(batch), -(-seq_tokens // SPAN) * SPAN
-            static = f", static: {held_rows} rows x {held_tokens} positions"
-            logits = held_rows * a.vocab * b  # the captured steps' one logits buffer, the turn long
-        kv.update(kv_cache_bytes=held_rows * per_token * held_tokens, sequences_held=batch, vllm_fixed=0)
-        prompt = cfg.data.max_prompt_tokens
-        rows = min(batch, max(1, HF_PREFILL_TOKENS // prompt))
-        prefill = rows * prompt * (b * (PREFILL_I * a.intermediate + PREFILL_H * a.hidden + 2 * a.head_dim) + prompt)
-        sampler = 4 * batch * a.vocab * 4
-        rollout = (
-            trainer
-            + ref
-            + [
-                reserve,
-                Item(f"hf generation: the whole model gathered ({b} B/param)", 0 if whole else b * P),
-                Item(
-                    f"hf generation: KV cache ({batch} sequences x {seq_tokens} tokens{static})", kv["kv_cache_bytes"]
-                ),
-                Item(
-                    f"hf generation: prefill activations ({rows} x {prompt} tokens a forward)",
-                    prefill,
-                    prefill >= sampler,
-                ),
-                Item(f"hf generation: sampler rows (4 fp32 [{batch}, V])", sampler, sampler > prefill),
-                *([Item(f"hf generation: static steps' logits ({b} B x [{held_rows}, V])", logits)] if logits else []),
-            ]
+
+@dataclass(frozen=True)
+class Choices:
+    """What the plan decided for a run's auto settings, each (value, why): model.gradient_checkpointing,
+    train.param_persistence, train.loss_chunk_tokens and, with the hf backend, rollout.hf_max_batch (None with
+    vLLM, which sizes its own batches)."""
+
+    checkpointing: tuple[bool, str]
+    persistence: tuple[bool, str]
+    loss_chunk: tuple[int, str]
+    hf_rows: tuple[int, str] | None
+
+    def apply(self, cfg: Config) -> Config:
+        """`cfg` as the run executes it: each choice in its setting's place."""
+        rows = _setting(cfg.rollout.hf_max_batch, CPU_ROWS) if self.hf_rows is None else self.hf_rows[0]
+        return replace(
+            cfg,
+            model=replace(cfg.model, gradient_checkpointing=self.checkpointing[0]),
+            train=replace(cfg.train, param_persistence=self.persistence[0], loss_chunk_tokens=self.loss_chunk[0]),
+            rollout=replace(cfg.rollout, hf_max_batch=rows),
         )
-        update = [i for i in update if not i.name.startswith("vLLM asleep")]
-    return {"start-up": startup, "rollout": rollout, "update": update}, kv
+
+    def lines(self) -> list[str]:
+        """One line per choice: the trainer says them at start-up, `doctor --plan` prints them."""
+        persistent, (chunk, chunk_why) = self.persistence, self.loss_chunk
+        out = [
+            checkpointing_line(*self.checkpointing),
+            f"ZeRO-3 parameter persistence: {'on' if persistent[0] else 'off'} ({persistent[1]})",
+            f"LM-head loss chunk: {chunk} tokens ({chunk_why})",
+        ]
+        if self.hf_rows is not None:
+            out.append(f"hf rows generated at once: {self.hf_rows[0]} ({self.hf_rows[1]})")
+        return out
 
 
-def _peak(items: list[Item]) -> int:
-    return sum(i.bytes for i in items if i.counted)
+def _setting(value, cpu):
+    """A setting's value where no plan decides: its own, or `cpu` for auto."""
+    return cpu if value == "auto" else value
+
+
+def _settled(cfg: Config) -> Config:
+    """`cfg` with the auto settings other than gradient checkpointing at their values where no plan decides:
+    what checkpointing is decided with (it comes first), and what a CPU run takes."""
+    t, r = cfg.train, cfg.rollout
+    return replace(
+        cfg,
+        train=replace(
+            t, param_persistence=t.param_persistence is True, loss_chunk_tokens=_setting(t.loss_chunk_tokens, CPU_CHUNK)
+        ),
+        rollout=replace(r, hf_max_batch=_setting(r.hf_max_batch, CPU_ROWS)),
+    )
+
+
+def choose(cfg: Config, world: int, gpu_bytes: int | None, arch: Arch | None, ds_config: dict | None = None) -> Choices:
+    """The one place that decides the auto settings, each counted with those decided before it: gradient
+    checkpointing (`checkpointing_needed`), the hf backend's rows, ZeRO-3 parameter persistence, the LM head's
+    chunk. An explicit setting is obeyed; with no GPU (gpu_bytes None) or an architecture the plan cannot read,
+    the CPU defaults. world: the GPUs that train (with rollout.placement separate, those without an engine)."""
+    t, r = cfg.train, cfg.rollout
+    planned = _settled(cfg)
+    checkpointing = checkpointing_needed(cfg, world, gpu_bytes, arch, ds_config)
+    planned = _checkpointed(planned, checkpointing[0])
+    persistence = (planned.train.param_persistence, f"train.param_persistence={str(t.param_persistence).lower()}")
+    chunk = (planned.train.loss_chunk_tokens, f"train.loss_chunk_tokens={t.loss_chunk_tokens}")
+    rows = (planned.rollout.hf_max_batch, f"rollout.hf_max_batch={r.hf_max_batch}") if r.backend == "hf" else None
+    unplanned = "auto: no GPU, so no memory plan to fit" if not gpu_bytes else None
+    if gpu_bytes and arch is None:
+        unplanned = "auto: the memory plan cannot read the model's architecture"
+    try:
+        sizes = None if unplanned else _Sizes(world, gpu_bytes, arch, ds_config)
+        if sizes and rows is not None and r.hf_max_batch == "auto":  # the rollout's own: the choices below keep it
+            separate = "auto: rollout.placement separate, whose rollout GPUs this plan does not size"
+            rows = (CPU_ROWS, separate) if r.placement == "separate" else _hf_rows(sizes, planned)
+            planned = replace(planned, rollout=replace(planned.rollout, hf_max_batch=rows[0]))
+        if sizes and t.param_persistence == "auto":
+            persistence = _persistence(sizes, planned)
+            planned = replace(planned, train=replace(planned.train, param_persistence=persistence[0]))
+        if sizes and t.loss_chunk_tokens == "auto":
+            chunk = _loss_chunk(sizes, planned)
+    except ConfigError as err:
+        unplanned = f"auto: the memory plan cannot size the run ({err})"
+    if unplanned:  # each auto setting at the value it had before any plan chose
+        persistence = (False, unplanned) if t.param_persistence == "auto" else persistence
+        chunk = (CPU_CHUNK, unplanned) if t.loss_chunk_tokens == "auto" else chunk
+        rows = (CPU_ROWS, unplanned) if rows is not None and r.hf_max_batch == "auto" else rows
+    return Choices(checkpointing, persistence, chunk, rows)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Each phase's peak for a config on `world` GPUs of `gpu` bytes, as `memory_plan` counts it."""
+
+    world: int
+    gpu: int
+    arch: Arch
+    ds_config: dict | None
+
+    def peaks(self, cfg: Config) -> dict[str, int]:
+        if cfg.rollout.placement == "separate":  # the training GPUs: no engine beside the trainer
+            cfg = without_engine(cfg)
+        b = 4 if cfg.model.dtype == "float32" else 2
+        T = max(cfg.train.micro_batch_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
+        z, util = zero_settings(self.ds_config, b), cfg.rollout.gpu_memory_utilization
+        ph, kv = phases(cfg, self.world, self.gpu, self.arch, z, util, T)
+        return {name: peak(items) for name, items in ph.items()} | {"needed": kv["sequences_needed"], "T": T}
+
+    def gib(self, n: int) -> str:
+        return f"{n / GiB:.1f} of {self.gpu / GiB:.1f} GiB"
+
+
+def _persistence(sizes: _Sizes, cfg: Config) -> tuple[bool, str]:
+    """auto: on where one GPU trains under ZeRO-3 and every phase still fits with the whole model kept
+    gathered (on several GPUs that copy would undo the partitioning ZeRO-3 is for)."""
+    if zero_settings(sizes.ds_config, 2).stage != 3:
+        return False, "auto: ZeRO-2 holds the parameters whole already"
+    if sizes.world != 1:
+        return False, f"auto: {sizes.world} GPUs train, and ZeRO-3 partitions the parameters over them"
+    persistent = sizes.peaks(replace(cfg, train=replace(cfg.train, param_persistence=True)))
+    over = [p for p in ("start-up", "rollout", "update") if persistent[p] > sizes.gpu]
+    if over:
+        return (
+            False,
+            f"auto: with the whole model kept gathered the {over[0]} would need {sizes.gib(persistent[over[0]])}",
+        )
+    return True, f"auto: one GPU; with the whole model kept gathered the update needs {sizes.gib(persistent['update'])}"
+
+
+def _loss_chunk(sizes: _Sizes, cfg: Config) -> tuple[int, str]:
+    """auto: the largest chunk (a power of two from CPU_CHUNK, or the whole micro-batch) whose fp32 logits fit
+    beside the update's peak, that is leave it where the rest of the update puts it; at least CHUNK_FLOOR
+    wherever that fits the card (its logits may then raise the peak a little)."""
+    T = sizes.peaks(cfg)["T"]
+    candidates = [c for c in (2**k for k in range(8, 40)) if c < T] + [T]
+    update = {c: sizes.peaks(replace(cfg, train=replace(cfg.train, loss_chunk_tokens=c)))["update"] for c in candidates}
+    least = update[candidates[0]]
+    if least > sizes.gpu:
+        return CPU_CHUNK, f"auto: the update does not fit even at {candidates[0]} tokens (see the plan's problems)"
+    beside = max(c for c in candidates if update[c] <= least)
+    floor = max(c for c in candidates if c <= CHUNK_FLOOR and update[c] <= sizes.gpu)
+    if beside >= floor:
+        return beside, f"auto: the largest whose logits leave the update at {sizes.gib(update[beside])}"
+    return floor, f"auto: at least {CHUNK_FLOOR} where it fits; the update needs {sizes.gib(update[floor])}"
+
+
+def _hf_rows(sizes: _Sizes, cfg: Config) -> tuple[int, str]:
+    """auto: the most of the rank's sequences (at most all of them) generated at once whose rollout phase fits
+    with SPARE of the card left (else the most that fit at all)."""
+
+    def rollout(rows: int) -> int:
+        return sizes.peaks(replace(cfg, rollout=replace(cfg.rollout, hf_max_batch=rows)))["rollout"]
+
+    needed = sizes.peaks(cfg)["needed"]
+    for limit, spare in ((1 - SPARE) * sizes.gpu, ", with a tenth of the card to spare"), (sizes.gpu, ""):
+        if rollout(1) > limit:
+            continue
+        lo, hi = 1, needed  # the rollout's peak grows with the rows: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if rollout(mid) <= limit else (lo, mid - 1)
+        every = f"all {needed} of the rank's sequences" if lo == needed else f"{lo} of the rank's {needed} sequences"
+        return lo, f"auto: {every}; the rollout needs {sizes.gib(rollout(lo))}{spare}"
+    return CPU_ROWS, "auto: the rollout does not fit even with one row (see the plan's problems)"
 
 
 def _bounds(ph: dict, kv: dict, gpu: int, sequences: int) -> tuple[float, float]:
     """(lowest rollout.gpu_memory_utilization holding `sequences`, highest that fits beside the trainer)."""
     low = (kv["vllm_fixed"] + sequences * kv["sequence_bytes"]) / gpu
-    trainer = max(_peak(ph[p]) - _vllm(ph[p]).bytes for p in ("start-up", "rollout"))
+    trainer = max(peak(ph[p]) - _vllm(ph[p]).bytes for p in ("start-up", "rollout"))
     return low, (gpu - trainer) / gpu
 
 
@@ -356,11 +287,11 @@ def _vllm(items: list[Item]) -> Item:
 
 
 def _fits(cfg, world, gpu, arch, z, util, T) -> bool:
-    ph, kv = _phases(cfg, world, gpu, arch, z, util, T)
-    return kv["sequences_held"] >= 1 and all(_peak(ph[p]) <= gpu for p in ph)
+    ph, kv = phases(cfg, world, gpu, arch, z, util, T)
+    return kv["sequences_held"] >= 1 and all(peak(ph[p]) <= gpu for p in ph)
 
 
-def _more_gpus(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, T: int) -> str:
+def _more_gpus(cfg: Config, world: int, gpu: int, arch: Arch, z: Zero, T: int) -> str:
     """The smallest world size (dividing the batch sizes, a multiple of tp) at which some utilisation fits."""
     t, tp = cfg.train, cfg.rollout.tensor_parallel_size
     for w in range(world + 1, 4097):
@@ -370,7 +301,7 @@ def _more_gpus(cfg: Config, world: int, gpu: int, arch: Arch, z: _Zero, T: int) 
             if _fits(cfg, w, gpu, arch, z, 0.5, T):
                 return f"at least {w} GPUs of this size (--gpus {w})"
             continue
-        low, high = _bounds(*_phases(cfg, w, gpu, arch, z, 0.5, T), gpu, 1)
+        low, high = _bounds(*phases(cfg, w, gpu, arch, z, 0.5, T), gpu, 1)
         util = _up(low)
         if util <= high and _fits(cfg, w, gpu, arch, z, util, T):
             return f"at least {w} GPUs of this size (--gpus {w}, rollout.gpu_memory_utilization={util:.2f})"
@@ -390,41 +321,41 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
             f"({t.update_batch_size})"
         )
     b = 4 if cfg.model.dtype == "float32" else 2
-    z, util, seq = _zero(ds_config, b), r.gpu_memory_utilization, cfg.data.max_prompt_tokens + r.max_tokens
+    z, util, seq = zero_settings(ds_config, b), r.gpu_memory_utilization, cfg.data.max_prompt_tokens + r.max_tokens
     check_stage(z.stage, cfg.model.lora.rank)
-    checkpointing = checkpointing_needed(cfg, world, gpu_bytes, arch, ds_config)
-    cfg = _checkpointed(cfg, checkpointing[0])  # every phase and hint below counts the choice (auto decided)
+    choices = choose(cfg, world, gpu_bytes, arch, ds_config)
+    cfg = choices.apply(cfg)  # every phase and hint below counts the choices (the auto settings decided)
     T = max(t.micro_batch_tokens, seq)
-    ph, kv = _phases(cfg, world, gpu_bytes, arch, z, util, T)
+    ph, kv = phases(cfg, world, gpu_bytes, arch, z, util, T)
     hf = r.backend == "hf"
     low, high = (0.0, 1.0) if hf else _bounds(ph, kv, gpu_bytes, 1)
     gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
     problems, warnings = [], []  # the trainer's first: more GPUs, where needed, is the fix that matters most
     more = None if low <= high else _more_gpus(cfg, world, gpu_bytes, arch, z, T)
     for phase in ("start-up", "rollout") if hf else ():
-        if _peak(ph[phase]) > gpu_bytes:
+        if peak(ph[phase]) > gpu_bytes:
             fix = "lower rollout.hf_max_batch" if phase == "rollout" else "use more GPUs"
-            problems.append(f"{phase}: needs {gib(_peak(ph[phase]))} of {gib(gpu_bytes)} (hf backend): {fix}")
+            problems.append(f"{phase}: needs {gib(peak(ph[phase]))} of {gib(gpu_bytes)} (hf backend): {fix}")
     for phase, what in () if hf else (("start-up", "at engine build"), ("rollout", "during rollouts")):
-        if _peak(ph[phase]) > gpu_bytes:
-            trainer, vllm = _peak(ph[phase]) - _vllm(ph[phase]).bytes, _vllm(ph[phase]).bytes
+        if peak(ph[phase]) > gpu_bytes:
+            trainer, vllm = peak(ph[phase]) - _vllm(ph[phase]).bytes, _vllm(ph[phase]).bytes
             fix = more or f"lower rollout.gpu_memory_utilization to <= {_down(high):.2f}"
             problems.append(
                 f"{phase}: the trainer's {gib(trainer)} {what} + vLLM's {gib(vllm)} exceed {gib(gpu_bytes)}: {fix}"
             )
-    if _peak(ph["update"]) > gpu_bytes:
+    if peak(ph["update"]) > gpu_bytes:
         lo, hi = seq, T  # largest micro-batch that fits, if shrinking it helps
-        if _peak(_phases(cfg, world, gpu_bytes, arch, z, util, lo)[0]["update"]) <= gpu_bytes:
+        if peak(phases(cfg, world, gpu_bytes, arch, z, util, lo)[0]["update"]) <= gpu_bytes:
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                fits = _peak(_phases(cfg, world, gpu_bytes, arch, z, util, mid)[0]["update"]) <= gpu_bytes
+                fits = peak(phases(cfg, world, gpu_bytes, arch, z, util, mid)[0]["update"]) <= gpu_bytes
                 lo, hi = (mid, hi) if fits else (lo, mid)
             fix = f"lower train.micro_batch_tokens to <= {lo}"
         elif not cfg.model.gradient_checkpointing:
             fix = "set model.gradient_checkpointing=true"
         else:
             fix = more or _more_gpus(cfg, world, gpu_bytes, arch, z, T)
-        problems.append(f"update: needs {gib(_peak(ph['update']))} of {gib(gpu_bytes)}: {fix}")
+        problems.append(f"update: needs {gib(peak(ph['update']))} of {gib(gpu_bytes)}: {fix}")
     if kv["sequences_held"] < 1 and not hf:
         problems.append(
             f"vLLM: its share ({gib(_vllm(ph['rollout']).bytes)}) leaves no KV cache for one {seq}-token sequence "
@@ -441,4 +372,4 @@ def memory_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config: 
             f"KV cache holds {kv['sequences_held']} of the {kv['sequences_needed']} {seq}-token "
             f"sequences each engine starts at once; vLLM queues the rest (slower, not OOM): {fix}"
         )
-    return Plan(arch, world, gpu_bytes, T, ph, kv, problems, warnings, checkpointing=checkpointing)
+    return Plan(arch, world, gpu_bytes, T, ph, kv, problems, warnings, choices=choices)

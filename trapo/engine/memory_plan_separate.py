@@ -66,5 +66,5 @@ def separate_plan(cfg: Config, world: int, gpu_bytes: int, arch: Arch, ds_config
             "leaves no KV cache after the weights: raise rollout.gpu_memory_utilization (the card is the engine's)"
         )
     phases = {"start-up": training.phases["start-up"], "rollout": rollout, "update": training.phases["update"]}
-    tail = dict(placement="separate", rollout_ranks=r.ranks, checkpointing=training.checkpointing)  # training's choice
+    tail = dict(placement="separate", rollout_ranks=r.ranks, choices=training.choices)  # the training GPUs' choices
     return Plan(arch, world, gpu_bytes, training.tokens, phases, kv, problems, training.warnings, **tail)

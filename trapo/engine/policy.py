@@ -25,7 +25,7 @@ from trapo.algorithm.loss import PolicyLoss
 from trapo.config import ConfigError, ModelConfig, RolloutConfig, TrainConfig, read_deepspeed_config
 from trapo.engine import attention, dist, fused_ops, lora, packing
 from trapo.engine.batch import TrainSequence, collate
-from trapo.engine.memory_plan import check_stage
+from trapo.engine.memory_terms import check_stage
 from trapo.runtime import torch_dtype
 
 # The update statistics one `update` call returns, summed over its micro-batches (this rank only).
@@ -142,6 +142,11 @@ class Policy:
             lora.check_config_targets(hf_config, model.lora.target_modules)
         ds_config = read_deepspeed_config(train.deepspeed_config)
         check_stage((ds_config.get("zero_optimization") or {}).get("stage", 3), model.lora.rank)
+        if "auto" in (train.loss_chunk_tokens, train.param_persistence):
+            raise ValueError("Policy: train's auto settings undecided; pass the planned config (settings.planned)")
+        if train.param_persistence:  # every parameter kept whole after its first gather: no per-module gathers
+            everything = dict(stage3_param_persistence_threshold=10**15, stage3_model_persistence_threshold=10**15)
+            ds_config["zero_optimization"] = {**(ds_config.get("zero_optimization") or {}), **everything}
         # We micro-batch by tokens ourselves and call step() once per update batch:
         # unmanaged gradient accumulation makes step() the boundary however many backward() calls came first.
         ds_config.update(

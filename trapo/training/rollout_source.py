@@ -23,10 +23,11 @@ from trapo.engine import dist
 from trapo.engine.policy import Policy, same_model
 from trapo.engine.remote_engine import RemoteEngine
 from trapo.engine.rollout import Rollout, request_seed
-from trapo.engine.rollout_engine import EngineSettings, RolloutEngine, open_engine
+from trapo.engine.rollout_engine import RolloutEngine, open_engine
 from trapo.training import prefetch
 from trapo.training.curriculum import epoch_order
 from trapo.training.inputs import RunInputs
+from trapo.training.settings import engine_settings
 
 
 class RolloutSource:
@@ -134,13 +135,12 @@ class SeparateRolloutSource(RolloutSource):
         self.engine.close()
 
 
-def open_rollout_source(
-    cfg: Config, settings: EngineSettings, policy: Policy, inputs: RunInputs, *, rank: int, world: int
-) -> RolloutSource:
-    """This rank's rollouts, by rollout.placement: its own engine (colocated) or the rollout ranks' (separate).
-    Collective. Says which engines run where, and checks that an engine with its own copy of the model runs
-    what the policy runs."""
+def open_rollout_source(cfg: Config, policy: Policy, inputs: RunInputs, *, rank: int, world: int) -> RolloutSource:
+    """This rank's rollouts, by rollout.placement: its own engine (colocated) or the rollout ranks' (separate),
+    set up as `cfg` (planned: its auto settings decided) says for the policy's model. Collective. Says which
+    engines run where, and checks that an engine with its own copy of the model runs what the policy runs."""
     model_dir, tokenizer = inputs.model_dir, inputs.tokenizer
+    settings = engine_settings(cfg, rank=rank, world=world, overrides=policy.overrides)
     generation = getattr(policy.model, "generation_config", None)
     stops = stop_token_ids(tokenizer, generation and generation.eos_token_id)
     policy.hold_back(stops)  # the ids the engine holds back before rollout.min_tokens

@@ -1,10 +1,11 @@
 """The run's `Config` cut into what each part below the training layer runs: the loss's rules (`loss_spec`),
-the policy that runs them (`open_policy`, with the memory plan's `gradient_checkpointing` choice) and this rank's
-rollout engine (`engine_settings`). The engine and the math layer take these, or a config section, never the
-whole config.
+the auto settings the memory plan decides on this node (`planned`), the policy that runs them (`open_policy`)
+and this rank's rollout engine (`engine_settings`). The engine and the math layer take these, or a config
+section, never the whole config.
 
-    policy = open_policy(cfg, model_dir, world, pad_id, say=lines.append)   # its checkpointing line to `say`
-    engine = open_engine(engine_settings(cfg, rank=rank, world=world, overrides=policy.overrides), ...)
+    run = planned(cfg, model_dir, world, say=lines.append)   # a line per choice to `say`
+    policy = open_policy(run, model_dir, world, pad_id)
+    engine = open_engine(engine_settings(run, rank=rank, world=world, overrides=policy.overrides), ...)
 """
 
 from __future__ import annotations
@@ -17,18 +18,16 @@ from trapo import console
 from trapo.algorithm.loss import LossSpec, PolicyLoss
 from trapo.config import Config, ConfigError, read_deepspeed_config
 from trapo.engine import dist
-from trapo.engine.memory_plan import checkpointing_line, checkpointing_needed
+from trapo.engine.memory_plan import choose
 from trapo.engine.model_shapes import model_arch
 from trapo.engine.policy import Policy
 from trapo.engine.rollout_engine import EngineSettings
 
 
-def open_policy(cfg: Config, model_dir, world: int, pad_id: int, say=console.say) -> Policy:
+def open_policy(cfg: Config, model_dir, world: int, pad_id: int) -> Policy:
     """The policy under DeepSpeed with its loss, built once: the policy calls it, the update reads its rules.
-    Its gradient checkpointing is `gradient_checkpointing`'s, said in one line (`say`)."""
+    `cfg`: as `planned` decided its auto settings (gradient checkpointing, persistence, the LM head's chunk)."""
     loss = PolicyLoss(loss_spec(cfg), world, on_gpu=torch.cuda.is_available())
-    checkpointing, why = gradient_checkpointing(cfg, model_dir, world)
-    say(checkpointing_line(checkpointing, why))
     return Policy(
         model_dir,
         world,
@@ -37,24 +36,29 @@ def open_policy(cfg: Config, model_dir, world: int, pad_id: int, say=console.say
         train=cfg.train,
         rollout=cfg.rollout,
         loss=loss,
-        checkpointing=checkpointing,
+        checkpointing=cfg.model.gradient_checkpointing,
         seed=cfg.seed,
     )
 
 
-def gradient_checkpointing(cfg: Config, model_dir, world: int) -> tuple[bool, str]:
-    """model.gradient_checkpointing for this run, as `memory_plan.checkpointing_needed` decides it on this
-    node: the smallest GPU of the ranks' (so every rank chooses alike; none on CPU), the architecture in
-    `model_dir` (None where the plan cannot read it) and train.deepspeed_config. `world`: the training ranks."""
+def planned(cfg: Config, model_dir, world: int, say=console.say) -> Config:
+    """`cfg` with its auto settings as the memory plan decides them on this node (`memory_plan.choose`), each
+    said in one line (`say`): the smallest GPU of the ranks' (so every rank chooses alike; none on CPU), the
+    architecture in `model_dir` (None where the plan cannot read it) and train.deepspeed_config. `world`: the
+    training ranks. The run's record keeps the settings as written (auto), so a resume on other GPUs decides
+    again."""
     gpu = None
     if torch.cuda.is_available():  # collective: every rank runs this
         gpu = min(dist.all_gather(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory))
     arch = ds_config = None
     if gpu:  # the plan's inputs; on CPU there is no device memory to plan
         ds_config = read_deepspeed_config(cfg.train.deepspeed_config)
-        with contextlib.suppress(ConfigError):  # a model the plan cannot read stays None: the line says so
+        with contextlib.suppress(ConfigError):  # a model the plan cannot read stays None: the lines say so
             arch = model_arch(str(model_dir))
-    return checkpointing_needed(cfg, world, gpu, arch, ds_config)
+    choices = choose(cfg, world, gpu, arch, ds_config)
+    for line in choices.lines():
+        say(line)
+    return choices.apply(cfg)
 
 
 def loss_spec(cfg: Config) -> LossSpec:

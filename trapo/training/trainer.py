@@ -48,7 +48,7 @@ from trapo.training.loggers import Loggers
 from trapo.training.preemption import Preempted, StopSignals
 from trapo.training.rollout_source import open_rollout_source
 from trapo.training.run_state import RunState
-from trapo.training.settings import engine_settings, open_policy
+from trapo.training.settings import open_policy, planned
 from trapo.training.update import UpdateResult, update_policy
 
 
@@ -76,11 +76,11 @@ class Trainer:
         self.questions, self.prompts = inputs.questions, inputs.prompts
         # A vLLM that fails to import: one line after the input checks (they stay quick), before the model loads
         require_backend(cfg.rollout.backend)
-        # gradient checkpointing: the memory plan's choice for this GPU (auto), its line said with the others
-        self.policy = open_policy(cfg, self.model_dir, self.world, self.tokenizer.pad_token_id, say=self.chosen.append)
-        engine = engine_settings(cfg, rank=self.rank, world=self.world, overrides=self.policy.overrides)
+        # the memory plan's choices on this node for the auto settings the policy and engine run, said with the rest
+        run = planned(cfg, self.model_dir, self.world, say=self.chosen.append)
+        self.policy = open_policy(run, self.model_dir, self.world, self.tokenizer.pad_token_id)
         # rollout.placement, decided here once: this rank's own engine, or the rollout ranks' behind a link
-        self.rollouts = open_rollout_source(cfg, engine, self.policy, inputs, rank=self.rank, world=self.world)
+        self.rollouts = open_rollout_source(run, self.policy, inputs, rank=self.rank, world=self.world)
         self.verifier = MathVerifier(
             num_workers=cfg.reward.workers, timeout=cfg.reward.timeout, spec=cfg.reward.verifier
         )

@@ -10,17 +10,23 @@ At the 1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B's widths, random weights, the h
 answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process of its own, planned within
 `--budget-s` by plan.BENCH_ESTIMATES (the kit's install included):
 
-    step_profiled             two training steps (rollout.hf_decoding and model.gradient_checkpointing auto,
-                              as a user's run: CUDA graphs, and checkpointing where the plan needs it): the second's
+    step_profiled             two training steps (every auto setting as a user's run has it: CUDA graphs, and
+                              the memory plan's checkpointing, LM-head chunk, persistence and rows): the second's
                               rollout tokens/s, update and step seconds and each phase's peak beside the
                               memory plan's; torch-profiler summaries of the first step's update and of one
                               decode stretch (gpu_check/profile.py: the longest kernels, the share of wall
                               time outside kernels) and that stretch's tokens/s; then the round's rows
                               decoded by the eager, static and cuda_graph paths (decode_variants.py):
                               tokens/s, start-up, log-prob gap to a plain forward, each against eager
-    update_checkpointing      bench/bench_update_gpu.py, our path: update tokens/s, MFU (6 x params x tokens),
-                              peak against the plan, with gradient checkpointing
-    update_no_checkpointing   the same without it (where memory allows: the row says what ran out)
+    update_no_checkpointing   bench/bench_update_gpu.py, our path: update tokens/s, MFU (6 x params x tokens),
+                              peak against the plan, without gradient checkpointing (where memory allows: the
+                              row says what ran out), ZeRO-3 gathering and releasing each module
+    update_persistent         with checkpointing and every ZeRO-3 parameter persistent: on one GPU its
+                              partition is the whole model, so against update_checkpointing this is what
+                              gathering and releasing cost (the memory plan's choice where the model fits)
+    decode_captured           the captured decode path's GPU tests (tests/training/test_gpu.py): replays equal to
+                              the static steps, a failed capture restoring the stream and auto decoding eagerly
+    update_checkpointing      with checkpointing, parameters gathered and released per module
     trl_step                  TRL's GRPOTrainer (bench/peers/trl_job.py at bench/peers/requirements.txt's pin,
                               from the kit) on the model and questions step_profiled used: transformers
                               generation (vLLM is not carried), bf16, gradient checkpointing, 64 x 8 answers
@@ -29,8 +35,6 @@ answers forced to 512 tokens, bf16, ZeRO-3 on one GPU), each variant a process o
                               second timed: its rollout, update and step seconds, and ours/TRL for each against
                               step_profiled's second step in the same call (the row says when there was none)
     update_fused              with checkpointing and model.fused_kernels (compiled RMSNorm, SwiGLU, rotary)
-    update_persistent         with checkpointing and every ZeRO-3 parameter persistent: on one GPU its
-                              partition is the whole model, so this is what gathering and releasing cost
     update_micro_32k          with checkpointing and micro-batches of 32,768 tokens (twice the configs')
     decode_compile            the round's rows decoded through torch.compile (reduce-overhead), no training
 
@@ -40,10 +44,13 @@ loss's forward and backward over the micro-batches, the optimizer step); the ste
 loads the bf16 checkpoint as it does by default, so its weights and AdamW states are bf16; ours keeps fp32
 master weights and moments (ZeRO-3's bf16 mode).
 
-The default 480 s plans the kit, step_profiled and the two checkpointing rows (by the estimates); the rest
-waits for a later call. A GPU run's last line names what was left or failed as the second call that reruns
-it, e.g. `make gpu-bench ONLY=step_profiled,trl_step` (step_profiled comes with trl_step: the ratios need
-both in one call; alone, trl_step builds the same model itself).
+The default 480 s plans the kit, step_profiled (a user's run: the memory plan's choices of checkpointing, LM-head
+chunk, parameter persistence and rows), update_no_checkpointing, update_persistent and decode_captured (by the
+estimates): what decides the update's MFU and whether the captured path holds; the rest (update_checkpointing,
+trl_step, fused kernels, 32K micro-batches, compile) waits for a second call. A GPU run's last line names
+what was left or failed as the second call that reruns it, e.g. `make gpu-bench ONLY=step_profiled,trl_step`
+(step_profiled comes with trl_step: the ratios need both in one call; alone, trl_step builds the same model
+itself).
 
 The dry run runs every variant on CPU (trl_step only with GPU_BENCH_TRL=1, TRL from this Python or from
 `make bench-peers`'s .venv-peers: TRL's tiny step takes longer than the suite should spend on it; the captured
@@ -211,6 +218,17 @@ def _update_variant(variant: str):
 UPDATE = {variant: _update_variant(variant) for variant in UPDATE_VARIANTS}
 
 
+def decode_captured(check: Check, env: dict, dry_run: bool) -> None:
+    """The captured decode path's GPU tests (tests/training/test_gpu.py): CUDA-graph replays equal to the static
+    steps bit for bit and following eager decoding, and a capture that fails leaving the caller's stream current
+    and auto decoding eagerly. On CPU (dry run) they skip, which is their pass."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/training/test_gpu.py"]
+    code, out = shell([*cmd, "-k", "captured_decode or capture_that_fails"], env, 300)
+    summary = next((line for line in reversed(out.splitlines()) if re.search(r"passed|failed|skipped|error", line)), "")
+    passed = code == 0 and ("skipped" in summary if dry_run else "2 passed" in summary)
+    check.add("decode: captured path's GPU tests", passed, summary.strip("= ") or f"failed ({code})", tail(out, 60))
+
+
 def decode_compile(check: Check, env: dict, dry_run: bool) -> None:
     """The compiled path alone (its compile time is its own risk): no training, the same rows and tokens. On
     CPU (dry run) its refusal is the row: torch.compile's CUDA graphs need a GPU."""
@@ -309,11 +327,12 @@ def trl_step(check: Check, env: dict, dry_run: bool) -> None:
 
 ORDER = [
     step_profiled,
-    UPDATE["update_checkpointing"],
     UPDATE["update_no_checkpointing"],
+    UPDATE["update_persistent"],
+    decode_captured,
+    UPDATE["update_checkpointing"],
     trl_step,
     UPDATE["update_fused"],
-    UPDATE["update_persistent"],
     UPDATE["update_micro_32k"],
     decode_compile,
 ]

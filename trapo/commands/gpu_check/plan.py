@@ -131,8 +131,9 @@ def trl_step_s(shape: Shape, build_model: bool = False) -> float:
 
 
 # `make gpu-bench`'s variants -> estimated GPU seconds, in the order they run: the real loop profiled, the update
-# with and without gradient checkpointing, TRL's step on the model step_profiled left (a call without
-# step_profiled builds it first: trl_step_s(R1_1P5B, build_model=True)), then the update and decode candidates
+# without checkpointing and with persistent parameters, the captured decode path's GPU tests, the update with
+# checkpointing, TRL's step on the model step_profiled left (a call without step_profiled builds it first:
+# trl_step_s(R1_1P5B, build_model=True)), then the update and decode candidates
 BENCH_ESTIMATES = {
     "kit": KIT_S,
     # the two steps' rollouts at eager's speed: the bound for a GPU where the capture falls back
@@ -140,11 +141,13 @@ BENCH_ESTIMATES = {
     + PROFILE_S
     + 2 * generation_s(Shape(params=R1_1P5B.params, layers=R1_1P5B.layers, answer=DECODE_STRETCH))  # warm, profiled
     + decode_paths_s({"eager": 1.0, "static": 1.0, "cuda_graph": GRAPH_SPEEDUP}),
-    "update_checkpointing": bench_update_only_s(checkpointing=True),
     "update_no_checkpointing": bench_update_only_s(checkpointing=False),
+    "update_persistent": bench_update_only_s(checkpointing=True),
+    # pytest's start, the toy model on the GPU, the paths' captures of a small model, twice
+    "decode_captured": PROCESS_S + 2 * CAPTURE_S,
+    "update_checkpointing": bench_update_only_s(checkpointing=True),
     "trl_step": trl_step_s(R1_1P5B),
     "update_fused": bench_update_only_s(checkpointing=True) + FUSE_COMPILE_S,
-    "update_persistent": bench_update_only_s(checkpointing=True),
     "update_micro_32k": bench_update_only_s(checkpointing=True),
     "decode_compile": PROCESS_S
     + TRAINER_S

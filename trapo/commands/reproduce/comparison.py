@@ -114,7 +114,7 @@ def _compute(res: dict) -> list[str]:
     if not c:
         return []
     return [
-        f"The {c['runs']} training runs finished took {c['seconds'] / 60 / c['runs']:.0f} min each on average, "
+        f"The training runs finished ({c['runs']}) took {c['seconds'] / 60 / c['runs']:.0f} min each on average, "
         f"{c['seconds'] / 3600:.1f} h in all (wall time, first start to summary; an untrained model's evaluation "
         "not counted).",
         "",

@@ -54,6 +54,7 @@ from trapo.commands.reproduce.forking import run_python
 from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT, TINY_TOY
 from trapo.commands.reproduce.study_file import SPLITS, check_fields, check_knob
 from trapo.config import ConfigError, load_config
+from trapo.engine.memory_plan import choose
 
 
 @dataclass
@@ -191,6 +192,7 @@ def evaluation_argv(study: Study, overrides: list[str], model: Path | None, file
     settings the trainer's validation uses (eval.n at eval.temperature, seeded per question by the run's seed,
     the config's template, lengths, verifier, backend and hf batches), its samples and results.json into `out`."""
     cfg = load_config(str(ROOT / study.base), [*study.common, *overrides])
+    cfg = choose(cfg, 1, None, None).apply(cfg)  # the auto settings as a run here takes them (no GPU plan)
     e, r = cfg.eval, cfg.rollout
     args = ["-m", "trapo", "eval", "--model", str(model or cfg.model.path), "--benchmarks"]
     args += [",".join(str(files[s]) for s in SPLITS), "--n", str(e.n), "--temperature", str(e.temperature)]
