@@ -56,8 +56,8 @@ def test_claims_read_the_test_accuracy_at_the_best_validation_step_and_purchases
     assert care["bought"]["mean"] == 4 and care["bought_wrong_vote"]["mean"] == 0.75
     assert rand["bought_wrong_vote"]["mean"] == pytest.approx(1 / 3)  # the unknown one left out
     assert "bought" not in res["conditions"]["trapo"]
-    assert "| labels_care | 50.0% | 4 | 60.0% | 30.0% | 4 | 75.0% |" in text
-    assert "| trapo | 60.0% | 2 | 52.0% | 30.0% | - | - |" in text
+    assert "| labels_care | 0, 1, 2 | 50.0% | 4 | 60.0% | 30.0% | 4 | 75.0% |" in text
+    assert "| trapo | 0, 1, 2 | 60.0% | 2 | 52.0% | 30.0% | - | - |" in text
     assert "was wrong, so that the label changed its rewards: labels_care 75.0%, labels_random 33.3%." in text
     assert (
         "What this scale can and cannot separate" in text and (tmp_path / "docs" / "label_efficient.png").stat().st_size
@@ -108,5 +108,5 @@ def test_an_untrained_condition_and_the_selection_precision_of_the_real_model_st
     assert sel["epoch_ends"] == 2 and sel["top10"] == {"right": 1.0, "of": 1} and sel["bottom10"]["right"] == 0.0
     assert sel["selected"] == {"right": 0.6, "of": 5} and sel["rejected"] == {"right": 4 / 14, "of": 14}
     assert "| trapo | 2 | 100.0% of 1 | 0.0% of 1 | 60.0% of 5 | 28.6% of 14 |" in text
-    assert "| base | 25.0% | 0 | 20.0% | 10.0% | - | - |" in text and "base" not in res["selection"]
+    assert "| base | 0, 1 | 25.0% | 0 | 20.0% | 10.0% | - | - |" in text and "base" not in res["selection"]
     assert "the paper's effect sizes" in text  # the study's scope

@@ -143,19 +143,20 @@ def page(res: dict) -> str:
     lines = [
         *plan_lines(res),
         "",
-        "| condition | best validation | its step | ID test there | OOD test there | labels bought "
+        "| condition | seeds run | best validation | its step | ID test there | OOD test there | labels bought "
         "| bought where the vote was wrong |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, c in res["conditions"].items():
         bought = "-" if "bought" not in c else f"{c['bought']['mean']:.0f}"
         wrong = c.get("bought_wrong_vote")
         lines.append(
-            f"| {name} | {_pct(c['best_validation']['mean'])} | {c['best_step']['mean']:.0f} "
+            f"| {name} | {', '.join(map(str, c['seeds']))} | {_pct(c['best_validation']['mean'])} "
+            f"| {c['best_step']['mean']:.0f} "
             f"| {_pct(c['test']['mean'])} | {_pct(c['test_ood']['mean'])} "
             f"| {bought} | {_pct(wrong and wrong['mean'])} |"
         )
-    lines += ["", "Means over seeds.", ""]
+    lines += ["", "Means over each condition's seeds; a claim pairs the seeds both its conditions ran.", ""]
     lines += ["| claim | what it means here | difference in the claim's favour [95% paired interval] | verdict |"]
     lines += ["|---|---|---|---|"]
     for c in res["claims"]:
