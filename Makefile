@@ -60,7 +60,7 @@ real-figures: get-model word-problems
 	$(PY) -m trapo readme --bench outputs/bench --real-base outputs/real-base-passrates \
 		$(if $(REAL_RUNS),--real-run $(REAL_RUNS))
 
-# The paper's comparison on the real model (configs/studies/real/comparison.yaml, about 6 hours on 2 cores): finished
+# The paper's comparison on the real model (configs/studies/real/comparison.yaml, about 7 hours on 2 cores): finished
 # runs are kept, so it runs in pieces; SEEDS=0 or CONDITIONS=base,trapo runs a part. Writes docs/real-model/.
 real-study: get-model word-problems
 	$(PY) -m trapo reproduce --study configs/studies/real/comparison.yaml --jobs 1 --docs docs/real-model \
