@@ -175,7 +175,8 @@ $(PEERS)/.installed: bench/peers/requirements.txt
 	$(PEERS)/bin/python -m pip install -q -r bench/peers/requirements.txt
 	touch $@
 
-# JOB=real: the real-model job (SmolLM2-135M-Instruct and the word problems of make train-real) instead of the toy's.
+# JOB=real: the real-model job (SmolLM2-135M-Instruct and the word problems of make train-real) instead of the toy's;
+# about an hour on 2 cores (six processes, each side twice, of about ten minutes on one thread).
 JOB ?= toy
 bench-peers: $(STAMP) $(PEERS)/.installed $(if $(filter real,$(JOB)),get-model word-problems)
 	$(PY) bench/peers/run.py --peers-python $(PEERS)/bin/python --job $(JOB)
