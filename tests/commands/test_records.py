@@ -71,6 +71,7 @@ def test_a_run_recorded_on_one_clone_reports_on_another_and_is_not_run_again(tmp
     moved = launches(cadence, tmp_path / "there" / "studies" / "real_comparison", [0])
     assert [(n, s) for n, s, _, _ in unrecorded(cadence, moved, docs)] == [("trapo", 0)]  # evaluations: no cadence
 
-    records.path(docs, dir_t0).write_text('{"launch": [')  # cut short
-    with pytest.raises(ConfigError, match=f"{records.path(docs, dir_t0)}: not a run record .* delete it"):
-        unrecorded(study, there, docs)
+    for damaged in ('{"launch": [', '{"launch": []}', "[]"):  # cut short; a JSON that is no record
+        records.path(docs, dir_t0).write_text(damaged)
+        with pytest.raises(ConfigError, match=f"{records.path(docs, dir_t0)}: not a run record .* delete it"):
+            unrecorded(study, there, docs)

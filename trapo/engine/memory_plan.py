@@ -53,13 +53,6 @@ def _checkpointed(cfg: Config, on: bool) -> Config:
     return replace(cfg, model=replace(cfg.model, gradient_checkpointing=on))
 
 
-def _update_peak(cfg: Config, world: int, gpu: int, arch: Arch, ds_config: dict | None) -> int:
-    """The update phase's peak bytes per GPU, as `memory_plan` counts it."""
-    z = zero_settings(ds_config, 4 if cfg.model.dtype == "float32" else 2)
-    T = max(cfg.train.micro_batch_tokens, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
-    return peak(phases(cfg, world, gpu, arch, z, cfg.rollout.gpu_memory_utilization, T)[0]["update"])
-
-
 def checkpointing_needed(
     cfg: Config, world: int, gpu_bytes: int | None, arch: Arch | None, ds_config: dict | None = None
 ) -> tuple[bool, str]:
@@ -79,13 +72,13 @@ def checkpointing_needed(
         return False, "auto: no GPU, so no memory plan to fit"
     if arch is None:
         return True, "auto: the memory plan cannot read the model's architecture"
-    cfg = without_engine(_settled(cfg)) if cfg.rollout.placement == "separate" else _settled(cfg)
+    cfg, sizes = _settled(cfg), _Sizes(world, gpu_bytes, arch, ds_config)  # separate placement: its trainers
     gib = lambda n: f"{n / GiB:.1f}"  # noqa: E731
     try:
-        without = _update_peak(_checkpointed(cfg, False), world, gpu_bytes, arch, ds_config)
+        without = sizes.peaks(_checkpointed(cfg, False))["update"]
         if without <= gpu_bytes:
             return False, f"auto: the update fits in {gib(without)} of {gib(gpu_bytes)} GiB without it"
-        with_it = _update_peak(_checkpointed(cfg, True), world, gpu_bytes, arch, ds_config)
+        with_it = sizes.peaks(_checkpointed(cfg, True))["update"]
     except ConfigError as err:
         return True, f"auto: the memory plan cannot size the update ({err})"
     return True, f"auto: the update needs {gib(without)} of {gib(gpu_bytes)} GiB without it, {gib(with_it)} with it"

@@ -39,8 +39,8 @@ def span(run_dir: Path) -> tuple[float, float] | None:
     return datetime.datetime.fromisoformat(first).timestamp(), summary.stat().st_mtime
 
 
-def write(dest: Path, condition: str, seed: int, steps: int, launch: list[str], values: dict, run_dir: Path) -> None:
-    """The record of a run finished here (atomic: a record is whole or absent)."""
+def write(dest: Path, condition: str, seed: int, steps: int, launch: list[str], values: dict, run_dir: Path) -> dict:
+    """The record of a run finished here, written (atomic: a record is whole or absent) and returned."""
     times = span(run_dir)
     record = {
         "condition": condition,
@@ -54,6 +54,7 @@ def write(dest: Path, condition: str, seed: int, steps: int, launch: list[str], 
     tmp = dest.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(dest)
+    return record
 
 
 def read(source: Path, launch: list[str], steps: int) -> dict | None:
@@ -63,7 +64,11 @@ def read(source: Path, launch: list[str], steps: int) -> dict | None:
     try:
         record = json.loads(source.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{source}: not a run record ({err}); delete it, and the run runs again") from None
-    if record.get("launch") != launch or record.get("steps") != steps:
+        record, why = None, str(err)
+    else:
+        why = "no launch, steps, seconds and values"
+    if not (isinstance(record, dict) and {"launch", "steps", "seconds", "values"} <= record.keys()):
+        raise ConfigError(f"{source}: not a run record ({why}); delete it, and the run runs again")
+    if record["launch"] != launch or record["steps"] != steps:
         return None
     return record

@@ -373,11 +373,11 @@ def report_values(study: Study, runs: list[tuple], docs: Path, run_values) -> di
     (`seconds`, None for an evaluation)."""
     values = {}
     for name, seed, run_dir, argv in runs:
-        launch = records.portable(argv, run_dir)
+        path, launch = records.path(docs, run_dir), records.portable(argv, run_dir)
         if finished(run_dir, study.steps):
-            got = run_values(run_dir)
-            records.write(records.path(docs, run_dir), name, seed, study.steps, launch, got, run_dir)
-        record = _recorded(study, (name, seed, run_dir, argv), docs)
+            record = records.write(path, name, seed, study.steps, launch, run_values(run_dir), run_dir)
+        else:
+            record = records.read(path, launch, study.steps)
         if record is not None:
             values[(name, seed)] = {**record["values"], "seconds": record["seconds"]}
     return values
