@@ -330,3 +330,24 @@ def test_an_untrained_condition_scores_as_a_run_that_cannot_move_its_weights(tmp
     assert res["claims"][0]["interval"]["mean"] == 0.0
     evaluated = [d for d in (tmp_path / "studies" / "runs").iterdir() if (d / "results.json").is_file()]
     assert len(evaluated) == 1 and not (evaluated[0] / "checkpoints").exists()  # evaluated, never trained
+
+
+@pytest.mark.parametrize(
+    "child, said",
+    [
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "was killed by SIGKILL (most often the kernel's"),
+        ("import sys; print('step 3'); sys.exit('ConfigError: no such file')", "failed (exit 1): ConfigError: no such"),
+    ],
+)
+def test_a_run_that_dies_is_one_line_naming_how_with_its_output_kept(child, said, tmp_path, monkeypatch):
+    from trapo.commands.reproduce.forking import RunFailed
+    from trapo.commands.reproduce.study import run_one
+
+    monkeypatch.setenv("TRAPO_FORK_RUNS", "0")  # a fresh interpreter: no pre-imported parent for a two-line child
+    run_dir = tmp_path / "runs" / "trapo-seed0"
+    with pytest.raises(RunFailed) as failed:
+        run_one(run_dir, [sys.executable, "-c", child], 4, print)
+    line = str(failed.value)
+    assert "\n" not in line and line.startswith(f"run trapo-seed0 {said}")
+    assert line.endswith(f"its output: {run_dir / 'stderr.txt'}; the same command again keeps the finished runs")
+    assert (run_dir / "stderr.txt").read_text() == ("ConfigError: no such file\n" if "exit" in said else "")

@@ -79,7 +79,7 @@ from trapo.commands.reproduce.analysis import (
     t_quantile,
     verdict,
 )
-from trapo.commands.reproduce.forking import close_parent
+from trapo.commands.reproduce.forking import RunFailed, close_parent
 from trapo.commands.reproduce.plan import (
     CLAIMS,
     CONFIG,
@@ -205,11 +205,16 @@ def _main(argv: list[str] | None) -> int:
     root = build_base(toy, out / "base-assets", log)
     steps = budgets(epochs)["equal_steps"]
     jobs = [(m, s) for s in seeds for m in methods]
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {key: pool.submit(run_one, out, root, key[0], key[1], steps[key[0]], extra, log) for key in jobs}
-        runs = {key: f.result() for key, f in futures.items()}
+    try:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {key: pool.submit(run_one, out, root, key[0], key[1], steps[key[0]], extra, log) for key in jobs}
+            runs = {key: f.result() for key, f in futures.items()}
+        base = base_eval(out, root, cfg, log)
+    except RunFailed as err:  # the runs finished before it are kept
+        print(f"reproduce: {err}", file=sys.stderr)
+        return 1
     data = {key: read_run(d) for key, d in runs.items()}
-    res = analyse(data, seeds, epochs, base_eval(out, root, cfg, log))
+    res = analyse(data, seeds, epochs, base)
     res["minutes"] = round((time.perf_counter() - started) / 60, 1)
     (docs / "results.json").write_text(json.dumps(res, indent=1))
     (docs / "results.md").write_text(markdown(res))

@@ -176,6 +176,30 @@ def run_python(args: list[str], cwd) -> subprocess.CompletedProcess:
     return parent.run(args, env, cwd=cwd, process_group=os.getpgrp())
 
 
+class RunFailed(RuntimeError):
+    """A run of a sweep or study that ended badly, said in one line (its whole output kept in a file)."""
+
+
+def require_success(proc: subprocess.CompletedProcess, what: str, where) -> None:
+    """RunFailed naming `what` and how it ended unless `proc` exited 0; its stderr kept in `where`/stderr.txt.
+    A run killed by SIGKILL that it did not ask for is most often the kernel's out-of-memory killer."""
+    if proc.returncode == 0:
+        return
+    os.makedirs(where, exist_ok=True)
+    kept = os.path.join(where, "stderr.txt")
+    with open(kept, "w") as f:
+        f.write(proc.stderr or "")
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        how = f"was killed by {name}"
+        if -proc.returncode == signal.SIGKILL:
+            how += " (most often the kernel's out-of-memory killer: `dmesg | tail` says; run fewer jobs at once)"
+    else:
+        lines = [line for line in (proc.stderr or "").splitlines() if line.strip()]
+        how = f"failed (exit {proc.returncode})" + (f": {lines[-1].strip()}" if lines else "")
+    raise RunFailed(f"{what} {how}; its output: {kept}; the same command again keeps the finished runs")
+
+
 _PARENTS: list[Parent] = []
 _STARTING = threading.Lock()
 

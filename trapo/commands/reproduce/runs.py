@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from trapo.commands.reproduce.forking import run_python
+from trapo.commands.reproduce.forking import require_success, run_python
 from trapo.commands.reproduce.plan import CONFIG, EVAL_EVERY, LABELED_RATIO, METHODS, ROOT
 from trapo.commands.reproduce.study_file import SPLITS
 
@@ -74,8 +74,7 @@ def run_one(out: Path, root: Path, method: str, seed: int, steps: int, extra: li
     ]
     started = time.perf_counter()
     proc = run_python([str(ROOT / "trapo_train.py"), "--config", str(CONFIG), *args], cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{method} seed {seed} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    require_success(proc, f"{method} seed {seed}", run_dir)
     log(f"{method} seed {seed}: {time.perf_counter() - started:.0f} s")
     return run_dir
 
@@ -110,8 +109,7 @@ def base_eval(out: Path, root: Path, cfg: dict, log) -> dict:
             "--overwrite",
         ]
         proc = run_python(args, cwd=ROOT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"base model evaluation failed:\n{proc.stderr[-3000:]}")
+        require_success(proc, "the base model's evaluation", dest)
         log("base model evaluated")
     res = json.loads((dest / "results.json").read_text())["results"]
     return {name: r["score"] for name, r in res.items()}

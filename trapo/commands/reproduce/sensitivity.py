@@ -217,6 +217,7 @@ def main(args) -> int:
     """`reproduce --studies DIR [--docs D] [--quick]`, or `reproduce --render D`."""
     import sys
 
+    from trapo.commands.reproduce.forking import RunFailed
     from trapo.config import ConfigError
 
     if args.render:
@@ -230,5 +231,8 @@ def main(args) -> int:
     except ConfigError as err:
         print(f"reproduce: {err}", file=sys.stderr)
         return 2
+    except RunFailed as err:
+        print(f"reproduce: {err}", file=sys.stderr)
+        return 1
     print(f"wrote {path} and {render(docs)}")
     return 0

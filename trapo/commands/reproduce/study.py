@@ -50,7 +50,7 @@ import yaml
 
 from trapo.commands.reproduce import records
 from trapo.commands.reproduce.analysis import paired_interval, read_out, verdict
-from trapo.commands.reproduce.forking import run_python
+from trapo.commands.reproduce.forking import RunFailed, require_success, run_python
 from trapo.commands.reproduce.plan import LABELED_RATIO, ROOT, TINY_TOY
 from trapo.commands.reproduce.study_file import SPLITS, check_fields, check_knob
 from trapo.config import ConfigError, load_config
@@ -222,8 +222,7 @@ def run_one(run_dir: Path, argv: list[str], steps: int, log) -> Path:
         shutil.rmtree(run_dir)  # it stopped before its first checkpoint: nothing to resume
     started = time.perf_counter()
     proc = run_python(argv[1:], cwd=ROOT)  # a study's launch here, `python trapo_train.py ...` (`launches`)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run_dir.name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    require_success(proc, f"run {run_dir.name}", run_dir)
     log(f"{run_dir.name}: {time.perf_counter() - started:.0f} s")
     return run_dir
 
@@ -329,6 +328,9 @@ def main(args) -> int:
     except ConfigError as err:  # a gpu study asked to run here, a cpu study's split file not written yet
         print(f"reproduce: {err}", file=sys.stderr)
         return 2
+    except RunFailed as err:  # the runs finished before it are kept; the report waits for every run
+        print(f"reproduce: {err}", file=sys.stderr)
+        return 1
     if res:
         print(markdown(res))
     if study.report is not None:  # every finished run of the study, these seeds and conditions or earlier ones
