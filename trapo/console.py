@@ -92,21 +92,26 @@ def warn_once(kind: str, message: str) -> None:
         say(f"warning: {message}")
 
 
-class _DropRotaryReloadWarning(logging.Filter):
-    """vLLM's layer-wise reload warns "RotaryEmbedding: Failed to load weights" at every push.
+class _DropBenignReloadWarnings(logging.Filter):
+    """vLLM's layer-wise reload warns "<layer>: Failed to load weights" at every push for two layers that
+    receive no tensor by design:
 
-    Benign: a rotary embedding has no trained weights, only its cos/sin table,
-    which depends on the RoPE theta and positions alone. Hugging Face checkpoints
-    (and our push) do not carry that table, so vLLM keeps the one it built at
-    start-up, which is what we want. Other layers' load failures still show.
-    """
+    - RotaryEmbedding: no trained weights, only its cos/sin table, which depends on the RoPE theta and
+      positions alone; checkpoints (and our push) do not carry it, so vLLM keeps the one it built at start-up.
+    - ParallelLMHead of a model with tied embeddings (SmolLM2): the head is the embedding's tensor, which the
+      push loads in place (checkpoints leave the head out), and the CPU backend's packed copy of it is made
+      again after each push (vllm_rollout.repack_shared_weights). An untied head that received nothing is the
+      push's own error (VllmEngine.push_weights: every engine parameter must come).
+
+    Other layers' load failures still show."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.args and record.args[0] == "RotaryEmbedding" and "Failed to load" in record.msg)
+        benign = ("RotaryEmbedding", "ParallelLMHead")
+        return not (record.args and record.args[0] in benign and "Failed to load" in record.msg)
 
 
 def silence_benign_library_warnings() -> None:
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRotaryReloadWarning())
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropBenignReloadWarnings())
 
 
 def exit_now(code: int) -> NoReturn:

