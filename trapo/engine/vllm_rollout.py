@@ -329,7 +329,8 @@ class VllmEngine:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=counted(), is_checkpoint_format=True))
-        self.llm.apply_model(repack_shared_weights)
+        if not self.on_gpu:  # only the CPU backend multiplies by packed copies of the weights
+            self.llm.apply_model(repack_shared_weights)
         missing = unpushed(self._engine_names, self._engine_packed, names)
         if missing:
             raise RuntimeError(
