@@ -74,9 +74,9 @@ def test_two_training_steps_with_the_real_stack(model, data, tmp_path, backend):
     assert done.returncode == 0, done.stderr[-3000:] + (run / "log.txt").read_text()[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "step" in s and "loss" in s] == [1, 2]
-    # the engine serves the updated weights (the tied embedding and LM head included): after step 1's update,
-    # step 2's rollouts come from the policy's own distribution to float rounding (a few 1e-6; with the head left
-    # at its start-up weights, about 4e-4 at step 2 and growing: docs/upstream-notes.md)
+    # after step 1's update, step 2's rollouts come from the policy's own distribution to float rounding (a few
+    # 1e-6); two steps on 4 questions may leave the weights where they were, so whether the engine's tied head
+    # follows a push is test_a_push_reaches_the_tied_head's check
     assert steps[1]["logprob_diff_rollout_vs_policy"] < 5e-5
     assert "Failed to load weights" not in (run / "log.txt").read_text()  # the reload's benign lines (console.py)
     summary = json.loads((run / "summary.json").read_text())
